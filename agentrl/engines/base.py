@@ -1,0 +1,90 @@
+"""The engine boundary: token ids in, token ids + logprobs out.
+
+Every engine (the built-in transformers engine, the SGLang HTTP client, the scripted test
+engine) takes a ``GenerateRequest`` and returns a ``GenerateResult``. Nothing else crosses.
+These are plain slotted dataclasses rather than pydantic models because thousands of them are
+built per second in the rollout hot path; they are validated where they are built.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["SamplingParams", "GenerateRequest", "GenerateResult", "FinishReason", "Engine"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. Every field is sent explicitly to remote engines."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k filter (SGLang's convention)
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # per-request seed; None draws from the engine's generator
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token was sampled (it is included in output_ids)
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # aborted by the caller or the server
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None  # request id, used to abort
+    session_id: str | None = None  # keeps a trajectory's turns on one server (prefix cache)
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    output_ids: list[int]
+    logprobs: list[float]  # log-probability of each sampled token under the sampling policy's weights
+    finish_reason: FinishReason
+    matched_stop: int | None = None  # the stop token id that ended generation, if any
+    prompt_tokens: int = 0
+    weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.logprobs):
+            raise ValueError(
+                f"output_ids ({len(self.output_ids)}) and logprobs ({len(self.logprobs)}) differ in length"
+            )
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the agent layer needs from an inference engine."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+    async def abort(self, rid: str) -> None: ...
+
+    async def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor] | None = None, *, path: str | None = None, version: int | None = None
+    ) -> None:
+        """Load new weights from an in-memory state dict or a checkpoint directory."""
+        ...
+
+    async def health(self) -> bool: ...

@@ -1,0 +1,142 @@
+"""Plugins: agent loops, tools, interactions, rewards and tool parsers, found by entry point.
+
+Discovery reads installed package metadata (``importlib.metadata``), never a registry that a
+module fills when it happens to be imported. Any process that can import agentrl - the driver,
+a Ray actor, a subprocess - resolves the same names to the same objects. The built-ins are
+declared in agentrl's own ``pyproject.toml`` exactly like a third-party package's.
+
+A plugin is imported only when it is loaded, so a broken plugin fails alone, with an error
+naming its distribution and entry point. Two distributions offering one name in one group are
+an error until the config says which distribution wins (``plugins.prefer``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata as metadata
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from agentrl.errors import PluginError
+
+__all__ = ["GROUPS", "ALIASES", "PluginSpec", "PluginRegistry", "discover", "load_plugin"]
+
+GROUPS: tuple[str, ...] = (
+    "agentrl.agent_loops",
+    "agentrl.tools",
+    "agentrl.interactions",
+    "agentrl.rewards",
+    "agentrl.tool_parsers",
+)
+
+# verl's names for the built-in loops, accepted wherever a loop name is.
+ALIASES: dict[str, dict[str, str]] = {
+    "agentrl.agent_loops": {"single_turn_agent": "single_turn", "tool_agent_loop": "tool_agent", "react_agent": "react"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PluginSpec:
+    group: str
+    name: str
+    target: str  # "module:attribute"
+    distribution: str | None  # the installed distribution that declares it
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _group_name(group: str) -> str:
+    full = group if group.startswith("agentrl.") else f"agentrl.{group}"
+    if full not in GROUPS:
+        raise PluginError(f"unknown plugin group {group!r}; groups are {', '.join(GROUPS)}")
+    return full
+
+
+@functools.lru_cache(maxsize=None)
+def _scan() -> tuple[PluginSpec, ...]:
+    specs: dict[tuple[str, str, str | None], PluginSpec] = {}
+    all_entry_points = metadata.entry_points()
+    for ep in (ep for group in GROUPS for ep in all_entry_points.select(group=group)):
+        dist = ep.dist.name if ep.dist is not None else None
+        # the same distribution can be visible twice (e.g. an editable install plus a build dir)
+        specs.setdefault((ep.group, ep.name, dist), PluginSpec(ep.group, ep.name, ep.value, dist))
+    return tuple(sorted(specs.values(), key=lambda s: (s.group, s.name, s.distribution or "")))
+
+
+def discover(group: str | None = None) -> list[PluginSpec]:
+    """Every declared plugin (optionally of one group), without importing any of them."""
+    specs = _scan()
+    if group is None:
+        return list(specs)
+    full = _group_name(group)
+    return [s for s in specs if s.group == full]
+
+
+def _import_target(spec: PluginSpec) -> Any:
+    try:
+        return metadata.EntryPoint(spec.name, spec.target, spec.group).load()
+    except Exception as exc:  # any failure inside a plugin's import is that plugin's problem
+        raise PluginError(
+            f"plugin {spec.name!r} in group {spec.group} (entry point {spec.name} = {spec.target}, "
+            f"distribution {spec.distribution or 'unknown'}) failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+class PluginRegistry:
+    """Resolves plugin names to loaded objects, with per-group distribution preferences."""
+
+    def __init__(self, prefer: Mapping[str, Mapping[str, str]] | None = None):
+        # prefer: {group: {plugin name: distribution that wins}}; groups may be short ("tools").
+        self._prefer = {_group_name(g): dict(v) for g, v in (prefer or {}).items()}
+        self._loaded: dict[tuple[str, str], Any] = {}
+
+    def names(self, group: str) -> list[str]:
+        return sorted({s.name for s in discover(group)})
+
+    def canonical(self, group: str, name: str) -> str:
+        full = _group_name(group)
+        return ALIASES.get(full, {}).get(name, name)
+
+    def spec(self, group: str, name: str) -> PluginSpec:
+        full = _group_name(group)
+        name = self.canonical(full, name)
+        candidates = [s for s in discover(full) if s.name == name]
+        if not candidates:
+            known = ", ".join(self.names(full)) or "none installed"
+            raise PluginError(f"no plugin named {name!r} in group {full} (known: {known})")
+        if len(candidates) > 1:
+            wanted = self._prefer.get(full, {}).get(name)
+            chosen = [s for s in candidates if s.distribution == wanted]
+            if not chosen:
+                dists = ", ".join(sorted(s.distribution or "unknown" for s in candidates))
+                short = full.removeprefix("agentrl.")
+                raise PluginError(
+                    f"plugin name {name!r} in group {full} is offered by several distributions ({dists}); "
+                    f"choose one with plugins.prefer.{short}.{name}=<distribution>"
+                )
+            candidates = chosen
+        return candidates[0]
+
+    def load(self, group: str, name: str) -> Any:
+        spec = self.spec(group, name)
+        key = (spec.group, spec.name)
+        if key not in self._loaded:
+            self._loaded[key] = _import_target(spec)
+        return self._loaded[key]
+
+    def check(self) -> list[tuple[PluginSpec, str | None]]:
+        """Try to import every plugin; returns (spec, error message or None) for each."""
+        results = []
+        for spec in discover():
+            try:
+                _import_target(spec)
+                results.append((spec, None))
+            except PluginError as exc:
+                results.append((spec, str(exc)))
+        return results
+
+
+def load_plugin(group: str, name: str, prefer: Mapping[str, Mapping[str, str]] | None = None) -> Any:
+    """Load one plugin by group and name (a convenience over ``PluginRegistry``)."""
+    return PluginRegistry(prefer).load(group, name)

@@ -1,0 +1,127 @@
+"""The trajectory: one multi-turn episode as an exact token stream.
+
+Every response token knows where it came from: *sampled* by the engine (mask 1, with the
+engine's logprob) or *observed* (tool responses, interaction and user turns rendered through
+the chat template: mask 0, logprob 0.0). ``TrajectoryBuilder`` is the only way tokens are
+appended, and it keeps ``response_ids``, ``response_mask`` and ``logprobs`` the same length.
+
+Turn rewards (a tool's step reward, an interaction's turn score) are stored on the assistant
+turn they judge, with that turn's token span, so the trainer can place them on its last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agentrl.errors import TrajectoryError
+
+__all__ = ["Turn", "ToolCallRecord", "Trajectory", "TrajectoryBuilder", "TurnRole"]
+
+TurnRole = Literal["assistant", "tool", "user"]
+
+
+@dataclass(slots=True)
+class Turn:
+    """A span ``[start, end)`` of response tokens produced by one role."""
+
+    role: TurnRole
+    start: int
+    end: int
+    reward: float | None = None  # only on assistant turns: the turn reward that judges them
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(slots=True)
+class ToolCallRecord:
+    """One tool call as the model wrote it and as it was executed."""
+
+    turn: int  # index into Trajectory.turns of the assistant turn that made the call
+    name: str | None  # None when the call could not be parsed
+    arguments: dict[str, Any] | None
+    raw: str  # the text of the call as generated
+    result: str  # what the model was shown
+    error: str | None = None  # error kind: bad_json | unknown_tool | invalid_arguments | tool_exception | timeout
+    reward: float | None = None
+    duration_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """A finished episode. ``response_*`` lists are aligned token for token."""
+
+    row_id: str  # stable id of the dataset row (uid), shared by the n samples of a row
+    group_id: str  # GRPO/RLOO group: the n samples of one row in one step
+    sample_index: int
+    data_source: str
+    agent_name: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    logprobs: list[float]
+    turns: list[Turn]
+    messages: list[dict[str, Any]]
+    finish_reason: str  # stop | length | max_assistant_turns | max_user_turns | response_budget | timeout | ...
+    reward: float = 0.0  # trajectory reward
+    reward_info: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    policy_version: int = 0
+    ground_truth: str | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.response_mask) != n or len(self.logprobs) != n:
+            raise TrajectoryError(
+                f"trajectory {self.row_id}: response_ids ({n}), response_mask ({len(self.response_mask)}) "
+                f"and logprobs ({len(self.logprobs)}) must have equal lengths"
+            )
+
+    @property
+    def num_assistant_turns(self) -> int:
+        return sum(1 for t in self.turns if t.role == "assistant")
+
+
+class TrajectoryBuilder:
+    """Appends tokens turn by turn and keeps ids, mask and logprobs aligned."""
+
+    __slots__ = ("prompt_ids", "response_ids", "response_mask", "logprobs", "turns")
+
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_ids = list(prompt_ids)
+        self.response_ids: list[int] = []
+        self.response_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.turns: list[Turn] = []
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        """The full context the engine sees next: prompt followed by the response so far."""
+        return self.prompt_ids + self.response_ids
+
+    def append_sampled(self, ids: list[int], logprobs: list[float]) -> Turn:
+        """Append tokens the engine sampled: trainable, with their logprobs."""
+        if len(ids) != len(logprobs):
+            raise TrajectoryError(f"sampled ids ({len(ids)}) and logprobs ({len(logprobs)}) differ in length")
+        return self._append(ids, 1, list(logprobs), "assistant")
+
+    def append_observed(self, ids: list[int], role: TurnRole) -> Turn:
+        """Append tokens the model did not choose (tool results, user turns): masked out."""
+        if role == "assistant":
+            raise TrajectoryError("observed tokens cannot form an assistant turn; use append_sampled")
+        return self._append(ids, 0, [0.0] * len(ids), role)
+
+    def _append(self, ids: list[int], mask: int, logprobs: list[float], role: TurnRole) -> Turn:
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.response_mask.extend([mask] * len(ids))
+        self.logprobs.extend(logprobs)
+        turn = Turn(role=role, start=start, end=len(self.response_ids))
+        self.turns.append(turn)
+        return turn

@@ -1,0 +1,1 @@
+"""agentrl's Hydra configs, installed as the package ``agentrl_configs``."""
