@@ -1,0 +1,119 @@
+"""The ``agentrl`` command: thin entry points over the library.
+
+Each subcommand lives in the module that owns its logic and is imported only when called, so
+``agentrl plugins list`` does not pay for torch or Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+from agentrl.errors import AgentrlError
+
+__all__ = ["main", "COMMANDS"]
+
+# subcommand -> (module:function taking argv and returning an exit code, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("agentrl.trainer.run:cli_main", "train an agent with RL (no arguments: the quickstart)"),
+    "sft": ("agentrl.trainer.sft:cli_main", "supervised fine-tuning on multi-turn chat data"),
+    "rollout": ("agentrl.agent.rollout_cli:cli_main", "run agent loops over a dataset and store trajectories"),
+    "replay": ("agentrl.replay.cli:cli_main", "show, report, re-score and re-train stored rollouts"),
+    "serve": ("agentrl.engines.serve:cli_main", "serve a model over SGLang's native HTTP protocol"),
+    "bench": ("agentrl.cli:bench_main", "benchmarks: engine, agent-loop, trainer (JSON output)"),
+    "tools": ("agentrl.agent.tools_cli:cli_main", "call a tool once: tools call NAME --arguments JSON"),
+    "plugins": ("agentrl.cli:plugins_main", "list installed plugins: plugins list [--json] [--check]"),
+    "data": ("agentrl.data.cli:cli_main", "prepare and validate datasets (gsm8k, tasks, validate)"),
+}
+
+BENCHMARKS: dict[str, str] = {
+    "engine": "agentrl.engines.bench:main",
+    "agent-loop": "agentrl.agent.bench:main",
+    "trainer": "agentrl.trainer.bench:main",
+}
+
+
+def _resolve(target: str):
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "usage: agentrl <command> [args...]\n\ncommands:\n" + "\n".join(lines)
+
+
+def plugins_main(argv: list[str]) -> int:
+    import argparse
+
+    from agentrl.plugins import PluginRegistry, discover
+
+    parser = argparse.ArgumentParser(prog="agentrl plugins")
+    sub = parser.add_subparsers(dest="action", required=True)
+    ls = sub.add_parser("list", help="list plugins declared by installed distributions")
+    ls.add_argument("--json", action="store_true", help="print a JSON list of {group, name, target, distribution}")
+    ls.add_argument("--group", help="only this group (e.g. tools or agentrl.tools)")
+    ls.add_argument("--check", action="store_true", help="import each plugin and report failures")
+    args = parser.parse_args(argv)
+
+    specs = discover(args.group)
+    errors: dict[tuple[str, str, str | None], str] = {}
+    if args.check:
+        for spec, error in PluginRegistry().check():
+            if error is not None:
+                errors[(spec.group, spec.name, spec.distribution)] = error
+    if args.json:
+        rows = []
+        for spec in specs:
+            row = spec.as_dict()
+            if args.check:
+                row["error"] = errors.get((spec.group, spec.name, spec.distribution))
+            rows.append(row)
+        print(json.dumps(rows, indent=2))
+    else:
+        for spec in specs:
+            status = ""
+            if args.check:
+                status = "  BROKEN" if (spec.group, spec.name, spec.distribution) in errors else "  ok"
+            print(f"{spec.group:<22} {spec.name:<20} {spec.target:<50} {spec.distribution}{status}")
+        for error in errors.values():
+            print(error, file=sys.stderr)
+    return 1 if errors else 0
+
+
+def bench_main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: agentrl bench {{{'|'.join(BENCHMARKS)}}} [--json] [...]", file=sys.stderr)
+        return 2
+    return int(_resolve(BENCHMARKS[argv[0]])(argv[1:]) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "--version":
+        from agentrl import __version__
+
+        print(__version__)
+        return 0
+    if command not in COMMANDS:
+        print(f"agentrl: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        return int(_resolve(COMMANDS[command][0])(rest) or 0)
+    except AgentrlError as exc:
+        # Errors agentrl raises on purpose are messages for the user, not tracebacks.
+        print(f"agentrl {command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"agentrl {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Compose the Hydra configs, then validate them with the pydantic schema.
+
+``load_config("train", ["algorithm=ppo", "data.train_batch_size=32"])`` returns a validated
+``TrainConfig`` or raises ``ConfigError`` listing every problem at once: unknown keys (with a
+suggestion), wrong types, missing files, inconsistent numbers and unknown plugin names.
+
+The YAML files hold the choices of each preset; the defaults live in the schema. An override
+of a key that no YAML file mentions is still accepted (it is added, then validated), so every
+schema knob can be set from the command line without a ``+`` prefix. verl's dotted names
+(``actor_rollout_ref.actor.clip_ratio=...``) are translated to agentrl's.
+"""
+
+from __future__ import annotations
+
+import difflib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from pydantic import BaseModel, ValidationError
+
+from agentrl.config.schema import TrainConfig
+from agentrl.errors import ConfigError, PluginError
+
+__all__ = ["config_dir", "compose", "validate_config", "load_config", "VERL_PREFIXES"]
+
+# verl's config tree, mapped onto agentrl's flat sections (longest prefix first).
+VERL_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("actor_rollout_ref.actor.", "actor."),
+    ("actor_rollout_ref.rollout.multi_turn.", "agent."),
+    ("actor_rollout_ref.rollout.", "rollout."),
+    ("actor_rollout_ref.model.", "model."),
+    ("actor_rollout_ref.ref.", "actor."),
+    ("custom_reward_function.", "reward."),
+)
+_VERL_RENAMES = {
+    "actor.optim.lr_warmup_steps_ratio": None,  # not supported: say so instead of ignoring it
+    "agent.max_tool_response_length": "agent.max_tool_response_tokens",
+    "rollout.response_length": "rollout.max_new_tokens",
+    "actor.grad_clip": "actor.optim.grad_clip",
+}
+
+
+def config_dir() -> Path:
+    """The directory of the installed YAML configs (the package ``agentrl_configs``)."""
+    return Path(str(resources.files("agentrl_configs")))
+
+
+def _translate(key: str) -> str | None:
+    for verl_prefix, ours in VERL_PREFIXES:
+        if key.startswith(verl_prefix):
+            key = ours + key[len(verl_prefix) :]
+            break
+    return _VERL_RENAMES.get(key, key)
+
+
+def _split_override(text: str) -> tuple[str, str, str]:
+    """('+', key, value) style pieces of a Hydra override; prefix is '', '+', '++' or '~'."""
+    prefix = ""
+    for p in ("++", "+", "~"):
+        if text.startswith(p):
+            prefix, text = p, text[len(p) :]
+            break
+    key, sep, value = text.partition("=")
+    return prefix, key.strip(), value if sep else ""
+
+
+def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """Compose ``configs/<config_name>.yaml`` with Hydra and return a plain dict."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    overrides = list(overrides)
+    groups = {p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_")}
+    group_overrides, value_overrides, problems = [], [], []
+    for text in overrides:
+        prefix, key, value = _split_override(text)
+        if "=" not in text and prefix != "~":
+            problems.append((text, "an override must look like key=value"))
+            continue
+        if "." not in key and key in groups:
+            group_overrides.append(text)
+            continue
+        translated = _translate(key)
+        if translated is None:
+            problems.append((key, "this verl option is not supported by agentrl"))
+            continue
+        value_overrides.append((prefix, translated, value))
+    if problems:
+        raise ConfigError(problems)
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        base = hydra_compose(config_name=config_name, overrides=group_overrides)
+        final = []
+        for prefix, key, value in value_overrides:
+            # keys no YAML mentions are added (then validated by the schema, which names them)
+            if prefix == "" and OmegaConf.select(base, key, default="__absent__") == "__absent__":
+                prefix = "++"
+            final.append(f"{prefix}{key}={value}" if prefix != "~" else f"~{key}")
+        try:
+            cfg = hydra_compose(config_name=config_name, overrides=group_overrides + final)
+        except Exception as exc:  # hydra's own errors (bad override syntax, missing group option)
+            raise ConfigError([("<overrides>", str(exc).splitlines()[0])]) from exc
+    GlobalHydra.instance().clear()
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the section a pydantic error location points into."""
+    current: Any = model
+    for part in loc[:-1]:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if current is None:
+            return []
+    return list(getattr(current, "model_fields", {}))
+
+
+def _pydantic_problems(exc: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc)
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(loc[-1]), _known_keys(model, loc), n=1)
+            hint = f"; did you mean {'.'.join(str(p) for p in loc[:-1] + (close[0],))}?" if close else ""
+            problems.append((key, f"unknown key{hint}"))
+        else:
+            problems.append((key, f"{err['msg']} (got {err.get('input')!r})"))
+    return problems
+
+
+Check = Callable[[TrainConfig], list[tuple[str, str]]]
+
+
+def _check_batch_sizes(cfg: TrainConfig) -> list[tuple[str, str]]:
+    problems = []
+    n, prompts = cfg.rollout.n, cfg.data.train_batch_size
+    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.critic.enable else [])
+    for role, section in roles:
+        mini = section.ppo_mini_batch_size
+        if (prompts * n) % (mini * n) != 0:
+            problems.append(
+                (
+                    f"{role}.ppo_mini_batch_size",
+                    f"{role}.ppo_mini_batch_size × rollout.n = {mini * n} trajectories does not divide "
+                    f"data.train_batch_size × rollout.n = {prompts * n}",
+                )
+            )
+        if mini > prompts:
+            problems.append(
+                (f"{role}.ppo_mini_batch_size", f"is {mini}, larger than data.train_batch_size = {prompts}")
+            )
+        per_rank = mini * n / section.world_size
+        micro = section.ppo_micro_batch_size_per_gpu
+        if per_rank != int(per_rank) or int(per_rank) % micro != 0:
+            problems.append(
+                (
+                    f"{role}.ppo_micro_batch_size_per_gpu",
+                    f"{micro} does not divide the per-rank mini-batch "
+                    f"({role}.ppo_mini_batch_size × rollout.n / {role}.world_size = {per_rank:g} trajectories)",
+                )
+            )
+    if cfg.sft.batch_size % cfg.sft.micro_batch_size != 0:
+        problems.append(("sft.micro_batch_size", f"{cfg.sft.micro_batch_size} does not divide sft.batch_size = {cfg.sft.batch_size}"))
+    return problems
+
+
+def _check_lengths(cfg: TrainConfig) -> list[tuple[str, str]]:
+    if cfg.rollout.max_new_tokens > cfg.data.max_response_length:
+        return [
+            (
+                "rollout.max_new_tokens",
+                f"{cfg.rollout.max_new_tokens} per turn exceeds data.max_response_length = {cfg.data.max_response_length}",
+            )
+        ]
+    return []
+
+
+def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
+    problems = []
+    for key, paths in (
+        ("data.train_files", cfg.data.train_files),
+        ("data.val_files", cfg.data.val_files),
+        ("sft.train_files", cfg.sft.train_files),
+    ):
+        for i, path in enumerate(paths):
+            if not Path(path).is_file():
+                problems.append((f"{key}.{i}", f"file not found: {path}"))
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        problems.append(("model.path", f"not a transformers checkpoint directory (no config.json): {cfg.model.path}"))
+    if cfg.model.chat_template is not None and not Path(cfg.model.chat_template).is_file():
+        problems.append(("model.chat_template", f"file not found: {cfg.model.chat_template}"))
+    if cfg.trainer.resume is not None and not Path(cfg.trainer.resume).is_dir():
+        problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
+    if not cfg.data.train_files and cfg.data.task is None:
+        problems.append(("data.train_files", "empty, and data.task is null: give training files or a built-in task"))
+    return problems
+
+
+def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
+    from agentrl.plugins import PluginRegistry
+
+    registry = PluginRegistry(cfg.plugins.prefer)
+    wanted = [
+        ("agent.default_loop", "agent_loops", cfg.agent.default_loop),
+        ("agent.tool_parser", "tool_parsers", cfg.agent.tool_parser),
+        ("reward.default", "rewards", cfg.reward.default),
+    ]
+    wanted += [(f"reward.by_data_source.{k}", "rewards", v) for k, v in cfg.reward.by_data_source.items()]
+    wanted += [(f"agent.tool_config.{k}", "tools", k) for k in cfg.agent.tool_config]
+    wanted += [(f"agent.interaction_config.{k}", "interactions", k) for k in cfg.agent.interaction_config]
+    problems = []
+    for key, group, name in wanted:
+        try:
+            registry.spec(group, name)
+        except PluginError as exc:
+            problems.append((key, str(exc)))
+    return problems
+
+
+CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_files, _check_plugins)
+
+
+def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainConfig:
+    """Validate a composed config; raise ``ConfigError`` with every problem found."""
+    try:
+        cfg = TrainConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = _pydantic_problems(exc, TrainConfig)
+        # Run the cross-field checks on the defaults of the broken sections, so that problems
+        # in the valid sections are reported in the same pass.
+        partial = _partial(raw)
+        if partial is not None:
+            problems += [p for check in CHECKS if check_files or check is not _check_files for p in check(partial)]
+        raise ConfigError(_dedupe(problems)) from None
+    problems = [p for check in CHECKS if check_files or check is not _check_files for p in check(cfg)]
+    if problems:
+        raise ConfigError(_dedupe(problems))
+    return cfg
+
+
+def _partial(raw: dict[str, Any]) -> TrainConfig | None:
+    sections = {}
+    for name, field in TrainConfig.model_fields.items():
+        if name not in raw:
+            continue
+        try:
+            sections[name] = field.annotation.model_validate(raw[name])  # type: ignore[union-attr]
+        except (ValidationError, AttributeError):
+            continue
+    try:
+        return TrainConfig(**sections)
+    except ValidationError:
+        return None
+
+
+def _dedupe(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return list(dict.fromkeys(problems))
+
+
+def load_config(config_name: str = "train", overrides: Iterable[str] = (), *, check_files: bool = True) -> TrainConfig:
+    """Compose and validate in one call: what every CLI entry point does first."""
+    return validate_config(compose(config_name, overrides), check_files=check_files)

@@ -1,0 +1,244 @@
+"""The configuration schema: every knob, its type and its default, in one place.
+
+Hydra composes the YAML in ``configs/``; :func:`agentrl.config.validate_config` checks the
+result against these models before any work starts and reports every problem at once. Each
+section is flat and holds what a user tunes together. Where verl has a name for a knob, the
+knob has verl's name (``adv_estimator``, ``clip_ratio``, ``ppo_mini_batch_size``, ...).
+
+Components receive their own section (or plain values from it) at construction; none of them
+reads the whole config.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "Section",
+    "DataConfig",
+    "ModelConfig",
+    "TinyModelConfig",
+    "EngineConfig",
+    "RolloutConfig",
+    "AgentConfig",
+    "RewardConfig",
+    "KLControlConfig",
+    "AlgorithmConfig",
+    "OptimConfig",
+    "ActorConfig",
+    "CriticConfig",
+    "SFTConfig",
+    "TrainerConfig",
+    "LoggingConfig",
+    "PluginsConfig",
+    "TrainConfig",
+]
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(Section):
+    size: Literal["1m", "5m", "18m"] = "1m"
+    seed: int = 0
+
+
+class ModelConfig(Section):
+    # A local transformers checkpoint directory; null builds (or reuses) the tiny model below.
+    path: str | None = None
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    # When set, overrides the tokenizer's chat template (path to a jinja file).
+    chat_template: str | None = None
+    gradient_checkpointing: bool = False
+
+
+class DataConfig(Section):
+    train_files: list[str] = Field(default_factory=list)
+    val_files: list[str] = Field(default_factory=list)
+    # With no train_files, rows are generated from a built-in task (data_prep.tasks).
+    task: Literal["arith", "word", "arith_retry"] | None = "arith"
+    task_train_size: int = Field(2000, ge=1)
+    task_val_size: int = Field(64, ge=1)
+    train_batch_size: int = Field(16, ge=1)  # prompts per step
+    val_batch_size: int | None = None  # null: the whole validation set at once
+    shuffle: bool = True
+    seed: int = 0
+    max_prompt_length: int = Field(512, ge=1)
+    max_response_length: int = Field(512, ge=1)
+
+
+class EngineConfig(Section):
+    backend: Literal["builtin", "sglang"] = "builtin"
+    # sglang: base URLs of running servers; empty launches servers from `launch_args`.
+    servers: list[str] = Field(default_factory=list)
+    launch_args: list[str] = Field(default_factory=list)
+    num_servers: int = Field(1, ge=1)
+    max_batch_size: int = Field(64, ge=1)  # builtin: sequences decoded together
+    request_timeout_s: float = Field(300.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    weight_sync: Literal["auto", "memory", "disk", "nccl"] = "auto"
+
+
+class RolloutConfig(Section):
+    n: int = Field(4, ge=1)  # samples per prompt (a GRPO group)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    max_new_tokens: int = Field(128, ge=1)  # per assistant turn
+    val_temperature: float = Field(0.0, ge=0)  # greedy evaluation by default
+    val_n: int = Field(1, ge=1)
+    max_concurrency: int = Field(256, ge=1)  # trajectories in flight
+
+
+class AgentConfig(Section):
+    default_loop: str = "tool_agent"  # used when a row has no agent_name
+    tool_parser: str = "hermes"
+    max_assistant_turns: int = Field(8, ge=1)
+    max_user_turns: int = Field(4, ge=0)
+    max_tool_response_tokens: int = Field(256, ge=1)
+    max_parallel_calls: int = Field(4, ge=1)
+    tool_timeout_s: float = Field(30.0, gt=0)
+    trajectory_timeout_s: float = Field(600.0, gt=0)
+    malformed_call_policy: Literal["feedback", "penalize", "end"] = "feedback"
+    malformed_call_penalty: float = -0.1
+    # Per-tool constructor kwargs, by tool name: {calculator: {...}}.
+    tool_config: dict[str, dict] = Field(default_factory=dict)
+    interaction_config: dict[str, dict] = Field(default_factory=dict)
+
+
+class RewardConfig(Section):
+    # Reward function (entry point name in agentrl.rewards) by data_source; `default` otherwise.
+    default: str = "gsm8k"
+    by_data_source: dict[str, str] = Field(default_factory=dict)
+    format_score: float = 0.0
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    target_kl: float = Field(0.1, gt=0)
+    horizon: int = Field(10000, ge=1)
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    turn_gamma: float = Field(1.0, ge=0, le=1)  # discount between assistant turns (critic-free credit)
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "k1"
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class ActorConfig(Section):
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    world_size: int = Field(1, ge=1)  # FSDP2 ranks
+    ppo_mini_batch_size: int = Field(16, ge=1)  # in prompts, as in verl (× rollout.n trajectories)
+    ppo_micro_batch_size_per_gpu: int = Field(8, ge=1)  # in trajectories
+    ppo_epochs: int = Field(1, ge=1)
+    clip_ratio: float = Field(0.2, gt=0)
+    clip_ratio_low: float | None = None  # null: clip_ratio
+    clip_ratio_high: float | None = None  # null: clip_ratio
+    clip_ratio_c: float = Field(3.0, gt=1)  # dual clip
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+
+
+class CriticConfig(Section):
+    enable: bool | None = None  # null: on exactly when adv_estimator is gae
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+    world_size: int = Field(1, ge=1)
+    ppo_mini_batch_size: int = Field(16, ge=1)
+    ppo_micro_batch_size_per_gpu: int = Field(8, ge=1)
+    ppo_epochs: int = Field(1, ge=1)
+    cliprange_value: float = Field(0.5, gt=0)
+
+
+class SFTConfig(Section):
+    # Warm start before RL (the quickstart) or the whole job of `agentrl sft`.
+    enable: bool = True
+    train_files: list[str] = Field(default_factory=list)  # parquet with a `messages` column
+    num_demos: int = Field(200, ge=1)  # generated demonstrations when no train_files
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(16, ge=1)
+    micro_batch_size: int = Field(16, ge=1)
+    max_length: int = Field(512, ge=8)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
+
+
+class TrainerConfig(Section):
+    total_steps: int = Field(20, ge=0)
+    total_epochs: int | None = None  # when set, caps the steps at this many passes over the data
+    critic_warmup: int = Field(0, ge=0)
+    test_freq: int = Field(5, ge=0)  # validate every N steps (0: never)
+    save_freq: int = Field(10, ge=0)  # checkpoint every N steps (0: never)
+    val_before_train: bool = True
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    colocate: bool = True  # actor and builtin engine share a process (in-memory weight sync)
+    runs_root: str = "runs"
+    run_name: str | None = None  # null: a timestamp
+    resume: str | None = None  # a run directory to continue
+    export_hf: bool = True  # save the final policy as a transformers checkpoint
+    max_checkpoints: int = Field(2, ge=1)
+
+
+class LoggingConfig(Section):
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["console", "jsonl"]
+    )
+    progress: bool = True
+    project: str = "agentrl"
+
+
+class PluginsConfig(Section):
+    # {group: {plugin name: distribution}} when two distributions offer one name.
+    prefer: dict[str, dict[str, str]] = Field(default_factory=dict)
+
+
+class TrainConfig(Section):
+    """The whole config of `agentrl train` (and, with their own defaults, rollout and sft)."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+
+    @model_validator(mode="after")
+    def _resolve_derived(self) -> "TrainConfig":
+        if self.critic.enable is None:
+            self.critic.enable = self.algorithm.adv_estimator == "gae"
+        return self
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
