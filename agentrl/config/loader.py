@@ -12,6 +12,7 @@ schema knob can be set from the command line without a ``+`` prefix. verl's dott
 
 from __future__ import annotations
 
+import copy
 import difflib
 from importlib import resources
 from pathlib import Path
@@ -237,7 +238,7 @@ def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainCo
         problems = _pydantic_problems(exc, TrainConfig)
         # Run the cross-field checks on the defaults of the broken sections, so that problems
         # in the valid sections are reported in the same pass.
-        partial = _partial(raw)
+        partial = _partial(raw, exc)
         if partial is not None:
             problems += [p for check in CHECKS if check_files or check is not _check_files for p in check(partial)]
         raise ConfigError(_dedupe(problems)) from None
@@ -247,19 +248,22 @@ def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainCo
     return cfg
 
 
-def _partial(raw: dict[str, Any]) -> TrainConfig | None:
-    sections = {}
-    for name, field in TrainConfig.model_fields.items():
-        if name not in raw:
-            continue
+def _partial(raw: dict[str, Any], exc: ValidationError) -> TrainConfig | None:
+    """The config with every invalid value removed (so its default applies), or None."""
+    stripped = copy.deepcopy(raw)
+    for _ in range(3):  # removing a value can only reveal errors in its parents
+        for err in exc.errors():
+            *parents, leaf = err["loc"]
+            node: Any = stripped
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(leaf, None)
         try:
-            sections[name] = field.annotation.model_validate(raw[name])  # type: ignore[union-attr]
-        except (ValidationError, AttributeError):
-            continue
-    try:
-        return TrainConfig(**sections)
-    except ValidationError:
-        return None
+            return TrainConfig.model_validate(stripped)
+        except ValidationError as again:
+            exc = again
+    return None
 
 
 def _dedupe(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -1,0 +1,181 @@
+"""The composed config is validated before any work: every problem at once, each naming its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.config import compose, load_config, validate_config
+from agentrl.config.schema import TrainConfig
+from agentrl.errors import ConfigError
+
+
+def problems_of(overrides: list[str]) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        load_config("train", overrides)
+    return dict(info.value.problems)
+
+
+def test_default_train_config_is_the_quickstart():
+    cfg = load_config("train")
+    assert cfg.data.task == "arith"
+    assert cfg.model.path is None and cfg.model.tiny.size == "1m"
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.critic.enable is False
+    assert cfg.agent.default_loop == "tool_agent"
+
+
+def test_group_override_switches_to_ppo_with_a_critic():
+    cfg = load_config("train", ["algorithm=ppo"])
+    assert cfg.algorithm.adv_estimator == "gae"
+    assert cfg.algorithm.lam == 0.95
+    assert cfg.critic.enable is True
+
+
+def test_dotted_override_sets_a_key_no_yaml_mentions():
+    cfg = load_config("train", ["actor.clip_ratio_high=0.28", "agent.tool_config.calculator.precision=4"])
+    assert cfg.actor.clip_ratio_high == 0.28
+    assert cfg.agent.tool_config == {"calculator": {"precision": 4}}
+
+
+def test_verl_dotted_names_are_translated():
+    cfg = load_config(
+        "train",
+        [
+            "actor_rollout_ref.actor.clip_ratio=0.3",
+            "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.actor.optim.lr=3e-6",
+            "algorithm.kl_ctrl.kl_coef=0.01",
+            "critic.optim.lr=2e-5",
+            "trainer.critic_warmup=3",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_type=k3",
+        ],
+    )
+    assert cfg.actor.clip_ratio == 0.3
+    assert cfg.rollout.n == 8
+    assert cfg.actor.optim.lr == 3e-6
+    assert cfg.algorithm.kl_ctrl.kl_coef == 0.01
+    assert cfg.critic.optim.lr == 2e-5
+    assert cfg.trainer.critic_warmup == 3
+    assert cfg.use_reference is True
+
+
+def test_unsupported_verl_option_is_named():
+    problems = problems_of(["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1"])
+    assert problems == {
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "this verl option is not supported by agentrl"
+    }
+
+
+def test_unknown_key_is_named_with_a_suggestion():
+    problems = problems_of(["data.train_batch_sise=8"])
+    assert problems == {"data.train_batch_sise": "unknown key; did you mean data.train_batch_size?"}
+
+
+def test_unknown_nested_key_names_its_full_path():
+    problems = problems_of(["actor.optim.learning_rate=1e-4"])
+    assert list(problems) == ["actor.optim.learning_rate"]
+    assert problems["actor.optim.learning_rate"].startswith("unknown key")
+
+
+def test_wrong_type_names_the_key_and_the_value():
+    problems = problems_of(["rollout.n=many"])
+    assert "rollout.n" in problems
+    assert "'many'" in problems["rollout.n"]
+
+
+def test_out_of_range_value_is_reported():
+    problems = problems_of(["rollout.top_p=1.5"])
+    assert "rollout.top_p" in problems
+    assert "less than or equal to 1" in problems["rollout.top_p"]
+
+
+def test_mini_batch_that_does_not_divide_the_batch_is_reported():
+    problems = problems_of(["data.train_batch_size=16", "actor.ppo_mini_batch_size=6", "rollout.n=4"])
+    assert problems["actor.ppo_mini_batch_size"] == (
+        "actor.ppo_mini_batch_size × rollout.n = 24 trajectories does not divide "
+        "data.train_batch_size × rollout.n = 64"
+    )
+
+
+def test_micro_batch_must_divide_the_per_rank_mini_batch():
+    problems = problems_of(["actor.ppo_mini_batch_size=4", "rollout.n=3", "actor.world_size=2", "actor.ppo_micro_batch_size_per_gpu=4"])
+    assert "actor.ppo_micro_batch_size_per_gpu" in problems
+    assert "6 trajectories" in problems["actor.ppo_micro_batch_size_per_gpu"]
+
+
+def test_critic_batch_sizes_are_checked_only_when_the_critic_runs():
+    load_config("train", ["critic.ppo_mini_batch_size=7"])  # GRPO: no critic, no complaint
+    problems = problems_of(["algorithm=ppo", "critic.ppo_mini_batch_size=7"])
+    assert "critic.ppo_mini_batch_size" in problems
+
+
+def test_missing_files_are_named(tmp_path):
+    missing = tmp_path / "nope.parquet"
+    problems = problems_of([f"data.train_files=[{missing}]", f"model.path={tmp_path}", f"trainer.resume={tmp_path}/run"])
+    assert problems["data.train_files.0"] == f"file not found: {missing}"
+    assert problems["model.path"].startswith("not a transformers checkpoint directory")
+    assert problems["trainer.resume"] == f"run directory not found: {tmp_path}/run"
+
+
+def test_unknown_plugin_names_are_reported_before_work():
+    problems = problems_of(["agent.default_loop=nonexistent_loop", "reward.default=nope"])
+    assert "no plugin named 'nonexistent_loop' in group agentrl.agent_loops" in problems["agent.default_loop"]
+    assert "no plugin named 'nope' in group agentrl.rewards" in problems["reward.default"]
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    problems = problems_of(
+        [
+            "data.train_batch_sise=8",  # unknown key
+            "rollout.temperature=hot",  # wrong type
+            "actor.ppo_mini_batch_size=5",  # inconsistent number
+            f"data.val_files=[{tmp_path}/val.parquet]",  # missing file
+            "agent.tool_parser=nonexistent",  # unknown plugin
+        ]
+    )
+    assert {
+        "data.train_batch_sise",
+        "rollout.temperature",
+        "actor.ppo_mini_batch_size",
+        "data.val_files.0",
+        "agent.tool_parser",
+    } <= set(problems)
+
+
+def test_config_error_message_lists_each_key_on_its_own_line():
+    with pytest.raises(ConfigError) as info:
+        load_config("train", ["data.bogus=1", "rollout.bogus=2"])
+    text = str(info.value)
+    assert text.startswith("invalid configuration (2 problems):")
+    assert "\n  data.bogus: unknown key" in text
+    assert "\n  rollout.bogus: unknown key" in text
+
+
+def test_malformed_override_is_reported():
+    with pytest.raises(ConfigError) as info:
+        load_config("train", ["data.train_batch_size"])
+    assert info.value.problems == [("data.train_batch_size", "an override must look like key=value")]
+
+
+def test_schema_defaults_match_an_empty_config():
+    # Defaults live in the schema: validating {} gives the schema's defaults.
+    assert validate_config({}, check_files=False) == TrainConfig()
+
+
+def test_every_shipped_yaml_config_validates():
+    for name, overrides in [
+        ("train", []),
+        ("rollout", []),
+        ("sft", []),
+        ("train", ["algorithm=ppo"]),
+        ("train", ["algorithm=rloo"]),
+        ("train", ["algorithm=reinforce_plus_plus"]),
+        ("train", ["agent=react"]),
+        ("train", ["agent=single_turn"]),
+        ("train", ["data=word"]),
+        ("train", ["data=arith_retry"]),
+        ("train", ["engine=sglang"]),
+        ("train", ["trainer=default"]),
+    ]:
+        validate_config(compose(name, overrides), check_files=False)
