@@ -64,7 +64,7 @@ def main() -> None:
         os.setgid(uid)
         os.setuid(uid)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-        os.execve(spec["python"], [spec["python"], "-I", "main.py"], env)
+        os.execve(spec["python"], [spec["python"], "-I", "-u", "main.py"], env)
     while True:
         pid, status = os.wait()
         if pid == child:

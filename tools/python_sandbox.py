@@ -160,7 +160,7 @@ class PythonTool(Tool):
             return proc, None
         workdir = Path(tempfile.mkdtemp(prefix="agentrl-py-"))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", "import sys; exec(compile(sys.stdin.read(), 'main.py', 'exec'))",
+            sys.executable, "-I", "-u", "-c", "import sys; exec(compile(sys.stdin.read(), 'main.py', 'exec'))",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             cwd=workdir, start_new_session=True, preexec_fn=self._process_limits,
             env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8"},
