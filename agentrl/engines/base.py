@@ -65,6 +65,7 @@ class GenerateResult:
     matched_stop: int | None = None  # the stop token id that ended generation, if any
     prompt_tokens: int = 0
     weight_version: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V the engine reused from an earlier request (prefix cache)
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):

@@ -1,0 +1,208 @@
+"""Ragged attention over a slot KV cache, plugged into transformers' attention interface.
+
+The built-in engine runs one forward per step over a *packed* sequence of tokens: first one
+decode token for every decoding request, then the prompt tokens of the requests admitted this
+step. All linear layers (the bulk of the FLOPs) therefore see one ``[1, T, hidden]`` matrix, with
+no padding. Only attention needs to know which token belongs to which request; it is replaced
+by ``ragged_attention``, registered under the name ``ATTENTION_NAME`` and fed a ``StepLayout``
+through the forward's keyword arguments (transformers passes unknown kwargs down to attention).
+
+The KV cache is a fixed set of *slots*: per layer a ``[slots, kv_heads, capacity, head_dim]``
+tensor. A request owns one slot for its lifetime and writes each token's K/V in place, so nothing
+is copied from step to step. Decode attention reads the slot range ``[:span]`` as a view, with a
+mask for each row's length (free slots inside the range are masked rows whose output is
+discarded). A finished request's slot keeps its K/V, so the next turn of the same conversation can
+reuse the shared prefix (see ``builtin.py``). The capacity grows by doubling when a request needs
+more positions, which is the only time the cache is copied.
+
+A model called without a ``StepLayout`` (e.g. a plain ``model(input_ids)`` elsewhere in the
+process) falls back to transformers' SDPA attention, so registering this does not change a model
+for anyone else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+__all__ = ["ATTENTION_NAME", "LAYOUT_KWARG", "SlotKVCache", "PrefillSpan", "StepLayout", "install"]
+
+ATTENTION_NAME = "agentrl_ragged"
+LAYOUT_KWARG = "agentrl_layout"
+
+
+class SlotKVCache:
+    """Per-layer K/V tensors ``[slots, kv_heads, capacity, head_dim]``, grown by doubling."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        slots: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        initial_len: int = 256,
+    ):
+        self.slots, self.kv_heads, self.head_dim, self.max_len = slots, kv_heads, head_dim, max_len
+        self.capacity = min(initial_len, max_len)
+        shape = (slots, kv_heads, self.capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def ensure_capacity(self, length: int) -> None:
+        """Make room for ``length`` positions in every slot (copies the cache when it grows)."""
+        if length <= self.capacity:
+            return
+        if length > self.max_len:
+            raise ValueError(f"KV cache length {length} exceeds max_seq_len {self.max_len}")
+        new_capacity = self.capacity
+        while new_capacity < length:
+            new_capacity *= 2
+        new_capacity = min(new_capacity, self.max_len)
+        for tensors in (self.keys, self.values):
+            for layer, old in enumerate(tensors):
+                grown = old.new_zeros((self.slots, self.kv_heads, new_capacity, self.head_dim))
+                grown[:, :, : self.capacity].copy_(old)
+                tensors[layer] = grown
+        self.capacity = new_capacity
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[dst, :, :length].copy_(layer[src, :, :length])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """Prompt tokens of one request in this step: positions [start, start+length) of its slot."""
+
+    slot: int
+    start: int  # tokens already in the slot's cache (a reused prefix); 0 for a fresh prompt
+    length: int
+    offset: int  # index of its first token in the packed step
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """Where each packed token of one forward step lives in the cache."""
+
+    cache: SlotKVCache
+    num_decode: int  # the first num_decode packed tokens are one decode token per request
+    decode_slots: torch.Tensor | None  # [num_decode] int64
+    decode_positions: torch.Tensor | None  # [num_decode] int64: where each new K/V is written
+    decode_span: int  # decode attention runs over slots [:decode_span]
+    decode_dense: bool  # decode_slots == arange(decode_span): no scatter/gather needed
+    decode_mask: torch.Tensor | None  # [decode_span, 1, 1, kv_len] float: 0 where a row attends, -inf elsewhere
+    prefills: tuple[PrefillSpan, ...]
+
+
+def build_layout(
+    cache: SlotKVCache,
+    decode_slots: list[int],
+    decode_positions: list[int],
+    prefills: tuple[PrefillSpan, ...],
+    device: torch.device,
+) -> StepLayout:
+    """Build the layout for one step; decode rows are attended over ``[:max slot + 1]``."""
+    if not decode_slots:
+        return StepLayout(cache, 0, None, None, 0, True, None, prefills)
+    span = max(decode_slots) + 1
+    kv_len = max(decode_positions) + 1
+    lengths = torch.ones(span, dtype=torch.int64)  # rows of free slots see position 0 only
+    slots_t = torch.tensor(decode_slots, dtype=torch.int64)
+    positions_t = torch.tensor(decode_positions, dtype=torch.int64)
+    lengths[slots_t] = positions_t + 1
+    mask = torch.zeros((span, kv_len)).masked_fill_(torch.arange(kv_len)[None, :] >= lengths[:, None], float("-inf"))
+    dense = len(decode_slots) == span and decode_slots == sorted(decode_slots)
+    return StepLayout(
+        cache=cache,
+        num_decode=len(decode_slots),
+        decode_slots=slots_t.to(device),
+        decode_positions=positions_t.to(device),
+        decode_span=span,
+        decode_dense=dense,
+        decode_mask=mask[:, None, None, :].to(device),
+        prefills=prefills,
+    )
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, head_dim], rotary applied
+    key: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    value: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    layout: StepLayout | None = kwargs.pop(LAYOUT_KWARG, None)
+    if layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer = module.layer_idx
+    cache_k, cache_v = layout.cache.keys[layer], layout.cache.values[layer]
+    _, heads, total, head_dim = query.shape
+    out = query.new_empty((total, heads, head_dim))  # [T, heads, head_dim]
+
+    n = layout.num_decode
+    if n:
+        # Write the new K/V of every decoding request at its own position, in place.
+        cache_k[layout.decode_slots, :, layout.decode_positions] = key[0, :, :n].transpose(0, 1)
+        cache_v[layout.decode_slots, :, layout.decode_positions] = value[0, :, :n].transpose(0, 1)
+        span, kv_len = layout.decode_span, layout.decode_mask.shape[-1]
+        q = query[0, :, :n].transpose(0, 1)  # [n, heads, head_dim]
+        if not layout.decode_dense:
+            q_rows = q.new_zeros((span, heads, head_dim))
+            q_rows[layout.decode_slots] = q
+            q = q_rows
+        # Grouped-query attention without repeating K/V: query head h reads kv head h // group.
+        kv_heads = cache_k.shape[1]
+        q = q.reshape(span, kv_heads, heads // kv_heads, head_dim)  # [span, kv_heads, group, head_dim]
+        scores = torch.matmul(q, cache_k[:span, :, :kv_len].transpose(-1, -2))  # [span, kv_heads, group, kv_len]
+        scores.mul_(head_dim**-0.5 if scaling is None else scaling).add_(layout.decode_mask)
+        attended = torch.matmul(scores.softmax(dim=-1), cache_v[:span, :, :kv_len]).view(span, heads, head_dim)
+        out[:n] = attended if layout.decode_dense else attended[layout.decode_slots]
+
+    for span in layout.prefills:
+        lo, hi = span.offset, span.offset + span.length
+        end = span.start + span.length
+        cache_k[span.slot, :, span.start : end] = key[0, :, lo:hi]
+        cache_v[span.slot, :, span.start : end] = value[0, :, lo:hi]
+        q = query[:, :, lo:hi]  # [1, heads, length, head_dim]
+        if span.start == 0:
+            attended = F.scaled_dot_product_attention(
+                q, key[:, :, lo:hi], value[:, :, lo:hi], is_causal=True, scale=scaling, enable_gqa=True
+            )
+        else:
+            # Query i sits at position start + i and sees positions <= start + i.
+            causal = torch.arange(end, device=q.device)[None, :] <= (
+                span.start + torch.arange(span.length, device=q.device)[:, None]
+            )
+            attended = F.scaled_dot_product_attention(
+                q,
+                cache_k[span.slot : span.slot + 1, :, :end],
+                cache_v[span.slot : span.slot + 1, :, :end],
+                attn_mask=causal,
+                scale=scaling,
+                enable_gqa=True,
+            )
+        out[lo:hi] = attended[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def install() -> None:
+    """Register the attention (idempotent). Masks for fallback calls come from SDPA's builder."""
+    AttentionInterface.register(ATTENTION_NAME, ragged_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,276 @@
+"""The built-in engine against a real tiny Qwen2 and a separate full forward of the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from agentrl.engines.base import Engine, FinishReason, GenerateRequest, SamplingParams
+from agentrl.engines.builtin import BuiltinEngine
+from enginetest import load_reference, reference_greedy, reference_logprobs
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
+
+
+@pytest.fixture
+def engine(model_dir):
+    engine = BuiltinEngine(model_dir, max_batch_size=8, seed=0)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return load_reference(model_dir)
+
+
+def greedy(n: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, **kwargs)
+
+
+async def wait_for_steps(engine: BuiltinEngine, steps: int) -> None:
+    """Poll the engine's own step counter (not wall-clock time)."""
+    for _ in range(100_000):
+        if engine.stats().steps >= steps:
+            return
+        await asyncio.sleep(0.0005)
+    raise AssertionError(f"engine did not reach {steps} steps")
+
+
+def test_builtin_engine_satisfies_the_engine_protocol(engine):
+    assert isinstance(engine, Engine)
+
+
+async def test_greedy_output_is_the_argmax_chain_of_a_full_forward(engine, reference):
+    result = await engine.generate(GenerateRequest(PROMPT, greedy(12)))
+    assert result.output_ids == reference_greedy(reference, PROMPT, 12)
+    assert result.finish_reason is FinishReason.LENGTH
+    assert result.prompt_tokens == len(PROMPT)
+    expected = reference_logprobs(reference, PROMPT, result.output_ids, temperature=0.0)
+    assert result.logprobs == pytest.approx(expected, abs=1e-5)
+
+
+async def test_top_k_one_samples_the_greedy_tokens(engine):
+    greedy_result = await engine.generate(GenerateRequest(PROMPT, greedy(10)))
+    top1 = await engine.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=10, temperature=1.3, top_k=1, seed=7)))
+    assert top1.output_ids == greedy_result.output_ids
+
+
+async def test_stop_token_ends_generation_and_is_kept_in_the_output(engine):
+    free_run = (await engine.generate(GenerateRequest(PROMPT, greedy(10)))).output_ids
+    stop = free_run[3]
+    first = free_run.index(stop)
+    result = await engine.generate(GenerateRequest(PROMPT, greedy(10, stop_token_ids=(stop, 255))))
+    assert result.output_ids == free_run[: first + 1]
+    assert result.finish_reason is FinishReason.STOP
+    assert result.matched_stop == stop
+    assert len(result.logprobs) == first + 1
+
+
+async def test_max_new_tokens_bounds_the_output(engine):
+    results = await asyncio.gather(*(engine.generate(GenerateRequest(PROMPT, greedy(n))) for n in (1, 4, 9)))
+    assert [len(r.output_ids) for r in results] == [1, 4, 9]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+    assert results[2].output_ids[:4] == results[1].output_ids
+
+
+async def test_zero_max_new_tokens_returns_an_empty_length_result(engine):
+    result = await engine.generate(GenerateRequest(PROMPT, greedy(0)))
+    assert (result.output_ids, result.logprobs, result.finish_reason) == ([], [], FinishReason.LENGTH)
+
+
+async def test_logprobs_match_a_full_forward_when_requests_join_mid_decode(engine, reference):
+    long_request = GenerateRequest(list(range(1, 30)), SamplingParams(max_new_tokens=60, temperature=1.0, seed=1), rid="long")
+    joiners = [
+        GenerateRequest([9, 8, 7], SamplingParams(max_new_tokens=20, temperature=0.7, top_p=0.9, seed=2), rid="short"),
+        GenerateRequest(list(range(40, 90)), SamplingParams(max_new_tokens=15, temperature=1.5, top_k=20, seed=3), rid="mid"),
+        GenerateRequest([200, 201], greedy(25), rid="greedy"),
+    ]
+    long_task = asyncio.create_task(engine.generate(long_request))
+    await wait_for_steps(engine, 5)
+    joined = await asyncio.gather(*(engine.generate(r) for r in joiners))
+    results = [await long_task, *joined]
+    for request, result in zip([long_request, *joiners], results):
+        expected = reference_logprobs(reference, request.input_ids, result.output_ids, request.sampling.temperature)
+        assert result.logprobs == pytest.approx(expected, abs=1e-5), request.rid
+    assert results[3].output_ids == reference_greedy(reference, [200, 201], 25)
+
+
+async def test_a_request_is_admitted_while_another_is_decoding(engine):
+    first = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(80), rid="first")))
+    await wait_for_steps(engine, 3)
+    second = await engine.generate(GenerateRequest([1, 2, 3], greedy(5), rid="second"))
+    assert not first.done()  # the second finished while the first was still generating
+    await first
+    log = list(engine.step_log)
+    admitted_at = next(r for r in log if "second" in r.prefill_rids)
+    first_done_at = next(r for r in log if "first" in r.finished_rids)
+    assert "first" in admitted_at.decode_rids  # joined a step in which "first" decoded
+    assert admitted_at.step < first_done_at.step
+    assert len(second.output_ids) == 5
+
+
+async def test_seeded_sampling_repeats_exactly(engine):
+    def batch():
+        return [
+            GenerateRequest(PROMPT, SamplingParams(max_new_tokens=16, temperature=1.0, seed=11)),
+            GenerateRequest(PROMPT[:3], SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.7, seed=12)),
+        ]
+
+    first = await asyncio.gather(*(engine.generate(r) for r in batch()))
+    second = await asyncio.gather(*(engine.generate(r) for r in batch()))
+    assert [r.output_ids for r in first] == [r.output_ids for r in second]
+    # The second run reuses the first run's retained K/V, so logprobs agree to rounding only.
+    for a, b in zip(first, second):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    other_seed = await engine.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=16, temperature=1.0, seed=99)))
+    assert other_seed.output_ids != first[0].output_ids
+
+
+async def test_unseeded_requests_follow_the_engine_seed(model_dir):
+    outputs = []
+    for _ in range(2):
+        engine = BuiltinEngine(model_dir, max_batch_size=4, seed=5)
+        outputs.append((await engine.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=12)))).output_ids)
+        engine.close()
+    assert outputs[0] == outputs[1]
+
+
+async def test_next_turn_reuses_the_retained_prefix_and_matches_a_full_forward(engine, reference):
+    turn1 = await engine.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=10, temperature=1.0, seed=4)))
+    history = PROMPT + turn1.output_ids + [77, 78, 79]  # the observation of a tool call
+    turn2 = await engine.generate(GenerateRequest(history, SamplingParams(max_new_tokens=10, temperature=1.0, seed=5)))
+    # Everything but the last sampled token of turn 1 already had K/V in the slot.
+    assert turn2.cached_tokens == len(PROMPT) + len(turn1.output_ids) - 1
+    assert turn2.logprobs == pytest.approx(reference_logprobs(reference, history, turn2.output_ids, 1.0), abs=1e-5)
+    # A different continuation of the same prompt copies the shared prefix into a new slot.
+    branch = await engine.generate(GenerateRequest(PROMPT + [1, 2], greedy(6)))
+    assert branch.cached_tokens == len(PROMPT)
+    assert branch.output_ids == reference_greedy(reference, PROMPT + [1, 2], 6)
+
+
+async def test_state_dict_update_changes_outputs_to_the_new_weights(engine, other_model_dir):
+    before = await engine.generate(GenerateRequest(PROMPT, greedy(12)))
+    new_model = load_reference(other_model_dir)
+    state = {k: v for k, v in new_model.state_dict().items() if k != "lm_head.weight"}  # tied: one name is enough
+    await engine.update_weights(state)
+    after = await engine.generate(GenerateRequest(PROMPT, greedy(12)))
+    assert after.output_ids == reference_greedy(new_model, PROMPT, 12)
+    assert after.output_ids != before.output_ids
+    assert (before.weight_version, after.weight_version) == (0, 1)
+    assert after.logprobs == pytest.approx(reference_logprobs(new_model, PROMPT, after.output_ids, 0.0), abs=1e-5)
+
+
+async def test_update_from_disk_loads_a_save_pretrained_directory(engine, other_model_dir):
+    await engine.update_weights(path=str(other_model_dir), version=7)
+    result = await engine.generate(GenerateRequest(PROMPT, greedy(12)))
+    assert result.output_ids == reference_greedy(load_reference(other_model_dir), PROMPT, 12)
+    assert result.weight_version == 7
+
+
+async def test_update_drops_retained_prefixes_computed_with_old_weights(engine, other_model_dir):
+    turn1 = await engine.generate(GenerateRequest(PROMPT, greedy(5)))
+    await engine.update_weights(path=str(other_model_dir))
+    history = PROMPT + turn1.output_ids
+    turn2 = await engine.generate(GenerateRequest(history, greedy(5)))
+    assert turn2.cached_tokens == 0
+    assert turn2.output_ids == reference_greedy(load_reference(other_model_dir), history, 5)
+
+
+async def test_update_drains_running_requests_under_the_old_weights(engine, reference, other_model_dir):
+    running = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(60))))
+    await wait_for_steps(engine, 2)
+    await engine.update_weights(path=str(other_model_dir))
+    old = await running  # already done: the update waited for it
+    assert old.weight_version == 0
+    assert old.output_ids == reference_greedy(reference, PROMPT, 60)
+
+
+async def test_bad_state_dict_is_rejected_before_any_weight_changes(engine, other_model_dir):
+    before = await engine.generate(GenerateRequest(PROMPT, greedy(8)))
+    state = dict(load_reference(other_model_dir).state_dict())
+    state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    state["model.extra.weight"] = torch.zeros(1)
+    del state["model.norm.weight"]
+    with pytest.raises(ValueError) as info:
+        await engine.update_weights(state)
+    message = str(info.value)
+    assert "unknown key 'model.extra.weight'" in message
+    assert "model.layers.0.mlp.up_proj.weight: shape (3, 3)" in message
+    assert "no value for model.norm.weight" in message
+    after = await engine.generate(GenerateRequest(PROMPT, greedy(8)))
+    assert after.output_ids == before.output_ids and after.weight_version == 0
+
+
+async def test_abort_returns_the_tokens_generated_so_far(engine):
+    task = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(400), rid="doomed")))
+    await wait_for_steps(engine, 3)
+    await engine.abort("doomed")
+    result = await task
+    assert result.finish_reason is FinishReason.ABORT
+    assert 3 <= len(result.output_ids) < 400
+    assert len(result.logprobs) == len(result.output_ids)
+
+
+async def test_abort_of_a_waiting_request_returns_it_empty(model_dir):
+    engine = BuiltinEngine(model_dir, max_batch_size=1)
+    try:
+        running = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(200), rid="a")))
+        waiting = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(5), rid="b")))
+        await wait_for_steps(engine, 2)
+        await engine.abort("b")
+        result = await waiting
+        assert (result.finish_reason, result.output_ids) == (FinishReason.ABORT, [])
+        assert not running.done()
+        await engine.abort("a")
+        assert (await running).finish_reason is FinishReason.ABORT
+    finally:
+        engine.close()
+
+
+async def test_cancelling_the_caller_aborts_the_request(engine):
+    task = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(400), rid="cancelled")))
+    await wait_for_steps(engine, 2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(10_000):
+        if engine.stats().running == 0:
+            break
+        await asyncio.sleep(0.001)
+    assert engine.stats().running == 0
+
+
+@pytest.mark.parametrize(
+    ("input_ids", "message"),
+    [
+        ([], "input_ids is empty"),
+        ([1, 2, 256], "input_ids[2] = 256 is outside the vocabulary [0, 256)"),
+        ([1, -1], "input_ids[1] = -1 is outside the vocabulary"),
+        (list(range(200)) * 3, "input_ids has 600 tokens; max_seq_len is 512"),
+    ],
+)
+async def test_invalid_requests_are_rejected_with_a_clear_message(engine, input_ids, message):
+    with pytest.raises(ValueError) as info:
+        await engine.generate(GenerateRequest(input_ids, greedy(4)))
+    assert message in str(info.value)
+
+
+async def test_generation_stops_at_max_seq_len(model_dir):
+    engine = BuiltinEngine(model_dir, max_batch_size=2, max_seq_len=20)
+    try:
+        result = await engine.generate(GenerateRequest(list(range(15)), greedy(100)))
+        assert len(result.output_ids) == 5 and result.finish_reason is FinishReason.LENGTH
+    finally:
+        engine.close()
+
+
+async def test_health_reports_false_after_close(model_dir):
+    engine = BuiltinEngine(model_dir)
+    assert await engine.health()
+    engine.close()
+    assert not await engine.health()
