@@ -40,6 +40,7 @@ __all__ = [
     "is_ready",
     "unavailable_reason",
     "build",
+    "build_log_path",
     "cli_main",
 ]
 
@@ -94,39 +95,59 @@ def unavailable_reason(venv: Path | None = None) -> str | None:
     return f"no SGLang CPU venv at {venv}; {hint}"
 
 
-def build(
-    venv: Path | None = None,
-    *,
-    python: str = sys.executable,
-    timeout_s: float | None = None,
-    log=sys.stderr,
-) -> Path:
-    """Create (or finish) the venv and install sglang into it. Returns the venv path."""
+def build_log_path(venv: Path | None = None) -> Path:
+    venv = venv or venv_dir()
+    return venv.parent / f"{venv.name}.build.log"
+
+
+def build(venv: Path | None = None, *, python: str = sys.executable, timeout_s: float | None = None) -> Path:
+    """Create (or finish) the venv and install sglang into it; returns the venv path.
+
+    pip's output goes to ``build_log_path(venv)``. On failure the reason is also written into
+    the venv folder (``unavailable_reason`` reports it) and ``BuildError`` is raised.
+    """
     venv = venv or venv_dir()
     venv.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = venv.parent / f".{venv.name}.lock"
-    with open(lock_path, "w") as lock:
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second builder waits, then finds the marker
         if is_ready(venv):
-            print(f"sglang venv ready at {venv}", file=log)
+            print(f"sglang venv ready at {venv}", file=sys.stderr)
             return venv
+        log_path = build_log_path(venv)
+        print(f"building the sglang {SGLANG_VERSION} venv at {venv} (log {log_path})", file=sys.stderr, flush=True)
         started = time.monotonic()
-        deadline = None if timeout_s is None else started + timeout_s
-        _check_machine(venv)
-        (venv / FAILURE_NOTE).unlink(missing_ok=True)
-        if not _python_runs(venv):
-            if venv.exists():
-                print(f"removing a broken venv at {venv}", file=log)
-                shutil.rmtree(venv)
-            _run([python, "-m", "venv", str(venv)], deadline, log, what="python -m venv")
-        pip = [str(venv_python(venv)), "-m", "pip", "install", "--no-cache-dir", "--progress-bar", "off"]
-        _run([*pip, f"sglang=={SGLANG_VERSION}"], deadline, log, what=f"pip install sglang=={SGLANG_VERSION}")
-        _smoke_test(venv, deadline, log)
+        try:
+            with open(log_path, "w") as log:
+                _install(venv, python, None if timeout_s is None else started + timeout_s, log)
+        except (BuildError, OSError) as exc:
+            _record_failure(venv, str(exc) if isinstance(exc, BuildError) else f"{type(exc).__name__}: {exc}")
+            raise BuildError(f"{exc} (log {log_path})") from exc
         seconds = round(time.monotonic() - started, 1)
         marker = {"sglang": SGLANG_VERSION, "build_seconds": seconds, "python": platform.python_version()}
         (venv / READY_MARKER).write_text(json.dumps(marker) + "\n")
-        print(f"sglang venv built at {venv} in {seconds} s", file=log)
+        print(f"sglang venv built at {venv} in {seconds} s", file=sys.stderr)
         return venv
+
+
+def _install(venv: Path, python: str, deadline: float | None, log) -> None:
+    _check_machine(venv)
+    if not _python_runs(venv):
+        if venv.exists():
+            print(f"removing an unusable venv at {venv}", file=log)
+            shutil.rmtree(venv)
+        _run([python, "-m", "venv", str(venv)], deadline, log, what="python -m venv")
+    (venv / FAILURE_NOTE).unlink(missing_ok=True)
+    pip = [str(venv_python(venv)), "-m", "pip", "install", "--no-cache-dir", "--progress-bar", "off"]
+    _run([*pip, f"sglang=={SGLANG_VERSION}"], deadline, log, what=f"pip install sglang=={SGLANG_VERSION}")
+    _smoke_test(venv, deadline, log)
+
+
+def _record_failure(venv: Path, reason: str) -> None:
+    try:
+        venv.mkdir(parents=True, exist_ok=True)
+        (venv / FAILURE_NOTE).write_text(reason + "\n")
+    except OSError:
+        pass  # nowhere to write: the skip message will just say the venv is missing
 
 
 def _check_machine(venv: Path) -> None:
@@ -201,13 +222,9 @@ def cli_main(argv: list[str]) -> int:
     try:
         build(python=args.python, timeout_s=args.timeout)
         return 0
-    except (BuildError, OSError) as exc:
-        venv = venv_dir()
-        message = str(exc)
-        try:
-            venv.mkdir(parents=True, exist_ok=True)
-            (venv / FAILURE_NOTE).write_text(message + "\n")
-        except OSError:
-            pass
-        print(f"sglang venv not built: {message}", file=sys.stderr)
+    except BuildError as exc:
+        log_path = build_log_path()
+        if log_path.is_file():  # the end of pip's output usually says what went wrong
+            print("\n".join(log_path.read_text(errors="replace").splitlines()[-15:]), file=sys.stderr)
+        print(f"sglang venv not built: {exc}", file=sys.stderr)
         return 0 if args.best_effort else 1
