@@ -108,6 +108,7 @@ class _WeightUpdate:
     state_dict: Mapping[str, torch.Tensor] | None
     path: str | None
     version: int | None
+    strict: bool
     resolve: Callable[[object], None]
 
 
@@ -294,8 +295,13 @@ class BuiltinEngine:
         *,
         path: str | None = None,
         version: int | None = None,
+        strict: bool = True,
     ) -> None:
-        """Copy new weights in place (drains running requests first); bumps ``weight_version``."""
+        """Copy new weights in place (drains running requests first); bumps ``weight_version``.
+
+        ``version`` sets the new version (default: the current one + 1). ``strict=False`` accepts
+        a state dict covering only some parameters (one bucket of a streamed update).
+        """
         if (state_dict is None) == (path is None):
             raise ValueError("update_weights needs exactly one of state_dict or path")
         loop = asyncio.get_running_loop()
@@ -303,7 +309,7 @@ class BuiltinEngine:
         with self._cv:
             if self._closed:
                 raise EngineUnavailable("the built-in engine is closed")
-            self._updates.append(_WeightUpdate(state_dict, str(path) if path is not None else None, version, _resolver(loop, future)))
+            self._updates.append(_WeightUpdate(state_dict, str(path) if path is not None else None, version, strict, _resolver(loop, future)))
             self._cv.notify()
         await future
 
@@ -416,7 +422,7 @@ class BuiltinEngine:
     def _apply_update(self, update: _WeightUpdate) -> None:
         try:
             state = update.state_dict if update.state_dict is not None else read_checkpoint(update.path)
-            copy_weights_into(self.model, state)
+            copy_weights_into(self.model, state, strict=update.strict)
         except (OSError, ValueError) as exc:
             update.resolve(exc)
             return
@@ -471,10 +477,12 @@ class BuiltinEngine:
             seq.tokens.append(token)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
-            if token in seq.stop_ids:
-                self._finish(seq, FinishReason.STOP, matched=token)
-            elif len(seq.output_ids) >= seq.request.sampling.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
+            # Length is checked before stop tokens, as SGLang does: a stop token sampled as the
+            # last allowed token ends the request with reason LENGTH.
+            if len(seq.output_ids) >= seq.request.sampling.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
                 self._finish(seq, FinishReason.LENGTH)
+            elif token in seq.stop_ids:
+                self._finish(seq, FinishReason.STOP, matched=token)
             else:
                 continue
             finished.append(seq.rid)

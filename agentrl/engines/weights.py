@@ -46,11 +46,12 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def copy_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> int:
+def copy_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> int:
     """Copy ``state_dict`` into ``model`` in place; return the number of tensors written.
 
-    Every parameter and persistent buffer of the model must receive a value (directly or through
-    a tied alias); unknown keys and shape mismatches are errors.
+    Unknown keys and shape mismatches are errors. With ``strict`` every parameter and persistent
+    buffer of the model must receive a value (directly or through a tied alias); without it a
+    subset is fine (a bucket of a streamed update).
     """
     targets = model.state_dict(keep_vars=True)  # tied aliases appear under every name
     problems: list[str] = []
@@ -61,7 +62,7 @@ def copy_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Ten
         elif tuple(tensor.shape) != tuple(target.shape):
             problems.append(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
     given_storage = {targets[name].data_ptr() for name in state_dict if name in targets}
-    missing = [name for name, target in targets.items() if target.data_ptr() not in given_storage]
+    missing = [name for name, target in targets.items() if strict and target.data_ptr() not in given_storage]
     if missing:
         problems.append(f"no value for {', '.join(missing[:8])}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     if problems:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from enginetest import ServeProcess, build_qwen2
+from agentrl.engines.launch import ServerProcess, launch_servers, serve_specs
+from enginetest import build_qwen2
 
 
 @pytest.fixture
@@ -31,14 +32,24 @@ def other_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def serve_factory(model_dir):
-    """Start `agentrl serve` processes; every one is killed at teardown."""
-    started: list[ServeProcess] = []
+    """Start `agentrl serve` subprocesses (in parallel) on free ports, or on given ports to restart
+    one; every server started is stopped at teardown."""
+    started: list[ServerProcess] = []
 
-    def start(model: Path | None = None, port: int | None = None, extra: tuple[str, ...] = ()) -> ServeProcess:
-        server = ServeProcess(model or model_dir, port, extra)
-        started.append(server)
-        return server.start()
+    def start(count: int = 1, *, ports: list[int] | None = None, extra: tuple[str, ...] = ()) -> list[ServerProcess]:
+        specs = serve_specs(model_dir, num_servers=count, ports=ports, extra_args=extra)
+        servers = launch_servers(specs, ready_timeout_s=120).servers
+        started.extend(servers)
+        return servers
 
     yield start
     for server in started:
-        server.stop()
+        server.stop(grace_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def server_pair(model_dir):
+    """Two `agentrl serve` processes shared by the tests of a module (tests leave them as found)."""
+    servers = launch_servers(serve_specs(model_dir, num_servers=2), ready_timeout_s=120)
+    yield servers.servers
+    servers.stop()

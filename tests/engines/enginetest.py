@@ -1,18 +1,12 @@
-"""Helpers for the engine tests: a tiny Qwen2, a reference forward, `agentrl serve` in a subprocess.
+"""Helpers for the engine tests: a tiny Qwen2 and a reference forward of the same weights.
 
 Imported by name (``from enginetest import ...``): pytest puts this folder on sys.path.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -38,6 +32,26 @@ def build_qwen2(seed: int) -> Qwen2ForCausalLM:
     )
     model = Qwen2ForCausalLM(config).eval()
     return model
+
+
+def load_reference(path: Path) -> Qwen2ForCausalLM:
+    return Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of each output token from one full forward over prompt + output."""
+    logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / scale, dim=-1).gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
 
 
 def load_reference(path: Path) -> Qwen2ForCausalLM:
