@@ -1,0 +1,245 @@
+"""A tiny tool-using model built locally: byte-level BPE tokenizer, chat template, Qwen2 weights.
+
+No model hub is reachable on the machines agentrl is developed and tested on, so the embedded
+default makes its own starting point. ``build_tiny_model`` trains a byte-level BPE tokenizer on
+a generated corpus (digits are split one per token, as Qwen's tokenizer does, so numbers are
+copied digit by digit), wraps it as a ``PreTrainedTokenizerFast`` with a Qwen2.5-style chat
+template, and saves a randomly initialised Qwen2 next to it. Both reload with the standard
+``AutoTokenizer`` / ``AutoModelForCausalLM``, and the ids are identical after reload: with
+``model_type=qwen2`` transformers 5 loads ``Qwen2Tokenizer``, which rebuilds Qwen's normalizer
+and pre-tokenizer and ignores those in ``tokenizer.json``, so the tokenizer is trained with
+exactly Qwen's pipeline (NFC, Qwen's split regex, byte level) and both agree.
+
+The chat template renders, for a system prompt with tools, a user turn, an assistant tool call,
+a tool result and a final answer::
+
+    <|im_start|>system
+    Use the calculator.
+    # Tools
+    <tools>
+    {"type": "function", "function": {...}}
+    </tools>
+    Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+    <|im_start|>user
+    What is 12 * 34?<|im_end|>
+    <|im_start|>assistant
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "12 * 34"}}
+    </tool_call><|im_end|>
+    <|im_start|>user
+    <tool_response>
+    408
+    </tool_response><|im_end|>
+    <|im_start|>assistant
+    #### 408<|im_end|>
+
+It is append-only: the rendering of a conversation is a prefix of the rendering of any
+continuation of it, at every assistant boundary. Assistant content (with its ``<|im_end|>``)
+is wrapped in ``{% generation %}``, so ``return_assistant_tokens_mask=True`` marks exactly
+the tokens a model is trained on; the ``\\n`` after ``<|im_end|>`` is template, not assistant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+__all__ = ["TINY_SIZES", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir"]
+
+BUILDER_VERSION = "1"
+VOCAB_SIZE = 2048
+
+# name -> Qwen2 shape; parameter counts include the tied embedding
+TINY_SIZES: dict[str, dict[str, int]] = {
+    "1m": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
+    "5m": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024),
+    "18m": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1536),
+}
+
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+CHAT_TEMPLATE = (
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{%- set system = messages[0].content %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = none %}{%- set rest = messages %}{%- endif %}"
+    "{%- if system is not none or tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if system is not none %}{{- system }}{%- endif %}"
+    "{%- if tools %}"
+    "{%- if system is not none %}{{- '\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.' }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in rest %}"
+    "{%- if message.role == 'user' or message.role == 'system' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- if message.tool_calls %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>' }}"
+    "{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS = (
+    "what is the of and a to in it you that he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up other "
+    "about out many then them these so some her would make like him into time has look two more write go see number "
+    "no way could people my than first water been call who oil its now find long down day did get come made may part "
+    "calculator expression answer tool result sum product total cost price each apples books pencils boxes dollars "
+    "cents hours minutes days weeks miles bought sold gave has had buys sells needs spends earns left remaining "
+    "correct incorrect response reflect try again use end with question multiply add subtract divide times plus minus "
+    "Thought Action Input Observation Final Answer system user assistant function name arguments type object string "
+    "properties required description parameters tools call"
+).split()
+
+
+def _corpus(seed: int) -> Iterator[str]:
+    """Generated text covering what the tiny model will see: numbers, arithmetic, prose, JSON, markup."""
+    rng = random.Random(seed)
+    ops = ["+", "-", "*", "/"]
+    for _ in range(4000):
+        a, b = rng.randint(0, 99999), rng.randint(0, 9999)
+        op = rng.choice(ops)
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16)))
+        yield f"What is {a} {op} {b}? {words.capitalize()}."
+        yield json.dumps({"name": "calculator", "arguments": {"expression": f"{a} {op} {b}"}})
+        yield f"#### {rng.randint(-99999, 999999)}\n{words}\n"
+        yield f"Thought: I should use the calculator.\nAction: calculator\nAction Input: {a}{op}{b}\nObservation: {a}\nFinal Answer: {b}"
+    for _ in range(200):
+        yield json.dumps(
+            {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
+             "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+        )
+
+
+def _train_tokenizer(seed: int, corpus: Iterable[str] | None):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    # Qwen2's own pipeline (NFC, its split regex: one token per digit, then byte level), so that
+    # transformers' Qwen2Tokenizer, which rebuilds exactly this, gives the same ids.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus if corpus is not None else _corpus(seed), trainer=trainer)
+    return tokenizer
+
+
+def build_tiny_model(out_dir: str | Path, *, size: str = "1m", seed: int = 0, corpus: Iterable[str] | None = None) -> Path:
+    """Train a tokenizer and save it with a freshly initialised Qwen2 of ``size`` into ``out_dir``."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    if size not in TINY_SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; sizes: {', '.join(TINY_SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    raw = _train_tokenizer(seed, corpus)
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    # tool markup: one id each, but not "special", so decoding keeps it (as in Qwen2.5)
+    raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.save_pretrained(out)
+
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+        **TINY_SIZES[size],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(model_config).float()
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False)
+    model.save_pretrained(out)
+    return out
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl")) / "tiny"
+
+
+def tiny_model_dir(size: str = "1m", seed: int = 0, cache_root: str | Path | None = None) -> Path:
+    """The tiny model of ``size``, built once into a cache directory and reused afterwards.
+
+    The build goes to a temporary directory first and is renamed into place, so concurrent
+    callers and interrupted builds never see a half-written model.
+    """
+    import transformers
+
+    key = hashlib.sha256(
+        f"{BUILDER_VERSION}|{size}|{seed}|{CHAT_TEMPLATE}|{transformers.__version__}".encode()
+    ).hexdigest()[:12]
+    root = Path(cache_root) if cache_root is not None else _cache_root()
+    final = root / f"{size}-seed{seed}-{key}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        build_tiny_model(staging, size=size, seed=seed)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not (final / "config.json").is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

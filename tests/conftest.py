@@ -1,0 +1,31 @@
+"""Fixtures shared across the suite: a real tiny model (built locally, cached per session)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Two cores: keep torch from oversubscribing them, and keep Ray local and unauthenticated.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K_TRAIN = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The ~1M-parameter tiny Qwen2 with its tokenizer and chat template (seed 0)."""
+    from agentrl.tiny import tiny_model_dir as build
+
+    return build("1m", seed=0, cache_root=tmp_path_factory.mktemp("tiny-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
