@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agentrl.engines.sglang_cpu import env
-from agentrl.engines.sglang_cpu.server import launch_sglang_cpu_server, server_command, server_env
+from agentrl.engines.sglang_cpu.server import launch_sglang_cpu_server, process_group_rss_bytes, sglang_cpu_specs
 from agentrl.errors import EngineUnavailable
 
 # The stand-in registers torch.ops.sgl_kernel.* on import: import it once, under its package name.
@@ -102,23 +102,37 @@ def test_build_does_nothing_once_the_ready_marker_is_written(tmp_path, monkeypat
     assert env.unavailable_reason(venv) is None
 
 
-def test_server_command_carries_the_cpu_flags_and_env_puts_the_stand_in_first(tmp_path):
-    cmd = server_command(tmp_path / "model", port=30123, venv=tmp_path / "venv")
-    assert cmd[:3] == [str(tmp_path / "venv" / "bin" / "python"), "-m", "sglang.launch_server"]
-    joined = " ".join(cmd)
+def test_cpu_spec_runs_sglang_from_its_venv_with_the_cpu_flags_and_the_stand_in_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    [spec] = sglang_cpu_specs(tmp_path / "model", ports=[30123], threads=1, venv=tmp_path / "venv")
+    assert spec.command[:3] == [str(tmp_path / "venv" / "bin" / "python"), "-m", "sglang.launch_server"]
+    joined = " ".join(spec.command)
     for flag in (
-        "--device cpu", "--attention-backend torch_native", "--sampling-backend pytorch",
-        "--disable-overlap-schedule", "--dtype float32", "--max-total-tokens 65536",
-        "--skip-server-warmup", "--port 30123", "--host 127.0.0.1",
+        f"--model-path {tmp_path / 'model'}", "--device cpu", "--attention-backend torch_native",
+        "--sampling-backend pytorch", "--disable-overlap-schedule", "--dtype float32",
+        "--max-total-tokens 65536", "--skip-server-warmup", "--port 30123", "--host 127.0.0.1",
     ):  # fmt: skip
         assert flag in joined
-    environment = server_env(threads=1, base={"PYTHONPATH": "/elsewhere", "VIRTUAL_ENV": "/x"})
-    assert environment["PYTHONPATH"] == f"{env.SHIM_DIR}{os.pathsep}/elsewhere"
+    assert spec.env["PYTHONPATH"] == f"{env.SHIM_DIR}{os.pathsep}/elsewhere"
     assert (env.SHIM_DIR / "sgl_kernel" / "__init__.py").is_file()
-    assert environment["SGLANG_USE_CPU_ENGINE"] == "1" and environment["OMP_NUM_THREADS"] == "1"
-    assert "VIRTUAL_ENV" not in environment
+    assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1" and spec.env["OMP_NUM_THREADS"] == "1"
+    assert spec.url == "http://127.0.0.1:30123"
+
+
+def test_process_group_rss_counts_this_process_group():
+    assert process_group_rss_bytes(os.getpgrp()) > 10 * 2**20  # at least this python with torch
+    assert process_group_rss_bytes(2**22 + 12345) == 0  # no such group
 
 
 def test_launch_without_the_venv_raises_engine_unavailable_before_spawning(tmp_path):
     with pytest.raises(EngineUnavailable, match="no SGLang CPU venv at .*absent"):
         launch_sglang_cpu_server(tmp_path, venv=tmp_path / "absent")
+
+
+def test_launch_refuses_a_directory_that_is_not_a_model(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, venv / "bin" / "python")
+    (venv / env.READY_MARKER).write_text("{}\n")
+    with pytest.raises(EngineUnavailable, match="has no config.json: not a model directory"):
+        launch_sglang_cpu_server(tmp_path / "empty", venv=venv)

@@ -1,0 +1,173 @@
+"""Real SGLang 0.5.23 on this CPU against agentrl's built-in engine, same tiny model.
+
+Needs the cached SGLang venv (``python -m agentrl.engines.sglang_cpu build``, or
+``scripts/sglang_cpu_env.sh``); every test here skips with the reason when it is missing. One
+server serves the whole module (start-up takes 30-60 s on two cores, 3.5-4 GB of RAM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from agentrl.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from agentrl.engines.builtin import BuiltinEngine
+from agentrl.engines.sglang import SGLangEngine
+from agentrl.engines.sglang_cpu.env import unavailable_reason
+from agentrl.engines.sglang_cpu.server import launch_sglang_cpu_server, process_group_rss_bytes
+
+_REASON = unavailable_reason()
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+LOGPROB_TOLERANCE = 1e-4
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def served_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A private copy: the weight-update test swaps the server's weights and restores these."""
+    path = tmp_path_factory.mktemp("sglang-served") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def perturbed_model_dir(served_model_dir, tmp_path_factory) -> Path:
+    """Same architecture and tokenizer, every weight moved by seeded noise."""
+    path = tmp_path_factory.mktemp("sglang-perturbed") / "model"
+    shutil.copytree(served_model_dir, path)
+    model = Qwen2ForCausalLM.from_pretrained(served_model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.5 * param.std())
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sglang_url(served_model_dir):
+    started = time.perf_counter()
+    # Generous start-up timeout: the two cores are shared with the rest of the suite.
+    with launch_sglang_cpu_server(served_model_dir, threads=2, ready_timeout_s=300.0) as servers:
+        rss = process_group_rss_bytes(servers.servers[0].process.pid)
+        print(f"\nsglang CPU server ready after {time.perf_counter() - started:.1f} s, RSS {rss / 2**30:.2f} GiB")
+        yield servers.urls[0]
+
+
+@pytest.fixture(scope="module")
+def eos_id(served_model_dir) -> int:
+    return AutoTokenizer.from_pretrained(served_model_dir).eos_token_id
+
+
+@pytest.fixture(scope="module")
+def prompts(served_model_dir) -> list[list[int]]:
+    """Prompts of different lengths (one and 40 tokens included), drawn from the non-special vocabulary."""
+    vocab = Qwen2ForCausalLM.config_class.from_pretrained(served_model_dir).vocab_size
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(16, vocab, (length,), generator=generator).tolist() for length in (1, 5, 17, 40)]
+
+
+async def _generate_each(engine, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
+    return list(await asyncio.gather(*(engine.generate(GenerateRequest(p, sampling)) for p in prompts)))
+
+
+async def _sglang(url: str, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
+    engine = SGLangEngine([url], max_retries=0)
+    try:
+        return await _generate_each(engine, prompts, sampling)
+    finally:
+        await engine.aclose()
+
+
+async def _builtin(model_dir: Path, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
+    async with BuiltinEngine(model_dir) as engine:
+        return await _generate_each(engine, prompts, sampling)
+
+
+def _assert_same_generations(sglang: list[GenerateResult], builtin: list[GenerateResult]) -> float:
+    """Same tokens and finish reasons, logprobs within tolerance; returns the largest logprob gap."""
+    worst = 0.0
+    for index, (remote, local) in enumerate(zip(sglang, builtin, strict=True)):
+        assert remote.output_ids == local.output_ids, f"prompt {index}: tokens differ"
+        assert remote.finish_reason == local.finish_reason, f"prompt {index}"
+        gap = max(abs(a - b) for a, b in zip(remote.logprobs, local.logprobs, strict=True))
+        assert gap < LOGPROB_TOLERANCE, f"prompt {index}: logprobs differ by {gap}"
+        worst = max(worst, gap)
+    return worst
+
+
+def _greedy(eos_id: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=(eos_id,))
+
+
+def test_sglang_and_builtin_engine_give_the_same_greedy_tokens_and_logprobs(sglang_url, served_model_dir, prompts, eos_id):
+    sampling = _greedy(eos_id)
+    sglang = asyncio.run(_sglang(sglang_url, prompts, sampling))
+    builtin = asyncio.run(_builtin(served_model_dir, prompts, sampling))
+    worst = _assert_same_generations(sglang, builtin)
+    print(f"\ngreedy agreement over {len(prompts)} prompts: max |logprob gap| {worst:.2e}")
+    # A model that repeats one token would make this comparison weak: the outputs must vary.
+    assert len({token for result in builtin for token in result.output_ids}) > 3
+
+
+def test_sglang_logprobs_of_sampled_tokens_equal_a_forward_pass_of_the_same_weights(sglang_url, served_model_dir, prompts):
+    """Sampled tokens depend on each engine's RNG, so score SGLang's samples with one forward pass."""
+    prompt = prompts[2]
+    [sampled] = asyncio.run(_sglang(sglang_url, [prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)))
+    model = Qwen2ForCausalLM.from_pretrained(served_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + sampled.output_ids])).logits[0, len(prompt) - 1 : -1]  # [new, vocab]
+    reference = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(sampled.output_ids)[:, None]).squeeze(1)
+    assert len(sampled.output_ids) == NEW_TOKENS
+    assert torch.allclose(torch.tensor(sampled.logprobs), reference, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_sglang_loads_the_tiny_tokenizer_and_tokenizes_text_like_transformers(sglang_url, served_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(served_model_dir)
+    text = "The calculator says 3*4 = 12."
+    payload = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "skip_special_tokens": False},
+        "return_logprob": True,
+        "logprob_start_len": 0,  # also return the prompt's tokens, as SGLang's tokenizer made them
+    }
+    response = httpx.post(f"{sglang_url}/generate", json=payload, timeout=120.0).json()
+    prompt_ids = [entry[1] for entry in response["meta_info"]["input_token_logprobs"]]
+    assert prompt_ids == tokenizer(text).input_ids
+    assert response["text"] == tokenizer.decode(response["output_ids"])
+
+
+def test_update_weights_from_disk_makes_sglang_follow_the_new_weights(
+    sglang_url, served_model_dir, perturbed_model_dir, prompts, eos_id
+):
+    sampling = _greedy(eos_id)
+
+    async def update_then_generate(path: Path, version: int) -> list[GenerateResult]:
+        engine = SGLangEngine([sglang_url], max_retries=0)
+        try:
+            await engine.update_weights(path=str(path), version=version)  # /update_weights_from_disk
+            return await _generate_each(engine, prompts, sampling)
+        finally:
+            await engine.aclose()
+
+    before = asyncio.run(_sglang(sglang_url, prompts, sampling))
+    try:
+        started = time.perf_counter()
+        after = asyncio.run(update_then_generate(perturbed_model_dir, version=7))
+        seconds = time.perf_counter() - started
+        worst = _assert_same_generations(after, asyncio.run(_builtin(perturbed_model_dir, prompts, sampling)))
+        assert {result.weight_version for result in after} == {7}
+        moved = max(abs(a - b) for old, new in zip(before, after) for a, b in zip(old.logprobs, new.logprobs))
+        assert moved > 0.1, "the perturbed weights should change the outputs"
+        print(f"\nupdate + {len(prompts)} generations {seconds:.2f} s; gap vs built-in on the new weights {worst:.2e}")
+    finally:
+        restored = asyncio.run(update_then_generate(served_model_dir, version=8))
+    assert [r.output_ids for r in restored] == [r.output_ids for r in before]
