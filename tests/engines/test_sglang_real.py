@@ -69,10 +69,15 @@ def eos_id(served_model_dir) -> int:
 
 @pytest.fixture(scope="module")
 def prompts(served_model_dir) -> list[list[int]]:
-    """Prompts of different lengths (one and 40 tokens included), drawn from the non-special vocabulary."""
-    vocab = Qwen2ForCausalLM.config_class.from_pretrained(served_model_dir).vocab_size
-    generator = torch.Generator().manual_seed(7)
-    return [torch.randint(16, vocab, (length,), generator=generator).tolist() for length in (1, 5, 17, 40)]
+    """Token ids of texts of different lengths (a single token up to a chat-rendered question)."""
+    tokenizer = AutoTokenizer.from_pretrained(served_model_dir)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 * 34? Use the calculator."}], add_generation_prompt=True, tokenize=False
+    )
+    texts = ["7", "3 + 4 =", "The answer is 408 because 12 * 34 = 408.", chat]
+    ids = [tokenizer(text).input_ids for text in texts]
+    assert len(ids[0]) == 1 and len(ids[3]) > 15
+    return ids
 
 
 async def _generate_each(engine, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
