@@ -5,6 +5,8 @@ engine's logprob) or *observed* (tool responses, interaction and user turns rend
 the chat template: mask 0, logprob 0.0). ``TrajectoryBuilder`` is the only way tokens are
 appended, and it keeps ``response_ids``, ``response_mask`` and ``logprobs`` the same length.
 
+Turns are disjoint spans; tokens outside every turn are template glue (masked).
+
 Turn rewards (a tool's step reward, an interaction's turn score) are stored on the assistant
 turn they judge, with that turn's token span, so the trainer can place them on its last token.
 """
@@ -105,10 +107,18 @@ class TrajectoryBuilder:
         """The full context the engine sees next: prompt followed by the response so far."""
         return self.prompt_ids + self.response_ids
 
-    def append_sampled(self, ids: list[int], logprobs: list[float]) -> Turn:
-        """Append tokens the engine sampled: trainable, with their logprobs."""
+    def append_sampled(self, ids: list[int], logprobs: list[float], *, extend: bool = False) -> Turn:
+        """Append tokens the engine sampled: trainable, with their logprobs. With ``extend``,
+        they continue the last turn when it is an assistant turn (a turn sampled in pieces)."""
         if len(ids) != len(logprobs):
             raise TrajectoryError(f"sampled ids ({len(ids)}) and logprobs ({len(logprobs)}) differ in length")
+        last = self.turns[-1] if self.turns else None
+        if extend and last is not None and last.role == "assistant" and last.end == len(self.response_ids):
+            self.response_ids.extend(ids)
+            self.response_mask.extend([1] * len(ids))
+            self.logprobs.extend(logprobs)
+            last.end = len(self.response_ids)
+            return last
         return self._append(ids, 1, list(logprobs), "assistant")
 
     def append_observed(self, ids: list[int], role: TurnRole) -> Turn:
@@ -116,6 +126,13 @@ class TrajectoryBuilder:
         if role == "assistant":
             raise TrajectoryError("observed tokens cannot form an assistant turn; use append_sampled")
         return self._append(ids, 0, [0.0] * len(ids), role)
+
+    def append_template(self, ids: list[int]) -> None:
+        """Append masked template glue that belongs to no turn (e.g. the separator a chat
+        template writes after the final end-of-turn token)."""
+        self.response_ids.extend(ids)
+        self.response_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
 
     def _append(self, ids: list[int], mask: int, logprobs: list[float], role: TurnRole) -> Turn:
         start = len(self.response_ids)

@@ -1,0 +1,18 @@
+"""``single_turn``: one assistant answer to the prompt (verl: ``single_turn_agent``)."""
+
+from __future__ import annotations
+
+from agentrl.agent.loop import AgentLoop, Episode
+from agentrl.engines.base import FinishReason
+
+
+class SingleTurnLoop(AgentLoop):
+    name = "single_turn"
+
+    def prompt_tools(self, tool_schemas):
+        return None
+
+    async def play(self, episode: Episode) -> str:
+        _, result, text = await episode.generate()
+        episode.messages.append({"role": "assistant", "content": text})
+        return "length" if result.finish_reason is FinishReason.LENGTH else "stop"

@@ -1,0 +1,352 @@
+"""The agent-loop API (entry point group ``agentrl.agent_loops``).
+
+A loop turns one dataset row into one ``Trajectory``. Subclasses implement ``play``, which
+drives an ``Episode`` (generate, parse, call tools, talk to the interaction) and returns the
+finish reason; the base ``run`` owns everything that must hold for every loop: tool instances
+created once and released always, the interaction finalized always, the per-trajectory
+timeout, engine failures recorded as ``engine_error``, rewards, and metrics. A loop that needs
+full control may override ``run`` itself.
+
+Every append goes through the episode, which checks the token limits each time:
+
+* ``max_assistant_turns`` / ``max_user_turns``: no further turn of that kind is started;
+* ``max_response_tokens`` (the whole response, sampled and observed): the next generation gets
+  at most what is left, and an observation that does not fit ends the episode;
+* ``max_tool_response_tokens``: each tool result is cut to this many tokens with a visible
+  ``...[truncated N tokens]`` marker;
+* ``tool_timeout_s`` per call and ``trajectory_timeout_s`` per episode.
+
+``finish_reason`` names what ended it: stop, length, max_assistant_turns, max_user_turns,
+response_budget, trajectory_timeout, malformed_tool_call, interaction_done,
+interaction_error, engine_error, abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from agentrl.agent.render import ChatRenderer
+from agentrl.agent.tool_parsers import ParsedTurn, ToolParser
+from agentrl.agent.tools_runtime import CallOutcome, InteractionPool, InteractionSession, ToolBox, ToolSession
+from agentrl.data.row import Row
+from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from agentrl.errors import EngineError
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, Turn
+
+__all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd"]
+
+# compute_score(data_source, solution, ground_truth, extra_info) -> float | {"score": float, ...}
+RewardFn = Callable[[str, str, Any, dict[str, Any]], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_assistant_turns: int = 8
+    max_user_turns: int = 4
+    max_response_tokens: int = 512
+    max_new_tokens: int = 128  # per assistant turn
+    max_tool_response_tokens: int = 256
+    trajectory_timeout_s: float = 600.0
+    malformed_call_policy: str = "feedback"  # feedback | penalize | end
+    malformed_call_penalty: float = -0.1
+
+
+@dataclass(slots=True)
+class LoopContext:
+    """What a loop needs, built once per worker and shared by its trajectories."""
+
+    engine: Engine
+    renderer: ChatRenderer
+    parser: ToolParser
+    toolbox: ToolBox
+    interactions: InteractionPool
+    limits: Limits = field(default_factory=Limits)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    reward_fn: Callable[[str], RewardFn | None] = lambda data_source: None  # data_source -> reward function
+    policy_version: int = 0
+
+
+class EpisodeEnd(Exception):
+    """Raised inside ``play`` to end the episode with a finish reason."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Episode:
+    """One trajectory in the making: the token stream, the messages, tools, interaction, counters."""
+
+    def __init__(
+        self,
+        row: Row,
+        ctx: LoopContext,
+        *,
+        row_id: str,
+        group_id: str,
+        sample_index: int,
+        seed: int | None,
+        tools: ToolSession,
+        interaction: InteractionSession | None,
+        messages: list[dict[str, Any]],
+        prompt_ids: list[int],
+    ):
+        self.row, self.ctx = row, ctx
+        self.row_id, self.group_id, self.sample_index, self.seed = row_id, group_id, sample_index, seed
+        self.session_id = f"{row_id}#{sample_index}"
+        self.tools, self.interaction = tools, interaction
+        self.messages = messages
+        self.builder = TrajectoryBuilder(prompt_ids)
+        self.tool_calls: list[ToolCallRecord] = []
+        self.counts: Counter[str] = Counter()
+        self.gen_time = 0.0
+        self.tool_time = 0.0
+        self.last_stopped_on_eos = False
+        self.own_score: float | None = None  # a loop may score its own trajectory
+        self.error: str | None = None  # what went wrong, when an error ended the episode
+        self.final_answer: str | None = None  # for loops with an explicit final answer (react)
+
+    # ----------------------------------------------------------------- generation
+    @property
+    def assistant_turns(self) -> int:
+        return self.counts["assistant_turns"]
+
+    async def generate(
+        self, *, stop_token_ids: tuple[int, ...] | None = None, continue_turn: bool = False
+    ) -> tuple[Turn, GenerateResult, str]:
+        """Sample the next assistant turn (or, with ``continue_turn``, more of the current one);
+        returns the turn, the engine result and the text of the newly sampled tokens."""
+        limits = self.ctx.limits
+        if not continue_turn and self.assistant_turns >= limits.max_assistant_turns:
+            raise EpisodeEnd("max_assistant_turns")
+        budget = limits.max_response_tokens - len(self.builder)
+        if budget <= 0:
+            raise EpisodeEnd("response_budget")
+        base = self.ctx.sampling
+        sampling = SamplingParams(
+            max_new_tokens=min(limits.max_new_tokens, budget),
+            temperature=base.temperature,
+            top_p=base.top_p,
+            top_k=base.top_k,
+            stop_token_ids=stop_token_ids or base.stop_token_ids or (self.ctx.renderer.eos_id,),
+            seed=None if self.seed is None else self.seed + 7919 * self.counts["generate_calls"],
+        )
+        request = GenerateRequest(
+            input_ids=self.builder.all_ids, sampling=sampling, rid=f"{self.session_id}/{self.counts['generate_calls']}",
+            session_id=self.session_id,
+        )
+        self.counts["generate_calls"] += 1
+        start = time.perf_counter()
+        try:
+            result = await self.ctx.engine.generate(request)
+        except EngineError as exc:
+            self.counts["engine_errors"] += 1
+            self.error = str(exc)
+            raise EpisodeEnd("engine_error") from exc
+        finally:
+            self.gen_time += time.perf_counter() - start
+        turns_before = len(self.builder.turns)
+        turn = self.builder.append_sampled(result.output_ids, result.logprobs, extend=continue_turn)
+        if len(self.builder.turns) > turns_before:
+            self.counts["assistant_turns"] += 1
+        ids = result.output_ids
+        self.last_stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] == self.ctx.renderer.eos_id
+        if self.last_stopped_on_eos:
+            ids = ids[:-1]
+        text = self.ctx.renderer.decode(ids)
+        if result.finish_reason is FinishReason.ABORT:
+            raise EpisodeEnd("abort")
+        return turn, result, text
+
+    # ----------------------------------------------------------------- observations
+    def observe(self, messages: list[dict[str, Any]], role: str) -> Turn:
+        """Append tool or user messages as a masked delta (ends the episode if it cannot fit)."""
+        ids = self.ctx.renderer.observation_ids(messages, after_eos=self.last_stopped_on_eos)
+        return self.observe_ids(ids, role, messages)
+
+    def observe_ids(self, ids: list[int], role: str, messages: list[dict[str, Any]]) -> Turn:
+        if len(self.builder) + len(ids) > self.ctx.limits.max_response_tokens:
+            raise EpisodeEnd("response_budget")
+        self.messages.extend(messages)
+        return self.builder.append_observed(ids, role)  # type: ignore[arg-type]
+
+    def truncate_tool_text(self, text: str) -> str:
+        limit = self.ctx.limits.max_tool_response_tokens
+        ids = self.ctx.renderer.encode(text)
+        if len(ids) <= limit:
+            return text
+        self.counts["tool_responses_truncated"] += 1
+        return self.ctx.renderer.decode(ids[:limit]) + f"...[truncated {len(ids) - limit} tokens]"
+
+    async def call_tools(self, turn_index: int, parsed: ParsedTurn) -> list[CallOutcome]:
+        """Execute a turn's calls, apply the malformed-call policy, record and count everything."""
+        start = time.perf_counter()
+        outcomes = await self.tools.execute_all(parsed.calls)
+        self.tool_time += time.perf_counter() - start
+        turn = self.builder.turns[turn_index]
+        malformed = False
+        for outcome in outcomes:
+            self.counts["tool_calls"] += 1
+            if outcome.error is not None:
+                self.counts[f"tool_errors/{outcome.error}"] += 1
+                malformed |= outcome.error in ("bad_json", "unknown_tool", "invalid_arguments")
+            if outcome.reward is not None:
+                turn.reward = (turn.reward or 0.0) + outcome.reward
+            self.tool_calls.append(
+                ToolCallRecord(
+                    turn=turn_index, name=outcome.call.name, arguments=outcome.call.arguments, raw=outcome.call.raw,
+                    result=outcome.text, error=outcome.error, reward=outcome.reward, duration_s=outcome.duration_s,
+                )
+            )
+        if malformed:
+            policy = self.ctx.limits.malformed_call_policy
+            if policy == "end":
+                raise EpisodeEnd("malformed_tool_call")
+            if policy == "penalize":
+                turn.reward = (turn.reward or 0.0) + self.ctx.limits.malformed_call_penalty
+        return outcomes
+
+
+class AgentLoop:
+    """Base of every agent loop. Subclasses implement ``play``; ``run`` keeps the invariants."""
+
+    name: str = "base"
+    parser_name: str | None = None  # a loop may insist on its own parser (react does)
+
+    def initial_messages(self, row: Row, ctx: LoopContext, tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return row.messages()
+
+    def prompt_tools(self, tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """The tools rendered by the chat template (None: the loop describes them itself)."""
+        return tool_schemas or None
+
+    async def play(self, episode: Episode) -> str:
+        raise NotImplementedError
+
+    async def run(
+        self,
+        row: Row,
+        ctx: LoopContext,
+        *,
+        row_id: str,
+        group_id: str,
+        sample_index: int = 0,
+        seed: int | None = None,
+    ) -> Trajectory:
+        instance_id = f"{row_id}#{sample_index}@{id(ctx)}"
+        extra = row.extra_info
+        tools = ctx.toolbox.session(instance_id, extra.tools_kwargs)
+        interaction = (
+            ctx.interactions.session(instance_id, extra.interaction_kwargs.model_dump())
+            if extra.interaction_kwargs is not None
+            else None
+        )
+        finish = "stop"
+        episode: Episode | None = None
+        error: str | None = None
+        async with tools:
+            schemas = tools.schemas()
+            messages = self.initial_messages(row, ctx, schemas)
+            prompt_ids = ctx.renderer.prompt_ids(messages, self.prompt_tools(schemas))
+            episode = Episode(
+                row, ctx, row_id=row_id, group_id=group_id, sample_index=sample_index, seed=seed, tools=tools,
+                interaction=interaction, messages=messages, prompt_ids=prompt_ids,
+            )
+            try:
+                if interaction is not None:
+                    try:
+                        await interaction.__aenter__()
+                    except Exception as exc:
+                        raise InteractionFailure(f"start failed: {type(exc).__name__}: {exc}") from exc
+                finish = await asyncio.wait_for(self.play(episode), ctx.limits.trajectory_timeout_s)
+            except EpisodeEnd as end:
+                finish = end.reason
+                error = episode.error
+            except asyncio.TimeoutError:
+                finish = "trajectory_timeout"
+            except InteractionFailure as exc:
+                finish, error = "interaction_error", str(exc)
+            finally:
+                if interaction is not None:
+                    await interaction.__aexit__(None, None, None)
+            if episode.last_stopped_on_eos and episode.builder.turns and episode.builder.turns[-1].role == "assistant":
+                # the separator the template writes after the final end-of-turn token
+                episode.builder.append_template(ctx.renderer.separator_ids)
+            await tools.collect_rewards()
+        return self._finish(episode, finish, error)
+
+    def _finish(self, ep: Episode, finish: str, error: str | None) -> Trajectory:
+        row = ep.row
+        solution = self._solution_text(ep)
+        reward, info = 0.0, {}
+        if ep.own_score is not None:
+            reward = ep.own_score
+        else:
+            fn = ep.ctx.reward_fn(row.data_source)
+            if fn is not None:
+                reward, info = score_to_float(fn(row.data_source, solution, row.ground_truth, row.extra_info.model_dump()))
+        if ep.tools.calc_rewards:
+            info["tool_rewards"] = dict(ep.tools.calc_rewards)
+        if error:
+            info["error"] = error
+        b = ep.builder
+        metrics: dict[str, float] = {k: float(v) for k, v in ep.counts.items()}
+        metrics.update(
+            turns=float(ep.assistant_turns),
+            response_tokens=float(len(b.response_ids)),
+            sampled_tokens=float(sum(b.response_mask)),
+            gen_time_s=ep.gen_time,
+            tool_time_s=ep.tool_time,
+        )
+        return Trajectory(
+            row_id=ep.row_id, group_id=ep.group_id, sample_index=ep.sample_index, data_source=row.data_source,
+            agent_name=self.name, prompt_ids=b.prompt_ids, response_ids=b.response_ids, response_mask=b.response_mask,
+            logprobs=b.logprobs, turns=b.turns, messages=ep.messages, finish_reason=finish, reward=reward,
+            reward_info=info, tool_calls=ep.tool_calls, metrics=metrics, policy_version=ep.ctx.policy_version,
+            ground_truth=row.ground_truth,
+        )
+
+    def _solution_text(self, ep: Episode) -> str:
+        """The text the trajectory reward judges: the last assistant message."""
+        for message in reversed(ep.messages):
+            if message["role"] == "assistant":
+                return message.get("content") or ""
+        return ""
+
+
+class InteractionFailure(Exception):
+    """An interaction raised: the episode ends with ``interaction_error``."""
+
+
+async def ask_interaction(ep: Episode, turn: Turn) -> bool:
+    """Let the interaction answer the assistant turn just finished; True when the episode goes on."""
+    assert ep.interaction is not None
+    try:
+        response = await ep.interaction.respond(ep.messages)
+    except Exception as exc:
+        raise InteractionFailure(f"{type(exc).__name__}: {exc}") from exc
+    turn.reward = (turn.reward or 0.0) + float(response.reward)
+    for key, value in response.metrics.items():
+        ep.counts[f"interaction/{key}"] += value  # type: ignore[assignment]
+    if response.done:
+        raise EpisodeEnd("interaction_done")
+    if ep.counts["user_turns"] >= ep.ctx.limits.max_user_turns:
+        raise EpisodeEnd("max_user_turns")
+    if ep.assistant_turns >= ep.ctx.limits.max_assistant_turns:
+        raise EpisodeEnd("max_assistant_turns")
+    ep.counts["user_turns"] += 1
+    ep.observe([{"role": "user", "content": response.text}], "user")
+    return True
+
+
+def score_to_float(result: Any) -> tuple[float, dict[str, Any]]:
+    """A reward function's float or ``{"score": ..., ...}`` as (score, extra info)."""
+    if isinstance(result, dict):
+        extra = {k: v for k, v in result.items() if k != "score"}
+        return float(result["score"]), extra
+    return float(result), {}
+

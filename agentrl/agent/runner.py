@@ -1,0 +1,194 @@
+"""``RolloutRunner``: many trajectories in flight on one asyncio loop.
+
+Each row is run ``n`` times (one group: GRPO/RLOO compare the samples of a row); the loop is
+chosen per row by ``agent_name`` (verl's names accepted), else the configured default.
+Trajectories come back in a deterministic order (row order, then sample index), each with its
+own seed derived from (seed, group, sample), so results do not depend on scheduling. A loop
+that raises does not lose its trajectory silently: it comes back with ``finish_reason`` set to
+``loop_error`` and the error in ``reward_info`` (the trainer counts and drops those).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import zlib
+from typing import Any, Callable, Iterable, Sequence
+
+from agentrl.agent.loop import AgentLoop, Limits, LoopContext, RewardFn
+from agentrl.agent.render import ChatRenderer
+from agentrl.agent.tools_runtime import InteractionPool, ToolBox
+from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+from agentrl.data.row import Row
+from agentrl.engines.base import Engine, SamplingParams
+from agentrl.errors import PluginError
+from agentrl.plugins import PluginRegistry
+from agentrl.trajectory import Trajectory
+
+__all__ = ["RolloutRunner", "LoopTable", "RewardTable", "check_agent_names", "build_context"]
+
+
+class LoopTable:
+    """Agent loops by name, each constructed once (from the ``agentrl.agent_loops`` group)."""
+
+    def __init__(self, default: str, registry: PluginRegistry | None = None):
+        self.registry = registry or PluginRegistry()
+        self.default = self.registry.canonical("agent_loops", default)
+        self._loops: dict[str, AgentLoop] = {}
+
+    def get(self, name: str | None) -> AgentLoop:
+        key = self.registry.canonical("agent_loops", name or self.default)
+        if key not in self._loops:
+            cls = self.registry.load("agent_loops", key)
+            loop = cls() if isinstance(cls, type) else cls
+            if not isinstance(loop, AgentLoop):
+                raise PluginError(f"agent loop plugin {key!r} must be an agentrl.agent.loop.AgentLoop subclass")
+            self._loops[key] = loop
+        return self._loops[key]
+
+
+def check_agent_names(names: Iterable[str | None], registry: PluginRegistry | None = None) -> list[str]:
+    """Problems with the ``agent_name``s a dataset uses (checked when it loads, before generation)."""
+    registry = registry or PluginRegistry()
+    known = set(registry.names("agent_loops"))
+    problems = []
+    for name in sorted({n for n in names if n}):
+        if registry.canonical("agent_loops", name) not in known:
+            problems.append(f"unknown agent_name {name!r} (known loops: {', '.join(sorted(known))})")
+    return problems
+
+
+class RewardTable:
+    """Reward functions (``agentrl.rewards``) by data source, resolved once each."""
+
+    def __init__(self, config: RewardConfig, registry: PluginRegistry | None = None):
+        self.config = config
+        self.registry = registry or PluginRegistry()
+        self._fns: dict[str, RewardFn] = {}
+
+    def __call__(self, data_source: str) -> RewardFn:
+        name = self.config.by_data_source.get(data_source, self.config.default)
+        if name not in self._fns:
+            fn = self.registry.load("rewards", name)
+            if "format_score" in inspect.signature(fn).parameters:
+                format_score = self.config.format_score
+                base = fn
+                fn = lambda ds, sol, gt, extra, _f=base: _f(ds, sol, gt, extra, format_score=format_score)  # noqa: E731
+            self._fns[name] = fn
+        return self._fns[name]
+
+
+def build_context(
+    engine: Engine,
+    tokenizer: Any,
+    *,
+    agent: AgentConfig,
+    rollout: RolloutConfig,
+    reward: RewardConfig,
+    max_response_tokens: int,
+    registry: PluginRegistry | None = None,
+    tool_names: Sequence[str] | None = None,
+    validation: bool = False,
+) -> LoopContext:
+    """Wire the config sections into a ``LoopContext`` (tools constructed here, once)."""
+    registry = registry or PluginRegistry()
+    names = list(tool_names) if tool_names is not None else list(agent.tool_config) or ["calculator"]
+    toolbox = ToolBox.from_plugins(
+        names, agent.tool_config, registry=registry, max_parallel_calls=agent.max_parallel_calls,
+        tool_timeout_s=agent.tool_timeout_s,
+    )
+    parser_cls = registry.load("tool_parsers", agent.tool_parser)
+    return LoopContext(
+        engine=engine,
+        renderer=ChatRenderer(tokenizer),
+        parser=parser_cls(),
+        toolbox=toolbox,
+        interactions=InteractionPool(agent.interaction_config, registry),
+        limits=Limits(
+            max_assistant_turns=agent.max_assistant_turns,
+            max_user_turns=agent.max_user_turns,
+            max_response_tokens=max_response_tokens,
+            max_new_tokens=rollout.max_new_tokens,
+            max_tool_response_tokens=agent.max_tool_response_tokens,
+            trajectory_timeout_s=agent.trajectory_timeout_s,
+            malformed_call_policy=agent.malformed_call_policy,
+            malformed_call_penalty=agent.malformed_call_penalty,
+        ),
+        sampling=SamplingParams(
+            temperature=rollout.val_temperature if validation else rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+        ),
+        reward_fn=RewardTable(reward, registry),
+    )
+
+
+class RolloutRunner:
+    def __init__(self, ctx: LoopContext, loops: LoopTable, *, max_concurrency: int = 256):
+        self.ctx = ctx
+        self.loops = loops
+        self.max_concurrency = max_concurrency
+        self.inflight = 0
+        self.inflight_max = 0
+
+    async def run(
+        self,
+        rows: Sequence[tuple[str, Row]],
+        *,
+        n: int = 1,
+        group_prefix: str = "",
+        seed: int | None = 0,
+        progress: bool | str = False,
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
+        """Run every row ``n`` times; returns trajectories in (row, sample) order."""
+        semaphore = asyncio.Semaphore(self.max_concurrency)
+        bar = _progress_bar(len(rows) * n, progress)
+        results: list[Trajectory | None] = [None] * (len(rows) * n)
+
+        async def one(slot: int, row_id: str, row: Row, group_id: str, sample: int) -> None:
+            async with semaphore:
+                self.inflight += 1
+                self.inflight_max = max(self.inflight_max, self.inflight)
+                try:
+                    results[slot] = await self._run_one(row_id, row, group_id, sample, seed)
+                finally:
+                    self.inflight -= 1
+                if on_done is not None:
+                    on_done(results[slot])  # type: ignore[arg-type]
+                if bar is not None:
+                    bar.update(1)
+
+        tasks = []
+        for i, (row_id, row) in enumerate(rows):
+            group_id = f"{group_prefix}{i}:{row_id}"
+            for sample in range(n):
+                tasks.append(one(i * n + sample, row_id, row, group_id, sample))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [t for t in results if t is not None]
+
+    async def _run_one(self, row_id: str, row: Row, group_id: str, sample: int, seed: int | None) -> Trajectory:
+        loop = self.loops.get(row.agent_name)
+        traj_seed = None if seed is None else zlib.crc32(f"{seed}|{group_id}|{sample}".encode()) & 0x7FFFFFFF
+        try:
+            return await loop.run(row, self.ctx, row_id=row_id, group_id=group_id, sample_index=sample, seed=traj_seed)
+        except Exception as exc:  # recorded, never silently missing
+            return Trajectory(
+                row_id=row_id, group_id=group_id, sample_index=sample, data_source=row.data_source,
+                agent_name=loop.name, prompt_ids=[], response_ids=[], response_mask=[], logprobs=[], turns=[],
+                messages=row.messages(), finish_reason="loop_error", reward=0.0,
+                reward_info={"error": f"{type(exc).__name__}: {exc}"}, policy_version=self.ctx.policy_version,
+                ground_truth=row.ground_truth,
+            )
+
+
+def _progress_bar(total: int, progress: bool | str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=progress if isinstance(progress, str) else "rollout", unit="traj", leave=False)

@@ -1,0 +1,252 @@
+"""Tools and interactions at run time: constructed once per worker, instances per trajectory.
+
+``ToolBox`` holds one constructed object per tool (plugins from ``agentrl.tools``) and hands
+out a ``ToolSession`` per trajectory. A session creates each enabled tool's instance once,
+executes calls (arguments validated against the tool's JSON schema, up to
+``max_parallel_calls`` at once, each under a timeout), asks every tool for ``calc_reward`` at
+the end and releases every instance ALWAYS - after errors and after cancellation too.
+
+``InteractionPool`` does the same for interactions (``agentrl.interactions``): ``start`` once,
+``finalize`` always.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from agentrl.agent.interaction import Interaction, InteractionResponse
+from agentrl.agent.tool import Tool, ToolResult
+from agentrl.agent.tool_parsers import ParsedCall
+from agentrl.errors import PluginError, ToolError
+from agentrl.plugins import PluginRegistry
+
+__all__ = ["ToolBox", "ToolSession", "CallOutcome", "InteractionPool", "InteractionSession", "validate_arguments"]
+
+
+def validate_arguments(tool: type[Tool] | Tool, arguments: dict[str, Any]) -> str | None:
+    """None when ``arguments`` match the tool's JSON schema, else what is wrong (for the model)."""
+    validator = _validator(type(tool) if isinstance(tool, Tool) else tool)
+    errors = sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
+    if not errors:
+        return None
+    err = errors[0]
+    where = ".".join(str(p) for p in err.path) or "arguments"
+    return f"invalid arguments for {tool.name}: {where}: {err.message}"
+
+
+_VALIDATORS: dict[type, Any] = {}
+
+
+def _validator(cls: type[Tool]) -> Any:
+    if cls not in _VALIDATORS:
+        schema = cls.parameters
+        jsonschema.Draft202012Validator.check_schema(schema)
+        _VALIDATORS[cls] = jsonschema.Draft202012Validator(schema)
+    return _VALIDATORS[cls]
+
+
+@dataclass(slots=True)
+class CallOutcome:
+    call: ParsedCall
+    text: str  # what the model is shown
+    error: str | None = None  # bad_json | unknown_tool | invalid_arguments | tool_exception | timeout
+    reward: float | None = None
+    duration_s: float = 0.0
+    metrics: dict[str, float] | None = None
+
+
+class ToolBox:
+    """The tools of one worker, each constructed once."""
+
+    def __init__(
+        self,
+        tools: dict[str, Tool],
+        *,
+        max_parallel_calls: int = 4,
+        tool_timeout_s: float = 30.0,
+    ):
+        self.tools = tools
+        self.max_parallel_calls = max_parallel_calls
+        self.tool_timeout_s = tool_timeout_s
+
+    @classmethod
+    def from_plugins(
+        cls,
+        names: list[str],
+        tool_config: dict[str, dict[str, Any]] | None = None,
+        *,
+        registry: PluginRegistry | None = None,
+        **kwargs: Any,
+    ) -> "ToolBox":
+        registry = registry or PluginRegistry()
+        tool_config = tool_config or {}
+        tools = {}
+        for name in names:
+            tool_cls = registry.load("tools", name)
+            if not (isinstance(tool_cls, type) and issubclass(tool_cls, Tool)):
+                raise PluginError(f"tool plugin {name!r} must be a subclass of agentrl.agent.tool.Tool, got {tool_cls!r}")
+            tools[name] = tool_cls(**tool_config.get(name, {}))
+        return cls(tools, **kwargs)
+
+    def schemas(self, names: list[str]) -> list[dict[str, Any]]:
+        return [self.tools[n].schema() for n in names if n in self.tools]
+
+    def session(self, instance_id: str, tools_kwargs: dict[str, Any]) -> "ToolSession":
+        return ToolSession(self, instance_id, tools_kwargs)
+
+
+class ToolSession:
+    """The tools of one trajectory. Use as ``async with``: release is guaranteed."""
+
+    def __init__(self, box: ToolBox, instance_id: str, tools_kwargs: dict[str, Any]):
+        self.box = box
+        self.instance_id = instance_id
+        # tools enabled for the row: those named in its tools_kwargs, else every tool of the box
+        self.enabled = [n for n in tools_kwargs if n in box.tools] if tools_kwargs else list(box.tools)
+        self.unknown_enabled = [n for n in tools_kwargs if n not in box.tools]
+        self._kwargs = tools_kwargs
+        self._created: list[str] = []
+        self.calc_rewards: dict[str, float] = {}
+
+    def _kw(self, name: str, key: str) -> dict[str, Any]:
+        spec = self._kwargs.get(name)
+        if spec is None:
+            return {}
+        value = getattr(spec, key, None) if not isinstance(spec, dict) else spec.get(key)
+        return dict(value or {})
+
+    async def __aenter__(self) -> "ToolSession":
+        try:
+            for name in self.enabled:
+                await self.box.tools[name].create(self.instance_id, **self._kw(name, "create_kwargs"))
+                self._created.append(name)
+        except BaseException:
+            await self._release()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self._release()
+
+    async def collect_rewards(self) -> dict[str, float]:
+        for name in self._created:
+            reward = await self.box.tools[name].calc_reward(self.instance_id, **self._kw(name, "calc_reward_kwargs"))
+            if reward is not None:
+                self.calc_rewards[name] = float(reward)
+        return self.calc_rewards
+
+    async def _release(self) -> None:
+        # shielded: a cancelled trajectory still releases every instance it created
+        created, self._created = self._created, []
+        for name in created:
+            try:
+                await asyncio.shield(self.box.tools[name].release(self.instance_id, **self._kw(name, "release_kwargs")))
+            except Exception:
+                pass
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return self.box.schemas(self.enabled)
+
+    async def execute_all(self, calls: list[ParsedCall]) -> list[CallOutcome]:
+        semaphore = asyncio.Semaphore(self.box.max_parallel_calls)
+
+        async def one(call: ParsedCall) -> CallOutcome:
+            async with semaphore:
+                return await self.execute(call)
+
+        return list(await asyncio.gather(*(one(c) for c in calls)))
+
+    async def execute(self, call: ParsedCall) -> CallOutcome:
+        if call.error is not None:
+            return CallOutcome(call, f"Error: {call.detail}", error=call.error)
+        name = call.name or ""
+        if name not in self.enabled:
+            known = ", ".join(self.enabled) or "none"
+            return CallOutcome(call, f"Error: unknown tool {name!r} (available: {known})", error="unknown_tool")
+        tool = self.box.tools[name]
+        arguments = _map_plain_input(tool, call.arguments or {})
+        problem = validate_arguments(tool, arguments)
+        if problem is not None:
+            return CallOutcome(call, f"Error: {problem}", error="invalid_arguments")
+        start = time.perf_counter()
+        try:
+            result: ToolResult = await asyncio.wait_for(
+                tool.execute(self.instance_id, arguments, **self._kw(name, "execute_kwargs")), self.box.tool_timeout_s
+            )
+        except asyncio.TimeoutError:
+            return CallOutcome(
+                call, f"Error: {name} timed out after {self.box.tool_timeout_s:g} s", error="timeout",
+                duration_s=time.perf_counter() - start,
+            )
+        except ToolError as exc:
+            return CallOutcome(call, f"Error: {exc}", error="tool_exception", duration_s=time.perf_counter() - start)
+        except Exception as exc:  # a tool's bug must not end the rollout: the model is told
+            return CallOutcome(
+                call, f"Error: {name} failed: {type(exc).__name__}: {exc}", error="tool_exception",
+                duration_s=time.perf_counter() - start,
+            )
+        call.arguments = arguments
+        return CallOutcome(call, result.text, reward=result.reward, duration_s=time.perf_counter() - start, metrics=result.metrics)
+
+
+def _map_plain_input(tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
+    """ReAct's plain-text ``Action Input`` goes to the tool's only required parameter."""
+    if set(arguments) != {"__input__"}:
+        return arguments
+    required = tool.parameters.get("required") or list(tool.parameters.get("properties", {}))
+    if len(required) == 1:
+        return {required[0]: arguments["__input__"]}
+    return arguments
+
+
+class InteractionPool:
+    """The interactions of one worker, by name, each constructed once (lazily)."""
+
+    def __init__(self, config: dict[str, dict[str, Any]] | None = None, registry: PluginRegistry | None = None):
+        self._config = config or {}
+        self._registry = registry or PluginRegistry()
+        self._instances: dict[str, Interaction] = {}
+
+    def get(self, name: str) -> Interaction:
+        if name not in self._instances:
+            cls = self._registry.load("interactions", name)
+            if not (isinstance(cls, type) and issubclass(cls, Interaction)):
+                raise PluginError(f"interaction plugin {name!r} must subclass agentrl.agent.interaction.Interaction")
+            self._instances[name] = cls(**self._config.get(name, {}))
+        return self._instances[name]
+
+    def session(self, instance_id: str, interaction_kwargs: dict[str, Any]) -> "InteractionSession":
+        kwargs = dict(interaction_kwargs)
+        return InteractionSession(self.get(kwargs.pop("name")), instance_id, kwargs)
+
+
+class InteractionSession:
+    """One trajectory's interaction: ``start`` on enter, ``finalize`` ALWAYS on exit."""
+
+    def __init__(self, interaction: Interaction, instance_id: str, kwargs: dict[str, Any]):
+        self.interaction, self.instance_id, self.kwargs = interaction, instance_id, kwargs
+        self._started = False
+
+    async def __aenter__(self) -> "InteractionSession":
+        await self.interaction.start(self.instance_id, **self.kwargs)
+        self._started = True
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if self._started:
+            self._started = False
+            try:
+                await asyncio.shield(self.interaction.finalize(self.instance_id))
+            except Exception:
+                pass
+
+    async def respond(self, messages: list[dict[str, Any]]) -> InteractionResponse:
+        return await self.interaction.generate_response(self.instance_id, messages)
+
+    async def score(self) -> float | None:
+        return await self.interaction.calculate_score(self.instance_id)
