@@ -13,7 +13,8 @@ stop token appended - as an engine that stopped at end-of-turn returns it) or a 
 ids (returned as is). A callable script ``script(row_id, call_index, request) -> str | list[int]``
 may replace the dict. When a stop token (e.g. a line break for ReAct) or ``max_new_tokens``
 cuts an entry short, the next generate call of that trajectory continues the same entry, as a
-model would; a new entry starts when the previous one is used up. Every sampled token gets the logprob ``logprob`` (default -0.5);
+model would; a new entry starts when the previous one is used up (an entry cut right before
+its final stop token counts as used up, so ReAct scripts can give one entry per step). Every sampled token gets the logprob ``logprob`` (default -0.5);
 ``max_new_tokens`` truncates with finish reason ``length``. Answers are instant.
 """
 
@@ -76,8 +77,10 @@ class ScriptedEngine:
             out, reason, matched = ids[:limit], FinishReason.LENGTH, None
         else:
             out, reason, matched = ids, FinishReason.LENGTH, None
-        if len(out) < len(ids):
-            self._pending[session] = ids[len(out) :]
+        rest = ids[len(out) :]
+        # an entry cut just before its own stop token is used up (a ReAct line ending in "\n")
+        if rest and rest != [self.stop_id]:
+            self._pending[session] = rest
         return GenerateResult(
             output_ids=list(out), logprobs=[self.logprob] * len(out), finish_reason=reason, matched_stop=matched,
             prompt_tokens=len(request.input_ids), weight_version=self.weight_version,

@@ -97,7 +97,9 @@ class ReactToolParser:
             else:
                 call = ParsedCall(raw=match.group(0), name=name, arguments={"__input__": raw_input})
             calls.append(call)
-        if not calls and re.search(r"^Action:", text, re.MULTILINE):
+        # an Action followed by another line that is not its input (a last Action line may
+        # still be waiting for its input line)
+        if not calls and re.search(r"^Action:.*\r?\n(?!Action Input:)\S", text, re.MULTILINE):
             calls.append(ParsedCall(raw=text, error="bad_json", detail="an Action must be followed by an 'Action Input:' line"))
         return ParsedTurn(content=text.strip(), calls=calls)
 
