@@ -273,9 +273,15 @@ class AgentLoop:
             finally:
                 if interaction is not None:
                     await interaction.__aexit__(None, None, None)
-            if episode.last_stopped_on_eos and episode.builder.turns and episode.builder.turns[-1].role == "assistant":
+            sep = ctx.renderer.separator_ids
+            if (
+                episode.last_stopped_on_eos
+                and episode.builder.turns
+                and episode.builder.turns[-1].role == "assistant"
+                and len(episode.builder) + len(sep) <= ctx.limits.max_response_tokens
+            ):
                 # the separator the template writes after the final end-of-turn token
-                episode.builder.append_template(ctx.renderer.separator_ids)
+                episode.builder.append_template(sep)
             await tools.collect_rewards()
         return self._finish(episode, finish, error)
 
