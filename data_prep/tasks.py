@@ -1,0 +1,167 @@
+"""Tool tasks for tiny models, with deterministic train/test splits.
+
+* ``arith``: multi-digit products and sums a tiny model cannot do in its head
+  ("What is 4821 * 37?"), solved with one ``calculator`` call.
+* ``word``: short word problems needing two or three calculator calls.
+* ``arith_retry``: ``arith`` with the GSM8K-style interaction (told it is wrong, it may retry).
+
+Rows follow the standard schema (``agentrl.data.row.Row``), answers end with ``#### <number>``.
+A problem belongs to the test split when a hash of its text says so (one in eight), so the
+splits are disjoint whatever the seed and the sizes, and the same seed gives the same rows.
+
+    python -m data_prep.tasks --task arith --n 1000 --seed 0 --output-dir data/arith
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+__all__ = ["TASKS", "SYSTEM_PROMPT", "Problem", "generate", "sft_conversations", "write_parquet", "main"]
+
+SYSTEM_PROMPT = "Use the calculator tool for arithmetic. End your answer with #### <number>."
+TEST_FRACTION = 8  # one problem in eight is held out
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    steps: tuple[tuple[str, int], ...]  # (calculator expression, its value), in order
+    answer: int
+
+
+def _arith(rng: random.Random) -> Problem:
+    if rng.random() < 0.5:
+        a, b = rng.randint(100, 999), rng.randint(11, 99)
+        expression, value = f"{a} * {b}", a * b
+    else:
+        a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
+        expression, value = f"{a} + {b}", a + b
+    return Problem(f"What is {expression}?", ((expression, value),), value)
+
+
+_ITEMS = ["apples", "pencils", "books", "cards", "marbles", "stickers"]
+
+
+def _word(rng: random.Random) -> Problem:
+    item = rng.choice(_ITEMS)
+    boxes, per_box = rng.randint(12, 99), rng.randint(12, 99)
+    total = boxes * per_box
+    if rng.random() < 0.5:
+        given = rng.randint(10, total - 1)
+        left = total - given
+        question = f"Sam buys {boxes} boxes of {per_box} {item} and gives away {given}. How many {item} are left?"
+        return Problem(question, ((f"{boxes} * {per_box}", total), (f"{total} - {given}", left)), left)
+    price = rng.randint(2, 9)
+    extra = rng.randint(10, 99)
+    cost = total * price
+    question = (
+        f"Ana buys {boxes} boxes of {per_box} {item} at {price} dollars each {item[:-1]}, "
+        f"and pays {extra} dollars for delivery. How much does she pay?"
+    )
+    steps = ((f"{boxes} * {per_box}", total), (f"{total} * {price}", cost), (f"{cost} + {extra}", cost + extra))
+    return Problem(question, steps, cost + extra)
+
+
+TASKS: dict[str, tuple[Callable[[random.Random], Problem], str]] = {
+    "arith": (_arith, "agentrl/arith"),
+    "word": (_word, "agentrl/word"),
+    "arith_retry": (_arith, "agentrl/arith_retry"),
+}
+
+
+def _split_of(question: str) -> str:
+    bucket = int(hashlib.sha256(question.encode()).hexdigest(), 16) % TEST_FRACTION
+    return "test" if bucket == 0 else "train"
+
+
+def problems(task: str, n: int, seed: int, split: str) -> Iterator[Problem]:
+    """``n`` distinct problems of ``split``, the same for the same (task, seed)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    make = TASKS[task][0]
+    rng = random.Random(f"{task}:{seed}")
+    seen: set[str] = set()
+    tries = 0
+    while len(seen) < n:
+        tries += 1
+        if tries > 200 * n + 10_000:
+            raise RuntimeError(f"could not draw {n} distinct {split} problems for {task}")
+        problem = make(rng)
+        if problem.question in seen or _split_of(problem.question) != split:
+            continue
+        seen.add(problem.question)
+        yield problem
+
+
+def _row(task: str, problem: Problem, index: int, split: str) -> dict[str, Any]:
+    data_source = TASKS[task][1]
+    extra: dict[str, Any] = {
+        "index": index,
+        "split": split,
+        "tools_kwargs": {"calculator": {"create_kwargs": {}}},
+    }
+    if task == "arith_retry":
+        extra["interaction_kwargs"] = {"name": "gsm8k", "query": problem.question, "ground_truth": str(problem.answer)}
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem.question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
+        "extra_info": extra,
+        "agent_name": "tool_agent",
+    }
+
+
+def generate(task: str, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+    """``n`` rows of ``task`` for ``split`` (plain dicts, valid ``Row``s)."""
+    return [_row(task, p, i, split) for i, p in enumerate(problems(task, n, seed, split))]
+
+
+def sft_conversations(task: str, n: int, seed: int = 0, split: str = "train") -> list[list[dict[str, Any]]]:
+    """Correct demonstrations: one calculator call per step, then ``#### <answer>``."""
+    conversations = []
+    for problem in problems(task, n, seed, split):
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": problem.question},
+        ]
+        for expression, value in problem.steps:
+            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            messages.append({"role": "tool", "content": str(value)})
+        messages.append({"role": "assistant", "content": f"#### {problem.answer}"})
+        conversations.append(messages)
+    return conversations
+
+
+def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    from agentrl.data.io import write_rows
+
+    return write_rows(rows, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data_prep.tasks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=sorted(TASKS), required=True)
+    parser.add_argument("--n", type=int, default=1000, help="training rows (the test split gets n/8, at least 32)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", required=True)
+    args = parser.parse_args(argv)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_parquet(generate(args.task, args.n, args.seed, "train"), out / "train.parquet")
+    n_test = max(32, args.n // TEST_FRACTION)
+    write_parquet(generate(args.task, n_test, args.seed, "test"), out / "test.parquet")
+    print(f"wrote {args.n} train and {n_test} test rows of {args.task} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""Generated tool tasks: deterministic, disjoint splits, correct answers, valid rows."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from agentrl.data.row import Row
+from agentrl_data_prep.tasks import generate, sft_conversations
+from agentrl_tools.calculator import evaluate
+
+
+@pytest.mark.parametrize("task", ["arith", "word", "arith_retry"])
+def test_same_seed_same_rows_and_rows_validate(task):
+    a, b = generate(task, 50, seed=7), generate(task, 50, seed=7)
+    assert a == b
+    assert generate(task, 50, seed=8) != a
+    for row in a:
+        Row.model_validate(row)
+    assert all(r["agent_name"] == "tool_agent" for r in a)
+
+
+@pytest.mark.parametrize("task", ["arith", "word"])
+def test_train_and_test_are_disjoint(task):
+    train = {r["prompt"][1]["content"] for r in generate(task, 400, seed=0, split="train")}
+    test = {r["prompt"][1]["content"] for r in generate(task, 60, seed=0, split="test")}
+    assert len(train) == 400 and len(test) == 60 and not train & test
+
+
+@pytest.mark.parametrize("task", ["arith", "word"])
+def test_demonstrations_compute_the_ground_truth(task):
+    for conversation in sft_conversations(task, 30, seed=0):
+        for call, result in zip(conversation[2::2], conversation[3::2]):
+            if call.get("tool_calls"):
+                expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
+                assert str(evaluate(expression)) == result["content"]
+        final = conversation[-1]["content"]
+        assert re.fullmatch(r"#### -?\d+", final)
+
+
+def test_arith_answers_are_correct():
+    for row in generate("arith", 100, seed=0):
+        expression = row["prompt"][1]["content"].removeprefix("What is ").removesuffix("?")
+        assert str(evaluate(expression)) == row["reward_model"]["ground_truth"]
+
+
+def test_retry_variant_carries_the_gsm8k_interaction():
+    row = generate("arith_retry", 1, seed=0)[0]
+    assert row["extra_info"]["interaction_kwargs"] == {
+        "name": "gsm8k", "query": row["prompt"][1]["content"], "ground_truth": row["reward_model"]["ground_truth"]
+    }
+
+
+def test_word_problems_need_two_or_three_calls():
+    counts = {sum(1 for m in c if m.get("tool_calls")) for c in sft_conversations("word", 40, seed=0)}
+    assert counts == {2, 3}
+
+
+def test_demonstrations_render_through_the_tiny_chat_template(tiny_tokenizer):
+    [conversation] = sft_conversations("arith", 1, seed=0)
+    out = tiny_tokenizer.apply_chat_template(conversation, return_assistant_tokens_mask=True, return_dict=True)
+    trained = tiny_tokenizer.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
+    assert trained.startswith("<tool_call>\n{\"name\": \"calculator\"") and trained.endswith(
+        f"#### {conversation[-1]['content'][5:]}<|im_end|>"
+    )
+
+
+def test_cli_writes_train_and_test_parquet(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run(
+        [sys.executable, "-m", "data_prep.tasks", "--task", "word", "--n", "64", "--output-dir", str(tmp_path)],
+        cwd=repo, check=True, capture_output=True,
+    )
+    from agentrl.data.io import count_rows
+
+    assert count_rows(tmp_path / "train.parquet") == 64 and count_rows(tmp_path / "test.parquet") == 32
