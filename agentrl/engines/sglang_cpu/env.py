@@ -53,11 +53,14 @@ FAILURE_NOTE = ".agentrl-build-failed"  # the reason the last build gave up, for
 REQUIRED_FREE_BYTES = 14 * 1024**3
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
 
-# What the server imports on the CPU path; importing it proves the venv can start a server.
+# What the server imports on the CPU path (the last two import the stand-in's two real ops, the
+# scheduler chain its placeholders); importing it proves the venv and the stand-in fit together.
 _SMOKE_IMPORTS = (
     "import torch, transformers, sglang, sgl_kernel; "
     "import sglang.srt.entrypoints.http_server; "
     "import sglang.srt.managers.scheduler; "
+    "import sglang.srt.mem_cache.allocation; "
+    "import sglang.kernels.ops.kvcache.cache_move; "
     "assert torch.__version__.startswith('2.14'), torch.__version__; "
     "assert hasattr(torch.ops.sgl_kernel, 'assign_req_to_token_pool_cpu')"
 )
