@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-__all__ = ["ATTENTION_NAME", "LAYOUT_KWARG", "SlotKVCache", "PrefillSpan", "StepLayout", "install"]
+__all__ = ["ATTENTION_NAME", "LAYOUT_KWARG", "SlotKVCache", "PrefillSpan", "StepLayout", "attend", "build_layout", "install"]
 
 ATTENTION_NAME = "agentrl_ragged"
 LAYOUT_KWARG = "agentrl_layout"
@@ -138,53 +138,48 @@ def build_layout(
     )
 
 
-def ragged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [1, heads, T, head_dim], rotary applied
-    key: torch.Tensor,  # [1, kv_heads, T, head_dim]
-    value: torch.Tensor,  # [1, kv_heads, T, head_dim]
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    layout: StepLayout | None = kwargs.pop(LAYOUT_KWARG, None)
-    if layout is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    layer = module.layer_idx
+def attend(
+    layer: int,
+    query: torch.Tensor,  # [T, heads, head_dim], rotary applied
+    key: torch.Tensor,  # [T, kv_heads, head_dim]
+    value: torch.Tensor,  # [T, kv_heads, head_dim]
+    layout: StepLayout,
+    scaling: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache and attend; returns [T, heads, head_dim]."""
     cache_k, cache_v = layout.cache.keys[layer], layout.cache.values[layer]
-    _, heads, total, head_dim = query.shape
-    out = query.new_empty((total, heads, head_dim))  # [T, heads, head_dim]
+    total, heads, head_dim = query.shape
+    kv_heads = cache_k.shape[1]
+    out = query.new_empty((total, heads, head_dim))
 
     n = layout.num_decode
     if n:
-        # Write the new K/V of every decoding request at its own position, in place.
-        cache_k[layout.decode_slots, :, layout.decode_positions] = key[0, :, :n].transpose(0, 1)
-        cache_v[layout.decode_slots, :, layout.decode_positions] = value[0, :, :n].transpose(0, 1)
+        # Each decoding request writes its new K/V at its own position, in place.
+        cache_k[layout.decode_slots, :, layout.decode_positions] = key[:n]
+        cache_v[layout.decode_slots, :, layout.decode_positions] = value[:n]
         span, kv_len = layout.decode_span, layout.decode_mask.shape[-1]
-        q = query[0, :, :n].transpose(0, 1)  # [n, heads, head_dim]
+        q = query[:n]  # [n, heads, head_dim]
         if not layout.decode_dense:
             q_rows = q.new_zeros((span, heads, head_dim))
             q_rows[layout.decode_slots] = q
             q = q_rows
         # Grouped-query attention without repeating K/V: query head h reads kv head h // group.
-        kv_heads = cache_k.shape[1]
         q = q.reshape(span, kv_heads, heads // kv_heads, head_dim)  # [span, kv_heads, group, head_dim]
         scores = torch.matmul(q, cache_k[:span, :, :kv_len].transpose(-1, -2))  # [span, kv_heads, group, kv_len]
-        scores.mul_(head_dim**-0.5 if scaling is None else scaling).add_(layout.decode_mask)
+        scores.mul_(scaling).add_(layout.decode_mask)
         attended = torch.matmul(scores.softmax(dim=-1), cache_v[:span, :, :kv_len]).view(span, heads, head_dim)
         out[:n] = attended if layout.decode_dense else attended[layout.decode_slots]
 
     for span in layout.prefills:
         lo, hi = span.offset, span.offset + span.length
         end = span.start + span.length
-        cache_k[span.slot, :, span.start : end] = key[0, :, lo:hi]
-        cache_v[span.slot, :, span.start : end] = value[0, :, lo:hi]
-        q = query[:, :, lo:hi]  # [1, heads, length, head_dim]
+        k = key[lo:hi].transpose(0, 1)  # [kv_heads, length, head_dim]
+        v = value[lo:hi].transpose(0, 1)
+        cache_k[span.slot, :, span.start : end] = k
+        cache_v[span.slot, :, span.start : end] = v
+        q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, length, head_dim]
         if span.start == 0:
-            attended = F.scaled_dot_product_attention(
-                q, key[:, :, lo:hi], value[:, :, lo:hi], is_causal=True, scale=scaling, enable_gqa=True
-            )
+            attended = F.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=scaling, enable_gqa=True)
         else:
             # Query i sits at position start + i and sees positions <= start + i.
             causal = torch.arange(end, device=q.device)[None, :] <= (
@@ -199,6 +194,32 @@ def ragged_attention(
                 enable_gqa=True,
             )
         out[lo:hi] = attended[0].transpose(0, 1)
+    return out
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, head_dim], rotary applied
+    key: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    value: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface entry: ``attend`` when a StepLayout is passed, else SDPA."""
+    layout: StepLayout | None = kwargs.pop(LAYOUT_KWARG, None)
+    if layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    head_dim = query.shape[-1]
+    out = attend(
+        module.layer_idx,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        layout,
+        head_dim**-0.5 if scaling is None else scaling,
+    )
     return out.unsqueeze(0), None
 
 

@@ -51,6 +51,7 @@ from typing import Callable, Mapping
 import torch
 
 from agentrl.engines import _ragged
+from agentrl.engines._packed import make_forward
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.engines.sampling import sample_next_tokens
 from agentrl.engines.weights import copy_weights_into, read_checkpoint
@@ -191,7 +192,7 @@ class BuiltinEngine:
         dtype: str | torch.dtype = "float32",
         max_batch_size: int = 64,
         max_seq_len: int | None = None,
-        max_prefill_tokens: int = 4096,
+        max_prefill_tokens: int = 2048,
         seed: int = 0,
         step_log_size: int | None = 1024,
     ):
@@ -207,9 +208,7 @@ class BuiltinEngine:
         self.max_seq_len: int = max_seq_len or config.max_position_embeddings
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        self._decoder = self.model.base_model
-        self._lm_head = self.model.get_output_embeddings()
-        self._mask_mapping = {kind: None for kind in getattr(config, "layer_types", None) or ["full_attention"]}
+        self._forward = make_forward(self.model, self.max_seq_len)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self._cache = _ragged.SlotKVCache(
             num_layers=config.num_hidden_layers,
@@ -515,16 +514,10 @@ class BuiltinEngine:
         layout: _ragged.StepLayout,
     ) -> tuple[list[int], list[float]]:
         device = self.device
-        hidden = self._decoder(
-            input_ids=torch.tensor(packed, device=device)[None],
-            position_ids=torch.tensor(positions, device=device)[None],
-            attention_mask=self._mask_mapping,
-            use_cache=False,
-            **{_ragged.LAYOUT_KWARG: layout},
-        ).last_hidden_state[0]  # [T, hidden]
-        if len(logit_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(logit_rows, device=device)]
-        logits = self._lm_head(hidden).float()  # [n, vocab]
+        rows = torch.tensor(logit_rows, device=device) if len(logit_rows) != len(packed) else None
+        logits = self._forward(
+            torch.tensor(packed, device=device), torch.tensor(positions, device=device), layout, rows
+        )  # [n, vocab] float32
         params = [seq.request.sampling for seq in stepping]
         temperatures = [p.temperature for p in params]
         uniforms = [

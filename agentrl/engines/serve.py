@@ -457,7 +457,7 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     parser.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
-    parser.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens computed per step")
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048, help="prompt tokens computed per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)

@@ -1,0 +1,430 @@
+"""``agentrl bench engine``: generated tokens/s of the built-in engine, static-batch ``generate`` and SGLang.
+
+    agentrl bench engine --json [--quick] [--models 18m,1m] [--concurrency 1,16,64,256] [--engines builtin,hf_static,sglang]
+
+The workload is shaped like multi-turn agent rollouts: a *session* is a prompt of random length
+followed by 1 to 4 turns; each turn generates a fixed number of tokens (no stop tokens, so every
+engine generates exactly the same number) and the next turn's prompt is the whole history plus a
+short observation (a tool result). ``concurrency`` sessions are in flight at once and a new one
+starts when one ends. Every engine runs the same sessions (same seeds, lengths and prompts):
+
+* ``builtin``: one async task per session against ``BuiltinEngine`` (continuous batching; a turn
+  is submitted the moment the previous one returns);
+* ``hf_static``: the sessions in static batches of ``concurrency``: each turn of a batch is one
+  left-padded ``model.generate`` call that runs until the batch's longest output is done, and the
+  next turn waits for the whole batch (how a rollout over static batching behaves);
+* ``sglang``: a real SGLang server on this CPU (when its environment is built, see
+  ``agentrl.engines.sglang_cpu``), driven like ``builtin`` through ``SGLangEngine``.
+
+Each row: ``tokens_per_s`` = generated tokens / wall time of the run; ``ttft_p99_ms`` = 99th
+percentile of time from a request's submission to its first token; ``flop_limit_fraction`` =
+``tokens_per_s * 2 * params / matmul_rate``, where the matmul rate is the best of several fp32
+2048x2048 matrix products measured at the start (the machine's practical peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["main", "Session", "make_sessions", "measure_matmul_gflops"]
+
+VOCAB = 1000  # token ids of generated prompts are drawn below the model's vocabulary size
+
+
+@dataclass(frozen=True)
+class Session:
+    prompt: list[int]
+    outputs: list[int]  # tokens to generate per turn
+    observations: list[list[int]]  # appended after each turn but the last
+    seed: int
+
+
+@dataclass
+class Row:
+    engine: str
+    model_params: int
+    concurrency: int
+    tokens_per_s: float
+    ttft_p99_ms: float | None
+    flop_limit_fraction: float
+    generated_tokens: int
+    requests: int
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def make_sessions(count: int, *, quick: bool, seed: int, vocab: int = VOCAB) -> list[Session]:
+    rng = random.Random(seed)
+    prompt_range, output_range, obs_range = ((16, 96), (16, 64), (4, 24)) if quick else ((32, 192), (32, 128), (8, 48))
+    sessions = []
+    for index in range(count):
+        turns = rng.randint(1, 4)
+        sessions.append(
+            Session(
+                prompt=[rng.randrange(vocab) for _ in range(rng.randint(*prompt_range))],
+                outputs=[rng.randint(*output_range) for _ in range(turns)],
+                observations=[[rng.randrange(vocab) for _ in range(rng.randint(*obs_range))] for _ in range(turns - 1)],
+                seed=seed * 1_000_003 + index,
+            )
+        )
+    return sessions
+
+
+def sessions_for(concurrency: int, quick: bool) -> int:
+    """Enough sessions that the run is mostly at full concurrency, not its ramp-down."""
+    if concurrency == 1:
+        return 4 if quick else 6
+    return (3 if quick or concurrency > 64 else 4) * concurrency
+
+
+def measure_matmul_gflops(size: int = 2048, trials: int = 5) -> float:
+    """Best-of-``trials`` fp32 GEMM rate (GFLOP/s) with the current torch thread count."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def build_model(size: str):
+    """The project's tiny model (``agentrl.tiny``, built once and cached) of ``size``."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.tiny import tiny_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(size=size), dtype=torch.float32).eval()
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))] * 1000
+
+
+# ---------------------------------------------------------------------- engines
+
+
+async def _drive_sessions(generate, sessions: list[Session], concurrency: int) -> tuple[int, float, int]:
+    """Run sessions with ``concurrency`` in flight; generate(ids, n, seed, rid) -> output ids."""
+    queue = list(reversed(sessions))
+    generated = requests = 0
+
+    async def worker(worker_id: int) -> None:
+        nonlocal generated, requests
+        while queue:
+            session = queue.pop()
+            history = list(session.prompt)
+            for turn, n in enumerate(session.outputs):
+                output = await generate(history, n, session.seed + turn, f"w{worker_id}-{requests}")
+                requests += 1
+                generated += len(output)
+                if turn < len(session.outputs) - 1:
+                    history += output + session.observations[turn]
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return generated, time.perf_counter() - start, requests
+
+
+def run_builtin(model, sessions: list[Session], concurrency: int) -> tuple[int, float, int, list[float], dict]:
+    from agentrl.engines.base import GenerateRequest, SamplingParams
+    from agentrl.engines.builtin import BuiltinEngine
+
+    engine = BuiltinEngine(model, max_batch_size=max(concurrency, 1), step_log_size=None)
+    submitted: dict[str, float] = {}
+
+    async def generate(ids, n, seed, rid):
+        submitted[rid] = time.perf_counter()
+        result = await engine.generate(GenerateRequest(ids, SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed), rid=rid))
+        assert len(result.output_ids) == n
+        return result.output_ids
+
+    try:
+        asyncio.run(_drive_sessions(generate, make_sessions(2, quick=True, seed=99, vocab=model.config.vocab_size), 2))  # warm-up
+        engine.step_log.clear()
+        submitted.clear()
+        generated, wall, requests = asyncio.run(_drive_sessions(generate, sessions, concurrency))
+        first_token = {}
+        for record in engine.step_log:
+            for rid in record.prefill_rids:
+                first_token.setdefault(rid, record.ended)
+        ttfts = [first_token[rid] - t for rid, t in submitted.items() if rid in first_token]
+        stats = engine.stats()
+        # Diagnostic: throughput over the steps that ran at (nearly) full concurrency.
+        full = [r for r in engine.step_log if len(r.decode_rids) + len(r.prefill_rids) >= 0.9 * concurrency]
+        steady = sum(len(r.decode_rids) + len(r.prefill_rids) for r in full) / max(1e-9, sum(r.ended - r.started for r in full))
+        extra = {
+            "steps": stats.steps,
+            "prefill_tokens": stats.prefill_tokens,
+            "reused_prefix_tokens": stats.reused_tokens,
+            "full_concurrency_steps": len(full),
+            "full_concurrency_tokens_per_s": round(steady, 1),
+        }
+    finally:
+        engine.close()
+    return generated, wall, requests, ttfts, extra
+
+
+def run_hf_static(model, sessions: list[Session], concurrency: int) -> tuple[int, float, int, list[float], dict]:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class FirstToken(LogitsProcessor):
+        """Records when the first token's logits exist (the end of the prefill)."""
+
+        def __init__(self):
+            self.at: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.at is None:
+                self.at = time.perf_counter()
+            return scores
+
+    model.config._attn_implementation = "sdpa"  # the built-in engine may have switched it
+    generated = requests = 0
+    ttfts: list[float] = []
+    padding_tokens = 0
+
+    def generate_batch(histories: list[list[int]], lengths: list[int], seed: int) -> list[list[int]]:
+        nonlocal padding_tokens
+        width = max(map(len, histories))
+        ids = torch.tensor([[0] * (width - len(h)) + h for h in histories])
+        mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in histories])
+        first = FirstToken()
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths), do_sample=True,
+            temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, logits_processor=LogitsProcessorList([first]),
+        )  # fmt: skip
+        ttfts.extend([(first.at or time.perf_counter()) - start] * len(histories))
+        padding_tokens += len(histories) * max(lengths) - sum(lengths)
+        return [row[width : width + n].tolist() for row, n in zip(out, lengths)]
+
+    def run(batches_of: list[Session]) -> None:
+        nonlocal generated, requests
+        histories = [list(s.prompt) for s in batches_of]
+        for turn in range(max(len(s.outputs) for s in batches_of)):
+            active = [i for i, s in enumerate(batches_of) if turn < len(s.outputs)]
+            outputs = generate_batch([histories[i] for i in active], [batches_of[i].outputs[turn] for i in active], turn)
+            for i, output in zip(active, outputs):
+                generated += len(output)
+                requests += 1
+                if turn < len(batches_of[i].outputs) - 1:
+                    histories[i] += output + batches_of[i].observations[turn]
+
+    with torch.inference_mode():
+        run(make_sessions(2, quick=True, seed=99, vocab=model.config.vocab_size))  # warm-up
+        generated = requests = padding_tokens = 0
+        ttfts.clear()
+        start = time.perf_counter()
+        for i in range(0, len(sessions), concurrency):
+            run(sessions[i : i + concurrency])
+        wall = time.perf_counter() - start
+    return generated, wall, requests, ttfts, {"padding_tokens": padding_tokens}
+
+
+def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int) -> tuple[int, float, int, list[float], dict]:
+    import httpx
+
+    from agentrl.engines.sglang_cpu.server import launch_sglang_cpu_server
+
+    threads = torch.get_num_threads()
+    with launch_sglang_cpu_server(model_dir, threads=threads, extra_args=("--skip-tokenizer-init",)) as server:
+        ttfts: list[float] = []
+
+        async def drive():
+            async with httpx.AsyncClient(base_url=server.url, timeout=600) as http:
+
+                async def generate(ids, n, seed, rid):
+                    payload = {
+                        "input_ids": ids,
+                        "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "sampling_seed": seed},
+                        "stream": True,
+                        "rid": rid,
+                    }  # fmt: skip
+                    start = time.perf_counter()
+                    last = None
+                    async with http.stream("POST", "/generate", json=payload) as response:
+                        response.raise_for_status()
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                                continue
+                            if last is None:
+                                ttfts.append(time.perf_counter() - start)
+                            last = json.loads(line[5:])
+                    return list(last["output_ids"]) if last else []
+
+                await _drive_sessions(generate, make_sessions(2, quick=True, seed=99, vocab=model.config.vocab_size), 2)  # warm-up
+                ttfts.clear()
+                return await _drive_sessions(generate, sessions, concurrency)
+
+        generated, wall, requests = asyncio.run(drive())
+        return generated, wall, requests, ttfts, {"server_ready_s": server.ready_after_s}
+
+
+def _sglang_unavailable() -> str | None:
+    try:
+        from agentrl.engines.sglang_cpu.env import unavailable_reason
+    except ImportError as exc:
+        return f"agentrl.engines.sglang_cpu is not importable: {exc}"
+    return unavailable_reason()
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    gflops = measure_matmul_gflops()
+    sglang_reason = _sglang_unavailable() if "sglang" in args.engines else None
+    rows: list[Row] = []
+    skipped: dict[str, str] = {}
+    if sglang_reason:
+        skipped["sglang"] = sglang_reason
+    for size in args.models:
+        model = build_model(size)
+        params = sum(p.numel() for p in model.parameters())
+        model_dir = None
+        for concurrency in args.concurrency:
+            count = sessions_for(concurrency, args.quick)
+            sessions = make_sessions(count, quick=args.quick, seed=args.seed, vocab=model.config.vocab_size)
+            for engine in args.engines:
+                if engine == "sglang" and sglang_reason:
+                    continue
+                if engine == "hf_static" and concurrency == 1 and size == "18m" and args.quick:
+                    skipped.setdefault("hf_static@18m,c=1", "skipped in --quick (slow)")
+                    continue
+                if engine == "sglang" and model_dir is None:
+                    model_dir = Path(tempfile.mkdtemp(prefix=f"agentrl-bench-{size}-"))
+                    model.save_pretrained(model_dir)
+                runner = {"builtin": lambda: run_builtin(model, sessions, concurrency),
+                          "hf_static": lambda: run_hf_static(model, sessions, concurrency),
+                          "sglang": lambda: run_sglang(model_dir, sessions, concurrency)}[engine]  # fmt: skip
+                generated, wall, requests, ttfts, extra = runner()
+                tps = generated / wall
+                rows.append(
+                    Row(
+                        engine=engine,
+                        model_params=params,
+                        concurrency=concurrency,
+                        tokens_per_s=round(tps, 1),
+                        ttft_p99_ms=None if _p99(ttfts) is None else round(_p99(ttfts), 1),
+                        flop_limit_fraction=round(tps * 2 * params / (gflops * 1e9), 4),
+                        generated_tokens=generated,
+                        requests=requests,
+                        wall_s=round(wall, 2),
+                        extra=extra,
+                    )
+                )
+                print(f"# {engine:9s} {size:4s} c={concurrency:<3d} {tps:8.1f} tok/s  ttft p99 {rows[-1].ttft_p99_ms} ms", file=sys.stderr)
+    return {
+        "benchmark": "engine",
+        "machine": {
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "matmul_gflops": round(gflops, 1),
+        },
+        "workload": {
+            "sessions_per_run": {c: sessions_for(c, args.quick) for c in args.concurrency},
+            "turns": "1-4",
+            "prompt_tokens": "16-96" if args.quick else "32-192",
+            "output_tokens_per_turn": "16-64" if args.quick else "32-128",
+            "observation_tokens": "4-24" if args.quick else "8-48",
+            "sampling": "temperature 1.0, no stop tokens",
+            "seed": args.seed,
+        },
+        "results": [{k: v for k, v in asdict(r).items() if k != "extra"} | {"extra": r.extra} for r in rows],
+        "ratios": _ratios(rows),
+        "floors": _floors(rows),
+        "skipped": skipped,
+    }
+
+
+def _ratios(rows: list[Row]) -> list[dict]:
+    by_key = {(r.engine, r.model_params, r.concurrency): r for r in rows}
+    out = []
+    for (engine, params, concurrency), row in by_key.items():
+        if engine != "builtin":
+            continue
+        entry = {"model_params": params, "concurrency": concurrency}
+        if (static := by_key.get(("hf_static", params, concurrency))) is not None:
+            entry["builtin_over_hf_static"] = round(row.tokens_per_s / static.tokens_per_s, 2)
+        if (sglang := by_key.get(("sglang", params, concurrency))) is not None:
+            entry["builtin_over_sglang"] = round(row.tokens_per_s / sglang.tokens_per_s, 2)
+        out.append(entry)
+    return out
+
+
+def _floors(rows: list[Row]) -> dict:
+    """The issue's floors at 64 concurrent requests on the ~18M model."""
+    big = max((r.model_params for r in rows), default=0)
+    builtin = next((r for r in rows if r.engine == "builtin" and r.model_params == big and r.concurrency == 64), None)
+    static = next((r for r in rows if r.engine == "hf_static" and r.model_params == big and r.concurrency == 64), None)
+    if builtin is None or big < 10_000_000:
+        return {"checked": False, "why": "needs the ~18M model at concurrency 64"}
+    ratio = builtin.tokens_per_s / static.tokens_per_s if static else None
+    return {
+        "checked": True,
+        "builtin_over_hf_static": None if ratio is None else round(ratio, 2),
+        "builtin_over_hf_static_floor": 1.5,
+        "flop_limit_fraction": builtin.flop_limit_fraction,
+        "flop_limit_fraction_floor": 0.6,
+        "pass": bool(ratio is not None and ratio >= 1.5 and builtin.flop_limit_fraction >= 0.6),
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl bench engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object (progress lines go to stderr)")
+    parser.add_argument("--quick", action="store_true", help="shorter sessions, concurrency 1,16,64, fewer sessions")
+    parser.add_argument("--models", default="18m,1m", help="comma-separated tiny model sizes (agentrl.tiny): 18m, 5m, 1m")
+    parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,16,64,256; --quick 1,16,64)")
+    parser.add_argument("--engines", default="builtin,hf_static,sglang", help="comma-separated: builtin, hf_static, sglang")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: OMP_NUM_THREADS)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.concurrency = [int(c) for c in (args.concurrency or ("1,16,64" if args.quick else "1,16,64,256")).split(",")]
+    from agentrl.tiny import TINY_SIZES
+
+    bad = [m for m in args.models if m not in TINY_SIZES] + [e for e in args.engines if e not in ("builtin", "hf_static", "sglang")]
+    if bad:
+        parser.error(f"unknown model or engine: {', '.join(bad)}")
+    report = run_benchmark(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"matmul rate: {report['machine']['matmul_gflops']} GFLOP/s ({report['machine']['threads']} threads)")
+        print(f"{'engine':10s} {'params':>10s} {'conc':>5s} {'tok/s':>9s} {'ttft p99 ms':>12s} {'flop frac':>9s}")
+        for r in report["results"]:
+            print(f"{r['engine']:10s} {r['model_params']:>10d} {r['concurrency']:>5d} {r['tokens_per_s']:>9.1f} {str(r['ttft_p99_ms']):>12s} {r['flop_limit_fraction']:>9.3f}")
+        for ratio in report["ratios"]:
+            print(ratio)
+        print("floors:", report["floors"])
+        if report["skipped"]:
+            print("skipped:", report["skipped"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,148 @@
+"""Smaller parts of the engines: request parsing, checkpoint reading, launching, the package facade."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+import agentrl.engines as engines
+from agentrl.engines.base import GenerateRequest, SamplingParams
+from agentrl.engines.builtin import BuiltinEngine
+from agentrl.engines.launch import ServerSpec, launch_servers, sglang_specs
+from agentrl.engines.serve import BadRequest, build_app, parse_generate
+from agentrl.engines.weights import copy_weights_into, read_checkpoint
+from agentrl.errors import EngineUnavailable
+from enginetest import build_qwen2, reference_logprobs
+
+
+def test_generate_body_becomes_engine_requests_with_eos_added_as_a_stop():
+    parsed = parse_generate(
+        {
+            "input_ids": [[1, 2], [3]],
+            "sampling_params": [{"max_new_tokens": 5, "temperature": 0, "stop_token_ids": [7]}, {"ignore_eos": True, "sampling_seed": 4}],
+            "rid": ["a", "b"],
+            "return_logprob": True,
+        },
+        defaults={"temperature": 0.7},
+        eos_token_ids=(2,),
+    )
+    first, second = parsed.requests
+    assert (first.input_ids, first.rid, first.sampling) == ([1, 2], "a", SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=(7, 2)))
+    # unset parameters come from the model's generation config, then SGLang's defaults
+    assert second.sampling == SamplingParams(max_new_tokens=128, temperature=0.7, top_p=1.0, top_k=-1, stop_token_ids=(), seed=4)
+    assert parsed.batched and parsed.return_logprob == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ([1, 2], "the body must be a JSON object"),
+        ({"input_ids": []}, "input_ids must be a non-empty list"),
+        ({"input_ids": [1, "x"]}, "input_ids must contain only integers"),
+        ({"input_ids": [[1], []]}, "input_ids[1] must be a non-empty list"),
+        ({"input_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n=2 is not supported"),
+        ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "sampling_params: unknown parameter(s) temprature"),
+        ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid has 1 entries for 2 prompts"),
+        ({"input_ids": [1], "stream": True}, "stream=true is not supported"),
+        ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
+    ],
+)
+def test_malformed_generate_bodies_are_rejected_naming_the_field(body, message):
+    with pytest.raises(BadRequest) as info:
+        parse_generate(body, defaults={}, eos_token_ids=())
+    assert message in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_served_text_is_the_tokenizers_decoding_of_the_output(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = BuiltinEngine(tiny_model_dir)
+    prompt = tokenizer("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    try:
+        app = build_app(engine, str(tiny_model_dir), tokenizer=tokenizer)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as http:
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 1}, "return_logprob": True}
+            reply = (await http.post("/generate", json=body)).json()
+            info = (await http.get("/get_model_info")).json()
+    finally:
+        engine.close()
+    assert reply["text"] == tokenizer.decode(reply["output_ids"])
+    logprobs = [entry[0] for entry in reply["meta_info"]["output_token_logprobs"]]
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    assert logprobs == pytest.approx(reference_logprobs(reference, prompt, reply["output_ids"], 1.0), abs=1e-5)
+    assert (info["model_type"], info["weight_version"], info["is_generation"]) == ("qwen2", "0", True)
+
+
+@pytest.mark.anyio
+async def test_module_forward_fallback_matches_the_fast_path(model_dir):
+    from agentrl.engines._packed import ModuleForward, PackedDecoderForward
+
+    request = GenerateRequest([4, 8, 15, 16, 23, 42], SamplingParams(max_new_tokens=10, temperature=0.8, seed=2))
+    outputs = []
+    for forward in (PackedDecoderForward, ModuleForward):
+        engine = BuiltinEngine(model_dir)
+        engine._forward = forward(engine.model, engine.max_seq_len) if forward is PackedDecoderForward else forward(engine.model)
+        try:
+            outputs.append(await engine.generate(request))
+        finally:
+            engine.close()
+    assert outputs[0].output_ids == outputs[1].output_ids
+    assert outputs[0].logprobs == pytest.approx(outputs[1].logprobs, abs=1e-6)
+
+
+def test_sharded_checkpoint_is_read_whole_and_partial_updates_need_strict_false(tmp_path):
+    model = build_qwen2(seed=3)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    state = read_checkpoint(tmp_path)
+    target = build_qwen2(seed=4)
+    assert copy_weights_into(target, state) == len(state)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
+    bucket = {"model.norm.weight": torch.full((64,), 2.0)}
+    with pytest.raises(ValueError, match="no value for"):
+        copy_weights_into(target, bucket)
+    assert copy_weights_into(target, bucket, strict=False) == 1
+    assert torch.equal(target.model.norm.weight, torch.full((64,), 2.0))
+
+
+def test_missing_checkpoint_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        read_checkpoint(tmp_path)
+
+
+def test_sglang_servers_get_their_own_gpus_and_ports():
+    specs = sglang_specs("/ckpt", num_servers=2, tp_size=2, python="/venv/bin/python", ports=[30000, 30001], extra_args=("--dtype", "bfloat16"))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
+    assert specs[1].command == [
+        "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/ckpt", "--tp-size", "2",
+        "--host", "127.0.0.1", "--port", "30001", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    assert specs[1].url == "http://127.0.0.1:30001"
+
+
+def test_a_server_that_dies_during_start_up_is_reported_with_its_log(tmp_path):
+    spec = ServerSpec([sys.executable, "-c", "print('bad flag --foo'); raise SystemExit(3)"], port=1)
+    with pytest.raises(EngineUnavailable) as info:
+        launch_servers([spec], ready_timeout_s=30, log_dir=tmp_path)
+    assert "exited with 3 during start-up" in str(info.value) and "bad flag --foo" in str(info.value)
+
+
+def test_agentrl_serve_help_runs_without_a_model():
+    result = subprocess.run([sys.executable, "-m", "agentrl.engines.serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--max-batch-size" in result.stdout
+
+
+def test_engines_package_exports_what_it_documents():
+    assert engines.__all__ == sorted(
+        ["BuiltinEngine", "EngineStats", "StepRecord", "SGLangEngine", "SGLangClient", "ServerSpec", "launch_servers", "sglang_specs", "serve_specs"]
+    )
+    for name in engines.__all__:
+        assert getattr(engines, name).__name__ == name
