@@ -58,10 +58,11 @@ def perturbed_model_dir(served_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sglang_url(served_model_dir):
+def sglang_url(served_model_dir, tmp_path_factory):
     started = time.perf_counter()
+    logs = tmp_path_factory.mktemp("sglang-logs")
     # Generous start-up timeout: the two cores are shared with the rest of the suite.
-    with launch_sglang_cpu_server(served_model_dir, threads=2, ready_timeout_s=300.0) as servers:
+    with launch_sglang_cpu_server(served_model_dir, threads=2, ready_timeout_s=300.0, log_dir=logs) as servers:
         rss = process_group_rss_bytes(servers.servers[0].process.pid)
         print(f"\nsglang CPU server ready after {time.perf_counter() - started:.1f} s, RSS {rss / 2**30:.2f} GiB")
         yield servers.urls[0]
