@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from agentrl.errors import PluginError
 
-__all__ = ["GROUPS", "ALIASES", "PluginSpec", "PluginRegistry", "discover", "load_plugin"]
+__all__ = ["GROUPS", "ALIASES", "PluginSpec", "PluginRegistry", "discover", "refresh", "load_plugin"]
 
 GROUPS: tuple[str, ...] = (
     "agentrl.agent_loops",
@@ -62,6 +62,11 @@ def _scan() -> tuple[PluginSpec, ...]:
         # the same distribution can be visible twice (e.g. an editable install plus a build dir)
         specs.setdefault((ep.group, ep.name, dist), PluginSpec(ep.group, ep.name, ep.value, dist))
     return tuple(sorted(specs.values(), key=lambda s: (s.group, s.name, s.distribution or "")))
+
+
+def refresh() -> None:
+    """Forget the scan of installed metadata (after installing a plugin in a running process)."""
+    _scan.cache_clear()
 
 
 def discover(group: str | None = None) -> list[PluginSpec]:
