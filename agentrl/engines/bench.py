@@ -240,17 +240,19 @@ def run_hf_static(model, sessions: list[Session], concurrency: int) -> tuple[int
     return generated, wall, requests, ttfts, {"padding_tokens": padding_tokens}
 
 
-def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int) -> tuple[int, float, int, list[float], dict]:
+def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int, vocab: int) -> tuple[int, float, int, list[float], dict]:
     import httpx
 
     from agentrl.engines.sglang_cpu.server import launch_sglang_cpu_server
 
     threads = torch.get_num_threads()
-    with launch_sglang_cpu_server(model_dir, threads=threads, extra_args=("--skip-tokenizer-init",)) as server:
+    launched = time.perf_counter()
+    with launch_sglang_cpu_server(model_dir, threads=threads, extra_args=("--skip-tokenizer-init",)) as servers:
+        ready_s = time.perf_counter() - launched
         ttfts: list[float] = []
 
         async def drive():
-            async with httpx.AsyncClient(base_url=server.url, timeout=600) as http:
+            async with httpx.AsyncClient(base_url=servers.urls[0], timeout=600) as http:
 
                 async def generate(ids, n, seed, rid):
                     payload = {
@@ -271,12 +273,12 @@ def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int) -> tu
                             last = json.loads(line[5:])
                     return list(last["output_ids"]) if last else []
 
-                await _drive_sessions(generate, make_sessions(2, quick=True, seed=99, vocab=model.config.vocab_size), 2)  # warm-up
+                await _drive_sessions(generate, make_sessions(2, quick=True, seed=99, vocab=vocab), 2)  # warm-up
                 ttfts.clear()
                 return await _drive_sessions(generate, sessions, concurrency)
 
         generated, wall, requests = asyncio.run(drive())
-        return generated, wall, requests, ttfts, {"server_ready_s": server.ready_after_s}
+        return generated, wall, requests, ttfts, {"server_ready_s": round(ready_s, 1)}
 
 
 def _sglang_unavailable() -> str | None:
@@ -316,7 +318,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     model.save_pretrained(model_dir)
                 runner = {"builtin": lambda: run_builtin(model, sessions, concurrency),
                           "hf_static": lambda: run_hf_static(model, sessions, concurrency),
-                          "sglang": lambda: run_sglang(model_dir, sessions, concurrency)}[engine]  # fmt: skip
+                          "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size)}[engine]  # fmt: skip
                 generated, wall, requests, ttfts, extra = runner()
                 tps = generated / wall
                 rows.append(

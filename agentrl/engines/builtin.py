@@ -60,6 +60,7 @@ from agentrl.errors import EngineError, EngineUnavailable
 __all__ = ["BuiltinEngine", "EngineStats", "StepRecord"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PARTIAL_PREFIX_CANDIDATES = 8  # retained slots examined for a partial prefix match per admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,12 +157,21 @@ class _Slots:
         return avoid
 
     def _best_prefix(self, tokens: list[int]) -> tuple[int | None, int]:
-        best, best_len = None, 0
         limit = len(tokens) - 1  # at least one token must be computed to get next-token logits
+        # A retained slot whose whole content starts the request (the next turn of its conversation)
+        # is the common case; one C-level list comparison per slot finds it.
+        best, best_len = None, 0
         for slot, cached in self.retained.items():
-            if cached[0] != tokens[0]:
-                continue
-            shared = _common_prefix(cached, tokens, limit)
+            if best_len < len(cached) <= limit and tokens[: len(cached)] == cached:
+                best, best_len = slot, len(cached)
+        if best is not None:
+            return best, best_len
+        # Otherwise a partial prefix (another sample of the same prompt, a shared system prompt):
+        # measure it on the most recently retained slots that share at least the first tokens.
+        probe = min(4, limit)
+        candidates = [s for s, cached in reversed(self.retained.items()) if probe and cached[:probe] == tokens[:probe]]
+        for slot in candidates[:_PARTIAL_PREFIX_CANDIDATES]:
+            shared = _common_prefix(self.retained[slot], tokens, limit)
             if shared > best_len:
                 best, best_len = slot, shared
         return best, best_len
@@ -398,13 +408,16 @@ class BuiltinEngine:
             self._fatal = exc
             raise
         finally:
+            with self._cv:
+                self._closed = True  # later calls fail at once instead of waiting on a dead worker
             self._fail_all(EngineUnavailable(f"the built-in engine stopped: {self._fatal!r}" if self._fatal else "the built-in engine is closed"))
 
     def _has_work(self) -> bool:
+        admissible = bool(self._waiting) and not self._updates  # an update holds back admission
         return bool(
-            self._inbox or self._running or self._waiting and not self._updates
-            or self._updates or self._abort_rids or self._abort_all or self._flush_requested
-        )
+            self._inbox or self._running or admissible or self._updates
+            or self._abort_rids or self._abort_all or self._flush_requested
+        )  # fmt: skip
 
     def _updates_pending(self) -> bool:
         with self._cv:
