@@ -1,67 +1,129 @@
-"""``calculator``: evaluates an arithmetic expression safely (no names, no calls, bounded size)."""
+"""``calculator``: evaluates an arithmetic expression safely.
+
+The expression is parsed with :mod:`ast` and walked by hand: numbers, ``+ - * / // % **``,
+unary signs and parentheses, nothing else (no names, no calls, no attributes), so a model
+cannot reach Python through it. Work is bounded: at most ``MAX_CHARS`` characters, exponents
+of at most ``MAX_EXPONENT`` and every number (literal or intermediate) within ``MAX_ABS``.
+``^`` and ``×`` are read as ``**`` and ``*`` because models write them.
+
+Results are text: integers and integral floats without a fraction (``48/2`` -> ``24``),
+other floats rounded to 6 decimals with trailing zeros dropped (``1/3`` -> ``0.333333``),
+numbers too small for that in 6 significant digits (``1e-9`` -> ``1e-09``). Every problem is a
+:class:`~agentrl.errors.ToolError` whose message is what the model is shown.
+
+Every calculator annotation of the GSM8K training file (23,716) evaluates to its annotated
+value (``tests/agent/test_tools_builtin.py``).
+"""
 
 from __future__ import annotations
 
 import ast
 import math
 import operator
-from typing import Any
+from typing import Any, Callable
 
 from agentrl.agent.tool import Tool, ToolResult
 from agentrl.errors import ToolError
 
-__all__ = ["CalculatorTool", "evaluate"]
+__all__ = ["CalculatorTool", "evaluate", "format_number", "MAX_ABS", "MAX_EXPONENT", "MAX_CHARS"]
 
-_BINARY = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+MAX_ABS = 10**18  # largest magnitude of any number along the way
+MAX_EXPONENT = 64  # largest |exponent| of **
+MAX_CHARS = 500  # longest expression accepted (bounds parse time and recursion depth)
+
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
-MAX_ABS = 10**18
-MAX_EXPONENT = 64
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def evaluate(expression: str) -> int | float:
+    """The value of an arithmetic expression; ``ToolError`` says why there is none."""
+    text = expression.strip().replace("^", "**").replace("×", "*")
+    if not text:
+        raise ToolError("empty expression")
+    if len(text) > MAX_CHARS:
+        raise ToolError(f"expression too long ({len(text)} characters, at most {MAX_CHARS})")
     try:
-        tree = ast.parse(expression.replace("^", "**").replace("×", "*"), mode="eval")
+        tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
-        raise ToolError(f"cannot parse {expression!r}: {exc.msg}") from None
-    return _eval(tree.body)
+        shown = expression if len(expression) <= 60 else expression[:57] + "..."
+        raise ToolError(f"cannot parse {shown!r}: {exc.msg}") from None
+    try:
+        return _eval(tree.body)
+    except RecursionError:
+        raise ToolError("expression nested too deeply") from None
 
 
 def _eval(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return node.value
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ToolError(f"only numbers are allowed, not {value!r}")
+        return _checked(value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise ToolError(f"exponent {right} is too large (at most {MAX_EXPONENT})")
+            raise ToolError(f"exponent {format_number(right)} is too large (at most {MAX_EXPONENT})")
         try:
             value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise ToolError("division by zero") from None
-        if isinstance(value, complex) or (isinstance(value, (int, float)) and abs(value) > MAX_ABS):
-            raise ToolError("result out of range")
-        return value
-    raise ToolError(f"unsupported expression element: {type(node).__name__} (only numbers and + - * / // % ** are allowed)")
+        except OverflowError:
+            raise ToolError(f"result out of range (larger than {MAX_ABS:.0e})") from None
+        if isinstance(value, complex):
+            raise ToolError("the result is not a real number")
+        return _checked(value)
+    raise ToolError(_refusal(node))
+
+
+def _checked(value: int | float) -> int | float:
+    if (isinstance(value, float) and not math.isfinite(value)) or abs(value) > MAX_ABS:
+        raise ToolError(f"result out of range (larger than {MAX_ABS:.0e})")
+    return value
+
+
+def _refusal(node: ast.AST) -> str:
+    """Why ``node`` is not arithmetic, in words the model can act on."""
+    allowed = "only numbers, + - * / // % ** and parentheses are allowed"
+    if isinstance(node, ast.Name):
+        return f"unknown name {node.id!r}: {allowed}"
+    if isinstance(node, ast.Call):
+        return f"function calls are not allowed: {allowed}"
+    if isinstance(node, ast.Tuple):
+        return f"commas are not allowed (write 1000, not 1,000): {allowed}"
+    return f"unsupported {type(node).__name__}: {allowed}"
 
 
 def format_number(value: int | float) -> str:
-    if isinstance(value, float):
-        if math.isfinite(value) and value == int(value):
-            return str(int(value))
-        return f"{value:.6f}".rstrip("0").rstrip(".")
-    return str(value)
+    """Integers as they are, floats to 6 decimals without trailing zeros."""
+    if isinstance(value, int):
+        return str(value)
+    if value == int(value):
+        return str(int(value))
+    if abs(value) < 1e-6:
+        return f"{value:.6g}"
+    return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
 class CalculatorTool(Tool):
+    """Evaluates one arithmetic expression per call. No configuration, no per-trajectory state."""
+
     name = "calculator"
     description = "Evaluate an arithmetic expression with + - * / // % ** and parentheses."
     parameters = {
         "type": "object",
-        "properties": {"expression": {"type": "string", "description": "for example 4821 * 37"}},
+        "properties": {
+            "expression": {"type": "string", "description": "the expression to evaluate, for example 4821 * 37"},
+        },
         "required": ["expression"],
     }
 
