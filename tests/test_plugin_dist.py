@@ -1,148 +1,197 @@
-"""Third-party plugins through real distribution metadata: listed, resolved in other processes
-(a Ray actor included), a broken one isolated, duplicate names resolved by configuration."""
+"""Third-party plugins through real distribution metadata.
+
+The throwaway distribution ``myplugin`` (source: ``tests/fixtures/plugin_dist/``) is installed
+unpacked on a temporary path - its modules next to a ``myplugin-0.1.dist-info`` written from
+its ``pyproject.toml``, the layout pip leaves in site-packages - and never imported by hand:
+everything below finds it through ``importlib.metadata``, in this process, in subprocesses
+(the CLI) and in a Ray actor. It adds a tool, an interaction and an agent loop, a tool that
+fails, a tool whose name collides with a built-in, and a reward whose module cannot be imported.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
-import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
 
 import agentrl.plugins as plugins
+from agentrl.data.row import Row
 from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry
 
-PLUGIN_SOURCE = '''
-from agentrl.agent.interaction import Interaction, InteractionResponse
-from agentrl.agent.loop import AgentLoop
-from agentrl.agent.tool import Tool, ToolResult
+FIXTURE = Path(__file__).parent / "fixtures" / "plugin_dist"
+MINE = {
+    ("agentrl.tools", "shout"), ("agentrl.tools", "explode"), ("agentrl.tools", "calculator"),
+    ("agentrl.interactions", "always_right"), ("agentrl.agent_loops", "one_shot"), ("agentrl.rewards", "broken"),
+}
 
 
-class ShoutTool(Tool):
-    name = "shout"
-    description = "Upper-cases text."
-    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-
-    async def execute(self, instance_id, arguments, **kwargs):
-        return ToolResult(text=arguments["text"].upper(), reward=0.25)
-
-
-class AlwaysRightInteraction(Interaction):
-    async def generate_response(self, instance_id, messages):
-        return InteractionResponse(done=True, text="", reward=1.0)
-
-
-class OneShotLoop(AgentLoop):
-    name = "one_shot"
-
-    async def play(self, episode):
-        _, _, text = await episode.generate()
-        episode.messages.append({"role": "assistant", "content": text})
-        episode.own_score = 0.75
-        return "stop"
-'''
-
-ENTRY_POINTS = """
-[agentrl.tools]
-shout = myplugin_mod:ShoutTool
-calculator = myplugin_mod:ShoutTool
-
-[agentrl.interactions]
-always_right = myplugin_mod:AlwaysRightInteraction
-
-[agentrl.agent_loops]
-one_shot = myplugin_mod:OneShotLoop
-
-[agentrl.rewards]
-broken = myplugin_broken:compute_score
-"""
-
-
-def make_distribution(root: Path) -> Path:
-    """A real (unpacked) distribution on a path of its own: module source + dist-info."""
-    root.mkdir(parents=True)
-    (root / "myplugin_mod.py").write_text(PLUGIN_SOURCE)
-    (root / "myplugin_broken.py").write_text("raise ImportError('this plugin is broken on purpose')\n")
-    info = root / "myplugin-0.1.dist-info"
+def install_unpacked(source: Path, site: Path) -> Path:
+    """Lay out ``source`` (a pyproject.toml project of top-level modules) as an installed
+    distribution in ``site``: the modules plus ``<name>-<version>.dist-info``."""
+    pyproject = tomllib.loads((source / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    site.mkdir(parents=True)
+    files = []
+    for module in pyproject["tool"]["setuptools"]["py-modules"]:
+        shutil.copy(source / f"{module}.py", site)
+        files.append(f"{module}.py")
+    info = site / f"{project['name']}-{project['version']}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: myplugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent(ENTRY_POINTS))
-    (info / "RECORD").write_text("")
-    return root
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    (info / "entry_points.txt").write_text(
+        "".join(
+            f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in entries.items()) + "\n"
+            for group, entries in project["entry-points"].items()
+        )
+    )
+    files += [f"{info.name}/METADATA", f"{info.name}/entry_points.txt", f"{info.name}/RECORD"]
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+    return site
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    return install_unpacked(FIXTURE, tmp_path_factory.mktemp("plugin-dist") / "site")
 
 
 @pytest.fixture
-def dist_path(tmp_path, monkeypatch):
-    root = make_distribution(tmp_path / "site")
-    monkeypatch.syspath_prepend(str(root))
-    plugins.refresh()
-    yield root
+def dist_path(site, monkeypatch):
+    monkeypatch.syspath_prepend(str(site))
+    plugins.refresh()  # the scan of installed metadata is cached per process
+    yield site
+    monkeypatch.undo()
     plugins.refresh()
 
 
-def env_with(path: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")])}
+def agentrl(site: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_the_distribution_is_invisible_until_its_path_is_on_sys_path(site):
+    plugins.refresh()
+    assert not any(spec.distribution == "myplugin" for spec in plugins.discover())
 
 
 def test_plugins_list_json_shows_the_distribution(dist_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "plugins", "list", "--json"],
-        capture_output=True, text=True, check=True, env=env_with(dist_path),
-    )
+    out = agentrl(dist_path, "plugins", "list", "--json")
+    assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert all(set(row) == {"group", "name", "target", "distribution"} for row in rows)
-    mine = {(r["group"], r["name"]) for r in rows if r["distribution"] == "myplugin"}
-    assert mine == {
-        ("agentrl.tools", "shout"), ("agentrl.tools", "calculator"), ("agentrl.interactions", "always_right"),
-        ("agentrl.agent_loops", "one_shot"), ("agentrl.rewards", "broken"),
-    }
+    assert {(r["group"], r["name"]) for r in rows if r["distribution"] == "myplugin"} == MINE
+    assert {"group": "agentrl.agent_loops", "name": "one_shot", "target": "myplugin_mod:OneShotLoop", "distribution": "myplugin"} in rows
     assert {"group": "agentrl.tools", "name": "calculator", "target": "agentrl_tools.calculator:CalculatorTool", "distribution": "agentrl"} in rows
 
 
+def test_plugins_list_check_flags_only_the_broken_plugin(dist_path):
+    out = agentrl(dist_path, "plugins", "list", "--json", "--check")
+    assert out.returncode == 1  # something is broken
+    broken = {(r["group"], r["name"], r["distribution"]): r["error"] for r in json.loads(out.stdout) if r["error"] is not None}
+    assert list(broken) == [("agentrl.rewards", "broken", "myplugin")]
+    assert "entry point broken = myplugin_broken:compute_score, distribution myplugin" in broken[("agentrl.rewards", "broken", "myplugin")]
+
+
 def test_tool_interaction_and_loop_from_the_distribution_resolve(dist_path):
+    from agentrl.agent.interaction import Interaction
+    from agentrl.agent.loop import AgentLoop
+    from agentrl.agent.tool import Tool
+
     registry = PluginRegistry()
-    tool = registry.load("tools", "shout")()
-    result = asyncio.run(tool.execute("i", {"text": "hi"}))
-    assert (result.text, result.reward) == ("HI", 0.25)
-    assert registry.load("interactions", "always_right").__name__ == "AlwaysRightInteraction"
-    assert registry.load("agent_loops", "one_shot").name == "one_shot"
+    tool_cls = registry.load("tools", "shout")
+    result = asyncio.run(tool_cls().execute("i", {"text": "hi"}))
+    assert (result.text, result.reward, result.metrics) == ("HI", 0.25, {"chars": 2.0})
+    assert issubclass(tool_cls, Tool)
+    assert issubclass(registry.load("interactions", "always_right"), Interaction)
+    loop_cls = registry.load("agent_loops", "one_shot")
+    assert issubclass(loop_cls, AgentLoop) and loop_cls.name == "one_shot"
 
 
 def test_broken_plugin_is_named_and_isolated(dist_path):
     registry = PluginRegistry()
     with pytest.raises(PluginError) as info:
         registry.load("rewards", "broken")
-    message = str(info.value)
-    assert "entry point broken = myplugin_broken:compute_score" in message
-    assert "distribution myplugin" in message and "this plugin is broken on purpose" in message
+    assert str(info.value) == (
+        "plugin 'broken' in group agentrl.rewards (entry point broken = myplugin_broken:compute_score, "
+        "distribution myplugin) failed to load: ImportError: this plugin is broken on purpose"
+    )
     assert registry.load("rewards", "gsm8k").__name__ == "gsm8k_strict"  # the others still load
     assert registry.load("tools", "shout").name == "shout"
 
 
 def test_duplicate_name_is_an_error_until_the_config_chooses(dist_path):
-    with pytest.raises(PluginError, match=r"offered by several distributions \(agentrl, myplugin\); choose one with plugins.prefer.tools.calculator=<distribution>"):
+    with pytest.raises(PluginError) as info:
         PluginRegistry().load("tools", "calculator")
+    assert str(info.value) == (
+        "plugin name 'calculator' in group agentrl.tools is offered by several distributions (agentrl, myplugin); "
+        "choose one with plugins.prefer.tools.calculator=<distribution>"
+    )
     assert PluginRegistry({"tools": {"calculator": "agentrl"}}).load("tools", "calculator").__module__ == "agentrl_tools.calculator"
-    assert PluginRegistry({"tools": {"calculator": "myplugin"}}).load("tools", "calculator").__name__ == "ShoutTool"
+    assert PluginRegistry({"agentrl.tools": {"calculator": "myplugin"}}).load("tools", "calculator").__name__ == "ShoutTool"
+    # a preference naming a distribution that does not offer the name does not silently pick one
+    with pytest.raises(PluginError, match="offered by several distributions"):
+        PluginRegistry({"tools": {"calculator": "nobody"}}).load("tools", "calculator")
+
+
+def test_tools_call_takes_prefer_for_a_duplicate_name(dist_path):
+    ambiguous = agentrl(dist_path, "tools", "call", "calculator", "--arguments", '{"expression": "3*4"}')
+    assert ambiguous.returncode == 1 and "plugins.prefer.tools.calculator" in json.loads(ambiguous.stdout)["error"]
+    builtin = agentrl(dist_path, "tools", "call", "calculator", "--prefer", "agentrl", "--arguments", '{"expression": "3*4"}')
+    assert json.loads(builtin.stdout)["text"] == "12"
+    theirs = agentrl(dist_path, "tools", "call", "calculator", "--prefer", "myplugin", "--arguments", '{"text": "a"}')
+    assert json.loads(theirs.stdout) == {"text": "A", "reward": 0.25, "metrics": {"chars": 1.0}, "calc_reward": None}
+
+
+def test_tools_call_reports_a_failing_tool_and_still_releases_it(dist_path, tmp_path):
+    log = tmp_path / "lifecycle.txt"
+    out = agentrl(
+        dist_path, "tools", "call", "explode", "--arguments", "{}", "--create-kwargs", '{"seed": 1}',
+        "--config", json.dumps({"log": str(log)}),
+    )
+    assert out.returncode == 1
+    assert json.loads(out.stdout) == {"error": "explode failed: RuntimeError: boom"}
+    assert "RuntimeError: boom" in out.stderr  # the traceback, for the plugin's author
+    assert log.read_text().splitlines() == ["create [('seed', 1)]", "execute", "release"]
+
+
+def make_row(**fields) -> Row:
+    return Row.model_validate({"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], **fields})
 
 
 def test_custom_loop_from_the_distribution_runs_a_rollout(dist_path, tiny_tokenizer):
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.scripted import ScriptedEngine
     from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
-    from agentrl.data.row import Row
 
-    row = Row.model_validate({"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], "agent_name": "one_shot"})
     engine = ScriptedEngine(tiny_tokenizer, {"r": ["hello"]})
     ctx = build_context(engine, tiny_tokenizer, agent=AgentConfig(), rollout=RolloutConfig(), reward=RewardConfig(),
                         max_response_tokens=64, tool_names=["shout"])
-    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r", row)]))
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r", make_row(agent_name="one_shot"))]))
     assert (t.agent_name, t.reward, t.finish_reason) == ("one_shot", 0.75, "stop")
+    assert t.messages[-1] == {"role": "assistant", "content": "hello"}
+
+
+def test_plugin_tool_and_interaction_drive_the_builtin_tool_loop(dist_path, tiny_tokenizer):
+    from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+    from agentrl.agent.scripted import ScriptedEngine
+    from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+
+    call = '<tool_call>\n{"name": "shout", "arguments": {"text": "hi"}}\n</tool_call>'
+    engine = ScriptedEngine(tiny_tokenizer, {"r": [call, "done"]})
+    ctx = build_context(engine, tiny_tokenizer, agent=AgentConfig(), rollout=RolloutConfig(), reward=RewardConfig(),
+                        max_response_tokens=256, tool_names=["shout"])
+    row = make_row(agent_name="tool_agent", extra_info={"tools_kwargs": {"shout": {}}, "interaction_kwargs": {"name": "always_right"}})
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r", row)]))
+    assert t.finish_reason == "interaction_done"
+    assert [(c.name, c.result, c.reward) for c in t.tool_calls] == [("shout", "HI", 0.25)]
+    assert [(turn.role, turn.reward) for turn in t.turns] == [("assistant", 0.25), ("tool", None), ("assistant", 1.0)]
 
 
 @pytest.mark.ray
@@ -157,21 +206,31 @@ def test_plugins_resolve_inside_a_ray_actor(dist_path):
 
         @ray.remote(num_cpus=0.5)
         class Worker:
+            """Knows nothing of myplugin: everything comes from the installed metadata."""
+
             def call(self):
                 import asyncio
 
+                from agentrl.errors import PluginError
                 from agentrl.plugins import PluginRegistry, discover
 
                 registry = PluginRegistry()
                 tool = registry.load("tools", "shout")()
                 text = asyncio.run(tool.execute("i", {"text": "ray"})).text
+                interaction = registry.load("interactions", "always_right")()
+                done = asyncio.run(interaction.generate_response("i", [])).done
                 loop = registry.load("agent_loops", "one_shot").name
+                try:
+                    registry.load("rewards", "broken")
+                    broken = None
+                except PluginError as exc:
+                    broken = str(exc)
                 dists = sorted({s.distribution for s in discover("tools")})
-                return text, loop, dists
+                return text, done, loop, broken, dists
 
-        worker = Worker.remote()
-        text, loop, dists = ray.get(worker.call.remote(), timeout=120)
+        text, done, loop, broken, dists = ray.get(Worker.remote().call.remote(), timeout=120)
     finally:
         ray.shutdown()
-    assert (text, loop) == ("RAY", "one_shot")
+    assert (text, done, loop) == ("RAY", True, "one_shot")
+    assert "distribution myplugin) failed to load: ImportError" in broken
     assert dists == ["agentrl", "myplugin"]
