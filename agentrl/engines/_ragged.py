@@ -74,6 +74,7 @@ class SlotKVCache:
                 tensors[layer] = grown
         self.capacity = new_capacity
 
+    @torch.inference_mode()  # the cache tensors are inference tensors (made inside the step)
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
         for tensors in (self.keys, self.values):
