@@ -1,0 +1,126 @@
+"""torch.distributed plumbing for the FSDP2 workers: process group, sharding, full state dicts.
+
+Every worker rank is one process: ``init_distributed`` joins the group (gloo on CPU, NCCL on
+GPU) and returns a 1-D device mesh; ``shard_model`` applies FSDP2's ``fully_shard`` to each
+decoder layer and then to the root (which takes the embeddings, the tied head and the norm).
+Full state dicts are gathered to rank 0 (on the CPU) for weight sync, checkpoints and export,
+and loaded back by broadcasting from rank 0, so a checkpoint does not depend on the world size.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+__all__ = [
+    "free_port",
+    "resolve_device",
+    "init_distributed",
+    "shard_model",
+    "gather_model_state",
+    "load_model_state",
+    "gather_optimizer_state",
+    "load_optimizer_state",
+    "drop_tied_duplicates",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when a GPU is visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible to this process")
+    return torch.device(name)
+
+
+def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> DeviceMesh:
+    """Join (or reuse) the default process group and return a 1-D mesh over all ranks."""
+    os.environ.update(
+        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    elif dist.get_world_size() != world_size:
+        raise RuntimeError(
+            f"this process already belongs to a process group of {dist.get_world_size()} ranks, not {world_size}"
+        )
+    return init_device_mesh(device.type, (world_size,))
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    # transformers names the classes a layer must not be split across: the decoder layers.
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RuntimeError(f"{type(model).__name__}: no decoder layers found to shard (_no_split_modules={names})")
+    return layers
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype) -> torch.nn.Module:
+    """FSDP2: one unit per decoder layer, then the root. Parameters stay fp32 (the optimizer's
+    master copy); with ``param_dtype=bfloat16`` compute runs in bf16 and gradients reduce in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the full state dict on rank 0 (CPU tensors); ``{}`` on the other ranks."""
+    return get_model_state_dict(model, options=_FULL)
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Collective: load a full state dict held by rank 0 (the others may pass ``{}``)."""
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    set_optimizer_state_dict(
+        model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+
+
+def drop_tied_duplicates(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove keys that alias another parameter (``lm_head.weight`` when embeddings are tied).
+
+    The gathered state dict lists a tied tensor under both names; sending both doubles the
+    transfer and makes a receiver copy the same storage twice.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "tie_word_embeddings", False):
+        return state
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    aliases = tied.keys() if isinstance(tied, dict) else tied
+    return {k: v for k, v in state.items() if k not in aliases}

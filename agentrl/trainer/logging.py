@@ -1,0 +1,80 @@
+"""Metrics out: the console and ``metrics.jsonl`` always; TensorBoard, wandb and MLflow when
+installed and asked for (``logging.loggers``). A logger that is asked for but not installed is
+reported once and skipped, never a crash mid-run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from agentrl.config.schema import LoggingConfig
+
+__all__ = ["MetricsLogger"]
+
+CONSOLE_KEYS = ("reward/mean", "success_rate", "val/success_rate", "turns/mean", "tool_calls/mean", "kl/policy_ref",
+                "entropy/mean", "actor/pg_loss", "critic/vf_loss", "logprob_mismatch/mean", "timing/step_s", "sft/loss")
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, config: LoggingConfig):
+        self.config = config
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.tb = self.wandb = self.mlflow = None
+        if "tensorboard" in config.loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                self.console("tensorboard is not installed: skipping that logger")
+        if "wandb" in config.loggers:
+            try:
+                import wandb
+
+                self.wandb = wandb.init(project=config.project, name=run_dir.name, dir=str(run_dir))
+            except ImportError:
+                self.console("wandb is not installed: skipping that logger")
+        if "mlflow" in config.loggers:
+            try:
+                import mlflow
+
+                mlflow.set_experiment(config.project)
+                self.mlflow = mlflow.start_run(run_name=run_dir.name)
+            except ImportError:
+                self.console("mlflow is not installed: skipping that logger")
+
+    def console(self, text: str) -> None:
+        if "console" in self.config.loggers:
+            print(text, file=sys.stderr, flush=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not metrics:
+            return
+        record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+        self.console(f"[step {step}] {shown}")
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.tb is not None:
+            for key, value in numeric.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=step)
+        if self.mlflow is not None:
+            import mlflow
+
+            mlflow.log_metrics({k.replace("/", "_"): v for k, v in numeric.items()}, step=step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            import mlflow
+
+            mlflow.end_run()

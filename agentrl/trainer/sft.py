@@ -1,0 +1,156 @@
+"""``agentrl sft``: multi-turn supervised fine-tuning, loss on assistant tokens only.
+
+Conversations are rendered with the model's chat template (with the tools block of the tools
+the agent will use, so SFT and RL see the same prompt); the template's assistant mask
+(``{% generation %}``) selects the trained tokens: assistant content, tool calls and the
+end-of-turn token; never the system prompt, user turns or tool results. Training runs on the
+same FSDP2 actor workers as RL. The quickstart uses the same code for its warm start.
+
+Data: ``sft.train_files`` (parquet with a ``messages`` column, e.g. ``data_prep.gsm8k
+--variant sft``), else ``sft.num_demos`` generated demonstrations of ``data.task``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from agentrl.config import TrainConfig, load_config
+from agentrl.errors import DataError
+from agentrl.trainer.batch import TrainBatch, collate_sequences
+
+__all__ = ["tokenize_conversations", "sft_batches", "run_sft_on_actor", "cli_main"]
+
+
+def tool_schemas(cfg: TrainConfig) -> list[dict[str, Any]]:
+    from agentrl.plugins import PluginRegistry
+
+    registry = PluginRegistry(cfg.plugins.prefer)
+    names = list(cfg.agent.tool_config) or ["calculator"]
+    return [registry.load("tools", name).schema() for name in names]
+
+
+def tokenize_conversations(
+    tokenizer: Any, conversations: Sequence[list[dict[str, Any]]], *, tools: list[dict[str, Any]] | None, max_length: int
+) -> list[tuple[list[int], list[int]]]:
+    """(ids, assistant mask) per conversation; longer ones are an error, not silently cut."""
+    out = []
+    for index, messages in enumerate(conversations):
+        rendered = tokenizer.apply_chat_template(messages, tools=tools, return_assistant_tokens_mask=True, return_dict=True)
+        ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
+        if len(ids) > max_length:
+            raise DataError(f"conversation has {len(ids)} tokens, more than sft.max_length = {max_length}", row=index, field="messages")
+        if not any(mask):
+            raise DataError("conversation has no assistant tokens to train on", row=index, field="messages")
+        out.append((ids, mask))
+    return out
+
+
+def sft_batches(examples: Sequence[tuple[list[int], list[int]]], *, batch_size: int, pad_token_id: int, epochs: int, seed: int) -> list[TrainBatch]:
+    """Seeded shuffled batches over ``epochs``; each sequence's first token is its 'prompt'."""
+    batches = []
+    for epoch in range(epochs):
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            chosen = [examples[i] for i in order[start : start + batch_size]]
+            batches.append(
+                collate_sequences(
+                    [ids[:1] for ids, _ in chosen], [ids[1:] for ids, _ in chosen], [mask[1:] for _, mask in chosen],
+                    pad_token_id=pad_token_id,
+                )
+            )
+    return batches
+
+
+def _conversations(cfg: TrainConfig) -> list[list[dict[str, Any]]]:
+    if cfg.sft.train_files:
+        from agentrl.data.io import iter_raw_rows
+
+        conversations = []
+        for path in cfg.sft.train_files:
+            for index, raw in iter_raw_rows(path):
+                messages = raw.get("messages")
+                if not isinstance(messages, list):
+                    raise DataError("missing 'messages' column (a list of chat messages)", file=path, row=index, field="messages")
+                conversations.append(messages)
+        return conversations
+    if cfg.data.task is None:
+        raise DataError("SFT needs sft.train_files or a built-in data.task to generate demonstrations")
+    from agentrl_data_prep.tasks import sft_conversations
+
+    return sft_conversations(cfg.data.task, cfg.sft.num_demos, seed=cfg.data.seed + 17)
+
+
+def run_sft_on_actor(actor, cfg: TrainConfig, model_path: str, tokenizer: Any, pad_id: int, log, run_dir: Path) -> dict[str, float]:
+    """SFT epochs on an actor worker group; returns the last metrics."""
+    from tqdm.auto import tqdm
+
+    from agentrl.trainer.run import _shards
+
+    examples = tokenize_conversations(tokenizer, _conversations(cfg), tools=tool_schemas(cfg), max_length=cfg.sft.max_length)
+    batches = sft_batches(examples, batch_size=cfg.sft.batch_size, pad_token_id=pad_id, epochs=cfg.sft.epochs, seed=cfg.trainer.seed)
+    if not batches:
+        raise DataError(f"{len(examples)} demonstrations cannot fill one SFT batch of {cfg.sft.batch_size}")
+    actor.call_all("reset_optimizer", cfg.sft.optim, len(batches))
+    W = cfg.actor.world_size
+    metrics: dict[str, float] = {}
+    for i, batch in enumerate(tqdm(batches, desc="SFT", unit="step", disable=not cfg.logging.progress)):
+        tokens = float(batch.response_mask.sum())
+        results = actor.call_sharded("sft_step", _shards(batch, W), tokens, cfg.sft.micro_batch_size)
+        metrics = {
+            "sft/loss": sum(r["sft/loss_sum"] for r in results) / tokens,
+            "sft/grad_norm": results[0]["sft/grad_norm"],
+            "sft/lr": results[0]["sft/lr"],
+            "sft/step": float(i + 1),
+        }
+        log.log(-(len(batches) - i), metrics)  # SFT steps are logged before RL step 0
+    return metrics
+
+
+def cli_main(argv: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    from agentrl.trainer.logging import MetricsLogger
+    from agentrl.trainer.run import _to_yaml, make_run_dir, resolve_model
+    from agentrl.trainer.workers import ActorWorker, WorkerGroup, worker_env
+
+    cfg = load_config("sft", argv)
+    started = time.perf_counter()
+    run_dir = make_run_dir(cfg)
+    (run_dir / "config.yaml").write_text(_to_yaml(cfg))
+    log = MetricsLogger(run_dir, cfg.logging)
+    model_path = str(resolve_model(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    import os
+
+    import ray
+
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, logging_level="ERROR")
+    try:
+        actor = WorkerGroup(
+            ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.5, env=worker_env(max(1, (os.cpu_count() or 2) // cfg.actor.world_size)),
+            name="actor", model_path=model_path, config=cfg.actor, total_steps=1, rollout_setup=None,
+            device=cfg.trainer.device, seed=cfg.trainer.seed,
+        )
+        metrics = run_sft_on_actor(actor, cfg, model_path, tokenizer, pad_id, log, run_dir)
+        checkpoint = run_dir / "checkpoints" / "final"
+        actor.call_all("save", str(checkpoint))
+        actor.call_all("export_hf", str(run_dir / "policy"))
+    finally:
+        log.close()
+        ray.shutdown()
+    summary = {"final_loss": metrics.get("sft/loss"), "steps": int(metrics.get("sft/step", 0)), "wall_s": round(time.perf_counter() - started, 1)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(sys.argv[1:]))

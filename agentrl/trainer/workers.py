@@ -1,0 +1,438 @@
+"""The trainer's workers: one class per role, each an FSDP2 group of Ray actors.
+
+* ``ActorWorker``: the policy. Recomputes logprobs (and entropy), runs the PPO update and SFT
+  steps, saves/loads checkpoints, exports a transformers checkpoint. Its rank 0 also hosts the
+  built-in inference engine and runs the rollouts (agent loops) in the same process, so a
+  weight sync after an update is an in-memory copy.
+* ``ReferenceWorker``: the frozen initial policy, for KL.
+* ``CriticWorker``: a value head on the same architecture, with its own optimizer.
+
+Every method is called on every rank of the group with that rank's share of the batch (FSDP2
+collectives need all ranks). Losses are scaled so that the gradient equals the one of the
+whole mini-batch, whatever the number of ranks and micro-batches.
+
+``WorkerGroup`` starts the ranks as Ray actors (gloo on CPU, NCCL on GPU) and calls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
+from agentrl.trainer import algorithms as algo
+from agentrl.trainer.batch import TrainBatch
+from agentrl.trainer.dist import (
+    drop_tied_duplicates,
+    gather_model_state,
+    gather_optimizer_state,
+    init_distributed,
+    load_model_state,
+    load_optimizer_state,
+    resolve_device,
+    shard_model,
+)
+from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
+
+__all__ = [
+    "ActorWorker", "ReferenceWorker", "CriticWorker", "ValueModel", "WorkerGroup", "WorkerDied",
+    "response_logprobs", "mini_batch_denominator", "worker_env",
+]
+
+
+def response_logprobs(model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False):
+    """(B, R) logprobs of the response tokens under ``model`` (and their entropy if asked)."""
+    P, R = batch.prompt_length, batch.response_length
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
+    ).logits[:, P - 1 : P + R - 1].float()  # (B, R, V)
+    targets = batch.input_ids[:, P : P + R]  # (B, R)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, R)
+    entropy = algo.entropy_from_logits(logits) if with_entropy else None  # (B, R)
+    return logprobs, entropy
+
+
+def _loss_scale(mask: torch.Tensor, mode: str, global_denominator: float, world_size: int) -> float:
+    """Turns a micro-batch's own loss mean into its share of the mini-batch's mean over all ranks
+    (FSDP averages gradients over ranks, hence the factor ``world_size``)."""
+    if mode == "token-mean":
+        local = float(mask.sum())
+    else:
+        local = float((mask.sum(-1) > 0).sum())
+    return local / max(global_denominator, 1.0) * world_size
+
+
+def mini_batch_denominator(mask: torch.Tensor, mode: str) -> float:
+    return float(mask.sum()) if mode == "token-mean" else float((mask.sum(-1) > 0).sum())
+
+
+class _Worker:
+    """Shared plumbing: process group, device, dtype, seeding."""
+
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, device: str, seed: int):
+        self.rank, self.world_size = rank, world_size
+        self.device = resolve_device(device)
+        self.mesh = init_distributed(
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, device=self.device
+        )
+        # fp32 on CPU (bf16 is 14-25x slower there), bf16 compute on GPU
+        self.param_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        torch.manual_seed(seed + rank)
+        random.seed(seed + rank)
+
+    def _load_causal_lm(self, path: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(self.device)
+        return shard_model(model, self.mesh, param_dtype=self.param_dtype)
+
+    def ready(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class ActorWorker(_Worker):
+    def __init__(
+        self,
+        *,
+        model_path: str,
+        config: ActorConfig,
+        total_steps: int,
+        rollout_setup: dict[str, Any] | None = None,
+        gradient_checkpointing: bool = False,
+        **dist_kwargs: Any,
+    ):
+        super().__init__(**dist_kwargs)
+        self.config = config
+        self.model_path = model_path
+        self.model = self._load_causal_lm(model_path)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps)
+        self.engine = None
+        self.rollout_setup = rollout_setup
+        if rank_is_zero(self.rank) and rollout_setup is not None:
+            self._start_engine(rollout_setup)
+
+    # ------------------------------------------------------------------ rollout (rank 0)
+    def _start_engine(self, setup: dict[str, Any]) -> None:
+        from transformers import AutoTokenizer
+
+        from agentrl.agent.runner import LoopTable, build_context
+        from agentrl.engines.builtin import BuiltinEngine
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.engine = BuiltinEngine(
+            self.model_path, device=str(self.device), dtype="float32" if self.device.type == "cpu" else "bfloat16",
+            max_batch_size=setup["max_batch_size"], seed=setup["seed"],
+        )
+        self.contexts = {
+            validation: build_context(
+                self.engine, self.tokenizer, agent=setup["agent"], rollout=setup["rollout"], reward=setup["reward"],
+                max_response_tokens=setup["max_response_tokens"], validation=validation,
+            )
+            for validation in (False, True)
+        }
+        self.loops = LoopTable(setup["agent"].default_loop)
+
+    def rollout(self, rows: Sequence[tuple[str, Any]], *, n: int, seed: int, group_prefix: str, validation: bool, policy_version: int, progress: bool | str = False):
+        from agentrl.agent.runner import RolloutRunner
+
+        ctx = self.contexts[validation]
+        ctx.policy_version = policy_version
+        runner = RolloutRunner(ctx, self.loops, max_concurrency=self.rollout_setup["max_concurrency"])
+        return asyncio.run(runner.run(rows, n=n, seed=seed, group_prefix=group_prefix, progress=progress))
+
+    def sync_weights(self, version: int) -> None:
+        """Collective: copy the updated policy into the colocated engine (rank 0)."""
+        state = gather_model_state(self.model)
+        if self.engine is not None:
+            state = drop_tied_duplicates(self.model, state)
+            asyncio.run(self.engine.update_weights(state_dict=state, version=version))
+
+    # ------------------------------------------------------------------ training
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.model.eval()
+        logprobs, entropies = [], []
+        R = batch.response_length
+        for micro in batch.split(micro_batch_size):
+            trimmed = micro.trim().to(self.device)
+            lp, ent = response_logprobs(self.model, trimmed, with_entropy=True)
+            logprobs.append(_pad_right(lp.cpu(), R))
+            entropies.append(_pad_right(ent.cpu(), R))
+        return torch.cat(logprobs), torch.cat(entropies)
+
+    def update(self, mini_batches: Sequence[TrainBatch], denominators: Sequence[float], *, use_kl_loss: bool) -> dict[str, float]:
+        """PPO: one optimizer step per mini-batch (this rank's share), micro-batches accumulated."""
+        cfg = self.config
+        low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
+        high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
+        self.model.train()
+        sums: dict[str, float] = {}
+        count = 0
+        for mini, denominator in zip(mini_batches, denominators):
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
+                m = micro.trim().to(self.device)
+                mask = m.response_mask
+                logprobs, entropy = response_logprobs(self.model, m, with_entropy=cfg.entropy_coeff != 0)
+                pg_loss, pg_metrics = algo.ppo_policy_loss(
+                    logprobs, m.old_logprobs, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode
+                )
+                loss = pg_loss
+                metrics = {"actor/pg_loss": pg_loss.item(), **{f"actor/{k}": v.item() for k, v in pg_metrics.items()}}
+                if entropy is not None:
+                    ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode)
+                    loss = loss - cfg.entropy_coeff * ent
+                    metrics["actor/entropy_loss"] = ent.item()
+                if use_kl_loss:
+                    kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+                    loss = loss + cfg.kl_loss_coef * kl
+                    metrics["actor/kl_loss"] = kl.item()
+                (loss * _loss_scale(mask, cfg.loss_agg_mode, denominator, self.world_size)).backward()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not torch.isfinite(torch.tensor(grad_norm)):
+                self.optimizer.zero_grad(set_to_none=True)  # skip a step that would poison the weights
+                sums["actor/skipped_steps"] = sums.get("actor/skipped_steps", 0.0) + count
+            else:
+                self.optimizer.step()
+            sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + grad_norm * count
+        self.scheduler.step()
+        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def sft_step(self, batch: TrainBatch, denominator: float, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step of cross-entropy on the response mask (assistant tokens)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in batch.split(micro_batch_size):
+            m = micro.trim().to(self.device)
+            logprobs, _ = response_logprobs(self.model, m)
+            loss = -algo.masked_mean(logprobs, m.response_mask)
+            (loss * _loss_scale(m.response_mask, "token-mean", denominator, self.world_size)).backward()
+            total += float(-(logprobs * m.response_mask).sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        return {"sft/loss_sum": total, "sft/grad_norm": grad_norm, "sft/lr": self.scheduler.get_last_lr()[0]}
+
+    def reset_optimizer(self, optim: OptimConfig, total_steps: int) -> None:
+        """A fresh optimizer and schedule (RL after an SFT warm start)."""
+        self.config = self.config.model_copy(update={"optim": optim})
+        self.optimizer = build_optimizer(self.model.parameters(), optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str) -> None:
+        """Collective: rank 0 writes the full model, optimizer and scheduler state."""
+        model_state = gather_model_state(self.model)
+        optim_state = gather_optimizer_state(self.model, self.optimizer)
+        if rank_is_zero(self.rank):
+            path = Path(directory)
+            path.mkdir(parents=True, exist_ok=True)
+            torch.save(
+                {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+                 "rng": torch.get_rng_state()},
+                path / "actor.pt",
+            )
+
+    def load(self, directory: str) -> None:
+        """Collective: rank 0's full state is broadcast; the schedule is replicated on every rank."""
+        state = torch.load(Path(directory) / "actor.pt", weights_only=False)
+        zero = rank_is_zero(self.rank)
+        load_model_state(self.model, state["model"] if zero else {})
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"] if zero else {})
+        self.scheduler.load_state_dict(state["scheduler"])
+        if zero:
+            torch.set_rng_state(state["rng"])
+
+    def export_hf(self, directory: str) -> None:
+        """Collective: rank 0 writes a transformers checkpoint (model + tokenizer) of the policy."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        state = drop_tied_duplicates(self.model, gather_model_state(self.model))
+        if rank_is_zero(self.rank):
+            config = AutoConfig.from_pretrained(self.model_path)
+            model = AutoModelForCausalLM.from_config(config)
+            model.load_state_dict(state, strict=False)
+            model.tie_weights()
+            model.save_pretrained(directory)
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(directory)
+
+    def engine_stats(self) -> dict[str, float]:
+        if self.engine is None:
+            return {}
+        stats = self.engine.stats()
+        return {"engine/weight_version": float(stats.weight_version), "engine/generated_tokens": float(stats.generated_tokens)}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+class ReferenceWorker(_Worker):
+    def __init__(self, *, model_path: str, **dist_kwargs: Any):
+        super().__init__(**dist_kwargs)
+        self.model = self._load_causal_lm(model_path)
+        self.model.eval()
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        R = batch.response_length
+        parts = [
+            _pad_right(response_logprobs(self.model, micro.trim().to(self.device))[0].cpu(), R)
+            for micro in batch.split(micro_batch_size)
+        ]
+        return torch.cat(parts)
+
+
+class ValueModel(torch.nn.Module):
+    """The policy's backbone with a scalar head: V(state before each token)."""
+
+    def __init__(self, model_path: str):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.backbone = AutoModel.from_pretrained(model_path, torch_dtype=torch.float32)
+        self._no_split_modules = self.backbone._no_split_modules
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+        return self.head(hidden.float()).squeeze(-1)  # (B, L)
+
+
+class CriticWorker(_Worker):
+    def __init__(self, *, model_path: str, config: CriticConfig, total_steps: int, **dist_kwargs: Any):
+        super().__init__(**dist_kwargs)
+        self.config = config
+        model = ValueModel(model_path).to(self.device)
+        self.model = shard_model(model, self.mesh, param_dtype=self.param_dtype)
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps)
+
+    def _values(self, batch: TrainBatch) -> torch.Tensor:
+        P, R = batch.prompt_length, batch.response_length
+        return self.model(batch.input_ids, batch.attention_mask, batch.position_ids)[:, P - 1 : P + R - 1]  # (B, R)
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        self.model.eval()
+        R = batch.response_length
+        return torch.cat([_pad_right(self._values(m.trim().to(self.device)).cpu(), R) for m in batch.split(micro_batch_size)])
+
+    def update(self, mini_batches: Sequence[TrainBatch], denominators: Sequence[float], loss_agg_mode: str) -> dict[str, float]:
+        cfg = self.config
+        self.model.train()
+        sums: dict[str, float] = {}
+        count = 0
+        for mini, denominator in zip(mini_batches, denominators):
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
+                m = micro.trim().to(self.device)
+                loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value, loss_agg_mode)
+                (loss * _loss_scale(m.response_mask, loss_agg_mode, denominator, self.world_size)).backward()
+                sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + loss.item()
+                sums["critic/vf_clipfrac"] = sums.get("critic/vf_clipfrac", 0.0) + metrics["vf_clipfrac"].item()
+                count += 1
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            self.optimizer.step()
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            sums["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) + grad_norm * count
+        self.scheduler.step()
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def save(self, directory: str) -> None:
+        model_state = gather_model_state(self.model)
+        optim_state = gather_optimizer_state(self.model, self.optimizer)
+        if rank_is_zero(self.rank):
+            torch.save({"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, Path(directory) / "critic.pt")
+
+    def load(self, directory: str) -> None:
+        state = torch.load(Path(directory) / "critic.pt", weights_only=False)
+        load_model_state(self.model, state["model"] if rank_is_zero(self.rank) else {})
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"] if rank_is_zero(self.rank) else {})
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def rank_is_zero(rank: int) -> bool:
+    return rank == 0
+
+
+def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
+
+
+class WorkerGroup:
+    """``world_size`` Ray actors of one worker class forming one process group."""
+
+    def __init__(self, cls: type, *, world_size: int, num_cpus: float, env: dict[str, str], name: str, **kwargs: Any):
+        import ray
+
+        from agentrl.trainer.dist import free_port
+
+        self.name, self.world_size = name, world_size
+        remote = ray.remote(num_cpus=num_cpus, runtime_env={"env_vars": env})(cls)
+        port = free_port()
+        self.workers = [
+            remote.options(name=None).remote(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, **kwargs)
+            for rank in range(world_size)
+        ]
+        self.call_all("ready")
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """The same call on every rank; returns each rank's result."""
+        return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def call_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Rank r gets ``shards[r]`` as its first argument."""
+        return self.get([getattr(w, method).remote(s, *args, **kwargs) for w, s in zip(self.workers, shards)])
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.get([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
+
+    def get(self, refs: list[Any]) -> list[Any]:
+        import ray
+
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerDied(f"a {self.name} worker died: {exc}") from exc
+
+    def kill(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+
+
+class WorkerDied(RuntimeError):
+    """A worker process of a group ended (the step cannot complete)."""
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    keep = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "AGENTRL_CACHE", "HF_HOME")}
+    return {**keep, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
+
