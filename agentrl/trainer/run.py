@@ -227,7 +227,8 @@ class Trainer:
             trajectories = self.rollout(rows, step=step, validation=False)
         usable = [t for t in trajectories if t.finish_reason != "loop_error" and t.response_ids]
         if not usable:
-            raise DataError(f"step {step}: every trajectory failed ({trajectories[0].reward_info.get('error')})")
+            reasons = sorted({f"{t.finish_reason}: {t.reward_info.get('error', '')}" for t in trajectories})
+            raise DataError(f"step {step}: no trajectory produced tokens to train on ({'; '.join(reasons)[:500]})")
         if self.store is not None:
             self.store.write_step(step, trajectories)
         batch = collate(usable, pad_token_id=self.pad_id, max_prompt_length=cfg.data.max_prompt_length,
