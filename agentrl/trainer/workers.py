@@ -228,7 +228,7 @@ class ActorWorker(_Worker):
             logprobs, _ = response_logprobs(self.model, m)
             loss = -algo.masked_mean(logprobs, m.response_mask)
             (loss * _loss_scale(m.response_mask, "token-mean", denominator, self.world_size)).backward()
-            total += float(-(logprobs * m.response_mask).sum())
+            total += float(-(logprobs.detach() * m.response_mask).sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()

@@ -1,0 +1,95 @@
+"""The step's pure parts: advantages per estimator from real trajectory layouts, metrics, sharding."""
+
+from __future__ import annotations
+
+import torch
+from torch.testing import assert_close
+
+from agentrl.config.schema import TrainConfig
+from agentrl.trainer import algorithms as algo
+from agentrl.trainer.batch import collate
+from agentrl.trainer.run import _pad_rows, _shards, compute_advantages, trajectory_metrics
+from agentrl.trajectory import Trajectory, Turn
+
+
+def traj(group: str, sample: int, turns: list[tuple[str, int, float | None]], reward: float, finish: str = "stop") -> Trajectory:
+    """turns: (role, length, reward) laid out one after another."""
+    ids, mask, spans, pos = [], [], [], 0
+    for role, length, r in turns:
+        ids += [5] * length
+        mask += [1 if role == "assistant" else 0] * length
+        spans.append(Turn(role, pos, pos + length, r))
+        pos += length
+    return Trajectory(
+        row_id=group, group_id=group, sample_index=sample, data_source="d", agent_name="tool_agent", prompt_ids=[1, 2],
+        response_ids=ids, response_mask=mask, logprobs=[-0.1 * m for m in mask], turns=spans, messages=[],
+        finish_reason=finish, reward=reward, metrics={"turns": float(sum(1 for t in turns if t[0] == "assistant")), "tool_calls": 1.0},
+    )
+
+
+def cfg_with(**algorithm) -> TrainConfig:
+    return TrainConfig.model_validate({"algorithm": algorithm})
+
+
+def test_grpo_in_the_step_uses_turn_level_credit():
+    trajectories = [
+        traj("g", 0, [("assistant", 2, 0.0), ("tool", 2, None), ("assistant", 2, None)], reward=1.0),
+        traj("g", 1, [("assistant", 3, None)], reward=0.0),
+    ]
+    batch = collate(trajectories, pad_token_id=0)
+    out, _ = compute_advantages(batch, cfg_with(adv_estimator="grpo", turn_gamma=0.5), kl_coef=None)
+    # turn returns: A = [0 + .5*1, 1] = [.5, 1], B = [0]; group mean .5, std .5
+    a = out.advantages
+    assert_close(a[0, :2], torch.full((2,), 0.0), atol=1e-4, rtol=0)
+    assert_close(a[0, 4:6], torch.full((2,), 1.0), atol=1e-4, rtol=0)
+    assert_close(a[1, :3], torch.full((3,), -1.0), atol=1e-4, rtol=0)
+    assert (a[0, 2:4] == 0).all()  # the tool turn gets nothing
+
+
+def test_gae_in_the_step_needs_values_and_returns_them():
+    trajectories = [traj("g", 0, [("assistant", 3, None)], reward=1.0)]
+    batch = collate(trajectories, pad_token_id=0).replace(values=torch.zeros(1, 3))
+    out, _ = compute_advantages(batch, cfg_with(adv_estimator="gae", gamma=1.0, lam=1.0), kl_coef=None)
+    assert_close(out.advantages, torch.ones(1, 3))
+    assert_close(out.returns, torch.ones(1, 3))
+
+
+def test_kl_in_reward_lowers_the_turn_rewards_by_the_penalty():
+    trajectories = [traj("g", 0, [("assistant", 2, None)], reward=1.0), traj("g", 1, [("assistant", 2, None)], reward=1.0)]
+    batch = collate(trajectories, pad_token_id=0)
+    batch = batch.replace(old_logprobs=torch.tensor([[0.0, 0.0], [0.5, 0.5]]), ref_logprobs=torch.zeros(2, 2))
+    out, metrics = compute_advantages(batch, cfg_with(adv_estimator="drgrpo", use_kl_in_reward=True), kl_coef=1.0)
+    # k1 penalty: row 0 none, row 1 0.5 per token -> turn rewards 1 and 0 -> Dr.GRPO +-0.5
+    assert_close(out.advantages, torch.tensor([[0.5, 0.5], [-0.5, -0.5]]))
+    assert metrics["kl/reward_penalty_kl"] == 0.25
+
+
+def test_rloo_and_reinforce_in_the_step():
+    trajectories = [traj("g", 0, [("assistant", 1, None)], reward=1.0), traj("g", 1, [("assistant", 1, None)], reward=0.0)]
+    batch = collate(trajectories, pad_token_id=0)
+    out, _ = compute_advantages(batch, cfg_with(adv_estimator="rloo"), kl_coef=None)
+    assert_close(out.advantages, torch.tensor([[1.0], [-1.0]]))
+    out, _ = compute_advantages(batch, cfg_with(adv_estimator="reinforce_plus_plus"), kl_coef=None)
+    assert_close(out.advantages, algo.masked_whiten(torch.tensor([[1.0], [0.0]]), torch.ones(2, 1)))
+
+
+def test_trajectory_metrics_count_turns_tools_errors_and_finishes():
+    a = traj("g", 0, [("assistant", 1, 0.5), ("user", 1, None), ("assistant", 1, None)], reward=1.0)
+    a.metrics["tool_errors/bad_json"] = 2.0
+    b = traj("g", 1, [("assistant", 1, None)], reward=0.0, finish="length")
+    m = trajectory_metrics([a, b])
+    assert m["reward/mean"] == 0.5 and m["success_rate"] == 0.5
+    assert m["turns/mean"] == 1.5 and m["tool_calls/mean"] == 1.0
+    assert m["finish/stop"] == 0.5 and m["finish/length"] == 0.5
+    assert m["tool_errors/bad_json"] == 2.0
+    assert m["turn_reward/mean"] == 0.5
+    assert m["retry/second_attempt_success"] == 1.0
+
+
+def test_rows_padded_for_sharding_carry_no_loss():
+    trajectories = [traj("g", i, [("assistant", 2, None)], reward=float(i)) for i in range(3)]
+    batch = collate(trajectories, pad_token_id=0)
+    padded = _pad_rows(batch, 2)
+    assert len(padded) == 4 and padded.response_mask[3].sum() == 0
+    shards = _shards(batch, 2)
+    assert [len(s) for s in shards] == [2, 2]
