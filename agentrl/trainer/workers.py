@@ -278,6 +278,10 @@ class ActorWorker(_Worker):
             model.save_pretrained(directory)
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(directory)
 
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the full policy state dict (on rank 0; ``{}`` elsewhere)."""
+        return gather_model_state(self.model)
+
     def engine_stats(self) -> dict[str, float]:
         if self.engine is None:
             return {}

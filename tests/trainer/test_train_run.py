@@ -1,0 +1,88 @@
+"""Real runs through Ray on CPU: the run directory, engine/trainer logprob agreement, resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+SHORT = [
+    "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=2", "trainer.max_checkpoints=2",
+    "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
+    "data.task_train_size=32", "data.task_val_size=8", "rollout.max_new_tokens=32", "data.max_response_length=96",
+    "sft.num_demos=32", "sft.epochs=1", "logging.progress=false", "actor.optim.lr=1e-3",
+]
+TIMING = ("timing/", "tokens/per_s")
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def metrics_by_step(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out: dict[int, dict] = {}
+    for row in rows:
+        if "reward/mean" in row:  # training steps (validation rows have only val/ keys)
+            out[row["step"]] = row
+    return out
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    done = run_cli(SHORT + [f"trainer.runs_root={root}", "trainer.run_name=short"], cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == f"run directory: {root / 'short'}"
+    return root / "short"
+
+
+def test_shortened_quickstart_writes_the_run_directory(short_run):
+    summary = json.loads((short_run / "summary.json").read_text())
+    assert {"heldout_success_before", "heldout_success_after", "algorithm", "wall_s", "steps"} <= set(summary)
+    assert summary["algorithm"] == "grpo" and summary["steps"] == 3
+    assert sorted(metrics_by_step(short_run)) == [1, 2, 3]
+    assert (short_run / "config.yaml").read_text().count("adv_estimator: grpo") == 1
+    assert sorted(p.name for p in (short_run / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(short_run / "policy")
+    AutoTokenizer.from_pretrained(short_run / "policy")
+
+
+def test_every_step_reports_the_metrics_that_matter(short_run):
+    for row in metrics_by_step(short_run).values():
+        for key in ("reward/mean", "reward/std", "success_rate", "turns/mean", "tool_calls/mean", "entropy/mean",
+                    "actor/pg_loss", "actor/clipfrac", "actor/grad_norm", "logprob_mismatch/mean", "logprob_mismatch/max",
+                    "tokens/per_s", "timing/rollout_s", "timing/old_logprobs_s", "timing/actor_update_s", "timing/weight_sync_s"):
+            assert key in row, key
+
+
+def test_engine_and_trainer_logprobs_agree_in_fp32(short_run):
+    for row in metrics_by_step(short_run).values():
+        assert row["logprob_mismatch/mean"] < 1e-3
+        assert row["logprob_mismatch/max"] < 1e-2
+
+
+def test_resume_continues_with_the_same_metrics(short_run, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(short_run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_3")
+    original = metrics_by_step(short_run)
+    lines = [l for l in (resumed / "metrics.jsonl").read_text().splitlines() if json.loads(l)["step"] <= 2]
+    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    done = run_cli(SHORT + [f"trainer.resume={resumed}"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = metrics_by_step(resumed)[3]
+    expected = original[3]
+    compared = [k for k in expected if not k.startswith(TIMING)]
+    assert compared and all(k in again for k in compared)
+    for key in compared:
+        assert again[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
