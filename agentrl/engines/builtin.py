@@ -482,7 +482,7 @@ class BuiltinEngine:
             for seq in stepping:
                 self._finish(seq, error=EngineError(f"generation failed for request {seq.rid}: {exc}"))
             return
-        finished: list[str] = []
+        finished: list[tuple[_Sequence, GenerateResult]] = []
         for seq, token, logprob in zip(stepping, tokens, logprobs):
             seq.cached = len(seq.tokens)
             seq.prefilled = True
@@ -492,12 +492,13 @@ class BuiltinEngine:
             # Length is checked before stop tokens, as SGLang does: a stop token sampled as the
             # last allowed token ends the request with reason LENGTH.
             if len(seq.output_ids) >= seq.request.sampling.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
-                self._finish(seq, FinishReason.LENGTH)
+                reason, matched = FinishReason.LENGTH, None
             elif token in seq.stop_ids:
-                self._finish(seq, FinishReason.STOP, matched=token)
+                reason, matched = FinishReason.STOP, token
             else:
                 continue
-            finished.append(seq.rid)
+            self._release(seq)
+            finished.append((seq, self._result(seq, reason, matched)))
         prefill_tokens = sum(p.length for p in prefills)
         reused = sum(seq.reused for seq in admitted)
         counters = self._counters
@@ -512,11 +513,13 @@ class BuiltinEngine:
                 ended=time.perf_counter(),
                 decode_rids=tuple(s.rid for s in decoding),
                 prefill_rids=tuple(s.rid for s in admitted),
-                finished_rids=tuple(finished),
+                finished_rids=tuple(seq.rid for seq, _ in finished),
                 prefill_tokens=prefill_tokens,
                 reused_tokens=reused,
             )
         )
+        for seq, result in finished:  # after the step is logged, so a caller that awaited sees it
+            seq.resolve(result)
 
     def _forward_and_sample(
         self,
@@ -554,10 +557,13 @@ class BuiltinEngine:
         matched: int | None = None,
         error: BaseException | None = None,
     ) -> None:
+        self._release(seq, keep=error is None)
+        seq.resolve(error if error is not None else self._result(seq, reason, matched))
+
+    def _release(self, seq: _Sequence, *, keep: bool = True) -> None:
         self._running.remove(seq)
         # Retain the slot's K/V for a later request sharing the prefix (not after a failed step).
-        self._slots.release(seq.slot, seq.tokens[: seq.cached] if error is None and seq.prefilled else [])
-        seq.resolve(error if error is not None else self._result(seq, reason, matched))
+        self._slots.release(seq.slot, seq.tokens[: seq.cached] if keep and seq.prefilled else [])
 
     def _result(self, seq: _Sequence, reason: FinishReason, matched: int | None = None) -> GenerateResult:
         return GenerateResult(
