@@ -207,6 +207,7 @@ class Trainer:
             algo.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else algo.FixedKLController(kl.kl_coef)
         )
         self.store = open_store(run_dir)
+        self.last_validation: list[Trajectory] = []
         if resumed:
             self.resume()
 
@@ -305,6 +306,7 @@ class Trainer:
         if not self.val_rows:
             return {}
         trajectories = self.rollout(self.val_rows, step=step, validation=True)
+        self.last_validation = trajectories
         if self.store is not None:
             self.store.write_step(step, trajectories, split="val")
         return trajectory_metrics(trajectories, prefix="val/")
@@ -468,24 +470,17 @@ def train(cfg: TrainConfig) -> RunResult:
         log.close()
     summary.update(steps=cfg.trainer.total_steps, wall_s=round(time.perf_counter() - started, 1))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    write_report(run_dir, title=f"agentrl run {run_dir.name}")
+    write_report(run_dir, trainer.last_validation[:6], summary, decode=trainer.tokenizer.decode)
     return RunResult(run_dir=run_dir, summary=summary)
 
 
-def write_report(run_dir: Path, *, title: str) -> Path | None:
-    try:
-        from agentrl.replay.report import render_report
-        from agentrl.replay.store import RolloutStore
-    except ImportError:
-        return None
+def write_report(run_dir: Path, samples: Sequence[Trajectory], summary: dict[str, Any], *, decode=None) -> Path:
+    """``report.html``: metrics over steps and a few held-out trajectories, turn by turn."""
+    from agentrl.report import render_report
+
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    samples = []
-    store_dir = run_dir / "rollouts"
-    if store_dir.is_dir():
-        store = RolloutStore(store_dir)
-        samples = list(store.iter_trajectories())[-6:]
     path = run_dir / "report.html"
-    path.write_text(render_report(rows, samples, title))
+    path.write_text(render_report(rows, samples, f"agentrl run {run_dir.name}", decode=decode, summary=summary))
     return path
 
 

@@ -55,6 +55,9 @@ def test_shortened_quickstart_writes_the_run_directory(short_run):
 
     AutoModelForCausalLM.from_pretrained(short_run / "policy")
     AutoTokenizer.from_pretrained(short_run / "policy")
+    report = (short_run / "report.html").read_text()
+    assert "<svg" in report and "success rate" in report and "Sample trajectories" in report
+    assert '<div class="turn sampled"><b>assistant</b>' in report
 
 
 def test_every_step_reports_the_metrics_that_matter(short_run):
