@@ -407,11 +407,9 @@ def prepare_data(cfg: TrainConfig, run_dir: Path):
 
 
 def open_store(run_dir: Path):
-    try:
-        from agentrl.replay.store import RolloutStore
-    except ImportError:  # the replay package is optional for training
-        return None
-    return RolloutStore(run_dir / "rollouts")
+    from agentrl.trajectory_io import StepFiles
+
+    return StepFiles(run_dir / "rollouts")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
