@@ -17,6 +17,7 @@ whole mini-batch, whatever the number of ranks and micro-batches.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 from pathlib import Path
@@ -41,7 +42,7 @@ from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
 
 __all__ = [
     "ActorWorker", "ReferenceWorker", "CriticWorker", "ValueModel", "WorkerGroup", "WorkerDied",
-    "response_logprobs", "mini_batch_denominator", "worker_env",
+    "response_logprobs", "mini_batch_denominator", "worker_env", "train_on_mini_batches",
 ]
 
 
@@ -179,61 +180,38 @@ class ActorWorker(_Worker):
         cfg = self.config
         low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
         high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
-        self.model.train()
-        sums: dict[str, float] = {}
-        count = 0
-        for mini, denominator in zip(mini_batches, denominators):
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
-                m = micro.trim().to(self.device)
-                mask = m.response_mask
-                logprobs, entropy = response_logprobs(self.model, m, with_entropy=cfg.entropy_coeff != 0)
-                pg_loss, pg_metrics = algo.ppo_policy_loss(
-                    logprobs, m.old_logprobs, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode
-                )
-                loss = pg_loss
-                metrics = {"actor/pg_loss": pg_loss.item(), **{f"actor/{k}": v.item() for k, v in pg_metrics.items()}}
-                if entropy is not None:
-                    ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode)
-                    loss = loss - cfg.entropy_coeff * ent
-                    metrics["actor/entropy_loss"] = ent.item()
-                if use_kl_loss:
-                    kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
-                    loss = loss + cfg.kl_loss_coef * kl
-                    metrics["actor/kl_loss"] = kl.item()
-                (loss * _loss_scale(mask, cfg.loss_agg_mode, denominator, self.world_size)).backward()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if not torch.isfinite(torch.tensor(grad_norm)):
-                self.optimizer.zero_grad(set_to_none=True)  # skip a step that would poison the weights
-                sums["actor/skipped_steps"] = sums.get("actor/skipped_steps", 0.0) + count
-            else:
-                self.optimizer.step()
-            sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + grad_norm * count
-        self.scheduler.step()
-        out = {k: v / max(count, 1) for k, v in sums.items()}
+
+        def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = m.response_mask
+            logprobs, entropy = response_logprobs(self.model, m, with_entropy=cfg.entropy_coeff != 0)
+            loss, pg = algo.ppo_policy_loss(logprobs, m.old_logprobs, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode)
+            metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()}}
+            if entropy is not None:
+                ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode)
+                loss = loss - cfg.entropy_coeff * ent
+                metrics["actor/entropy_loss"] = ent.item()
+            if use_kl_loss:
+                kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+                loss = loss + cfg.kl_loss_coef * kl
+                metrics["actor/kl_loss"] = kl.item()
+            return loss, metrics
+
+        out = train_on_mini_batches(self, mini_batches, denominators, micro_size=cfg.ppo_micro_batch_size_per_gpu,
+                                    mode=cfg.loss_agg_mode, prefix="actor", micro_loss=micro_loss)
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
     def sft_step(self, batch: TrainBatch, denominator: float, micro_batch_size: int) -> dict[str, float]:
         """One optimizer step of cross-entropy on the response mask (assistant tokens)."""
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for micro in batch.split(micro_batch_size):
-            m = micro.trim().to(self.device)
+
+        def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs, _ = response_logprobs(self.model, m)
-            loss = -algo.masked_mean(logprobs, m.response_mask)
-            (loss * _loss_scale(m.response_mask, "token-mean", denominator, self.world_size)).backward()
-            total += float(-(logprobs.detach() * m.response_mask).sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        return {"sft/loss_sum": total, "sft/grad_norm": grad_norm, "sft/lr": self.scheduler.get_last_lr()[0]}
+            return -algo.masked_mean(logprobs, m.response_mask), {"sft/loss_sum": float(-(logprobs.detach() * m.response_mask).sum())}
+
+        out = train_on_mini_batches(self, [batch], [denominator], micro_size=micro_batch_size, mode="token-mean",
+                                    prefix="sft", micro_loss=micro_loss, average=False)
+        out["sft/lr"] = self.scheduler.get_last_lr()[0]
+        return out
 
     def reset_optimizer(self, optim: OptimConfig, total_steps: int) -> None:
         """A fresh optimizer and schedule (RL after an SFT warm start)."""
@@ -349,24 +327,13 @@ class CriticWorker(_Worker):
 
     def update(self, mini_batches: Sequence[TrainBatch], denominators: Sequence[float], loss_agg_mode: str) -> dict[str, float]:
         cfg = self.config
-        self.model.train()
-        sums: dict[str, float] = {}
-        count = 0
-        for mini, denominator in zip(mini_batches, denominators):
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
-                m = micro.trim().to(self.device)
-                loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value, loss_agg_mode)
-                (loss * _loss_scale(m.response_mask, loss_agg_mode, denominator, self.world_size)).backward()
-                sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + loss.item()
-                sums["critic/vf_clipfrac"] = sums.get("critic/vf_clipfrac", 0.0) + metrics["vf_clipfrac"].item()
-                count += 1
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-            self.optimizer.step()
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            sums["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) + grad_norm * count
-        self.scheduler.step()
-        return {k: v / max(count, 1) for k, v in sums.items()}
+
+        def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value, loss_agg_mode)
+            return loss, {"critic/vf_loss": loss.item(), "critic/vf_clipfrac": metrics["vf_clipfrac"].item()}
+
+        return train_on_mini_batches(self, mini_batches, denominators, micro_size=cfg.ppo_micro_batch_size_per_gpu,
+                                     mode=loss_agg_mode, prefix="critic", micro_loss=micro_loss)
 
     def save(self, directory: str) -> None:
         model_state = gather_model_state(self.model)
@@ -379,6 +346,40 @@ class CriticWorker(_Worker):
         load_model_state(self.model, state["model"] if rank_is_zero(self.rank) else {})
         load_optimizer_state(self.model, self.optimizer, state["optimizer"] if rank_is_zero(self.rank) else {})
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def train_on_mini_batches(worker, mini_batches, denominators, *, micro_size: int, mode: str, prefix: str, micro_loss,
+                          average: bool = True) -> dict[str, float]:
+    """One optimizer step per mini-batch; its micro-batches accumulate gradients, each loss scaled
+    to its share of the mini-batch over all ranks. A step whose gradient is not finite is
+    skipped (and counted) rather than poisoning the weights. The LR schedule moves once per call.
+    Returns the micro-batch metrics (means, or sums with ``average=False``), the mean gradient
+    norm and the skipped steps."""
+    worker.model.train()
+    sums: dict[str, float] = {}
+    micro_count, grad_norms, skipped = 0, [], 0
+    for mini, denominator in zip(mini_batches, denominators):
+        worker.optimizer.zero_grad(set_to_none=True)
+        for micro in mini.split(micro_size):
+            m = micro.trim().to(worker.device)
+            loss, metrics = micro_loss(m)
+            (loss * _loss_scale(m.response_mask, mode, denominator, worker.world_size)).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+            micro_count += 1
+        norm = torch.nn.utils.clip_grad_norm_(worker.model.parameters(), worker.config.optim.grad_clip)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        grad_norms.append(norm)
+        if math.isfinite(norm):
+            worker.optimizer.step()
+        else:
+            worker.optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+    worker.scheduler.step()
+    out = {k: v / max(micro_count, 1) for k, v in sums.items()} if average else sums
+    out[f"{prefix}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+    out[f"{prefix}/skipped_steps"] = float(skipped)
+    return out
 
 
 def rank_is_zero(rank: int) -> bool:
