@@ -34,9 +34,24 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
+class NotAvailable(AgentrlError):
+    """A subcommand whose module is not part of this installation."""
+
+
 def _resolve(target: str):
     module, _, func = target.partition(":")
-    return getattr(importlib.import_module(module), func)
+    try:
+        return getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name):  # the command's own module, not a dependency
+            raise NotAvailable(f"this command is not available in agentrl {_version()} ({module} is missing)") from None
+        raise
+
+
+def _version() -> str:
+    from agentrl import __version__
+
+    return __version__
 
 
 def _usage() -> str:

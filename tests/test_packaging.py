@@ -63,3 +63,10 @@ def test_cli_reports_config_errors_without_a_traceback():
     assert out.returncode == 1
     assert "data.train_batch_sise: unknown key; did you mean data.train_batch_size?" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_command_whose_module_is_missing_says_so_without_a_traceback(monkeypatch):
+    from agentrl import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "later", ("agentrl.not_written_yet:cli_main", "a future command"))
+    assert cli.main(["later"]) == 1
