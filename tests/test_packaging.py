@@ -70,3 +70,13 @@ def test_a_command_whose_module_is_missing_says_so_without_a_traceback(monkeypat
 
     monkeypatch.setitem(cli.COMMANDS, "later", ("agentrl.not_written_yet:cli_main", "a future command"))
     assert cli.main(["later"]) == 1
+
+
+def test_train_refuses_an_engine_it_does_not_drive_before_any_work(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "train", "engine=sglang", f"trainer.runs_root={tmp_path}"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 1
+    assert "engine.backend: 'sglang' is not wired into agentrl train/rollout yet" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing was started or written

@@ -28,10 +28,11 @@ def cli_main(argv: list[str]) -> int:
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.data.dataset import RowDataset
     from agentrl.engines.builtin import BuiltinEngine
-    from agentrl.trainer.run import make_run_dir, prepare_data, resolve_model
+    from agentrl.trainer.run import make_run_dir, prepare_data, require_builtin_engine, resolve_model
     from agentrl.trajectory_io import write_trajectories
 
     cfg = load_config("rollout", argv)
+    require_builtin_engine(cfg)
     run_dir = make_run_dir(cfg)
     files, _ = prepare_data(cfg, run_dir)  # validated before any generation
     dataset = RowDataset(files, batch_size=1, shuffle=False, seed=cfg.data.seed, drop_last=False)

@@ -369,6 +369,15 @@ class Trainer:
 # ----------------------------------------------------------------------------- setup helpers
 
 
+def require_builtin_engine(cfg: TrainConfig) -> None:
+    """``train`` and ``rollout`` drive the built-in engine; say so instead of ignoring the setting."""
+    from agentrl.errors import ConfigError
+
+    if cfg.engine.backend != "builtin":
+        raise ConfigError([("engine.backend", f"{cfg.engine.backend!r} is not wired into agentrl train/rollout yet; "
+                            "use engine=builtin (SGLang servers work through agentrl.engines.SGLangEngine in the agent layer)")])
+
+
 def resolve_model(cfg: TrainConfig) -> Path:
     if cfg.model.path is not None:
         return Path(cfg.model.path)
@@ -434,6 +443,7 @@ def train(cfg: TrainConfig) -> RunResult:
     """The whole job: setup, (SFT warm start), validation, steps, checkpoints, export, summary."""
     from tqdm.auto import tqdm
 
+    require_builtin_engine(cfg)
     started = time.perf_counter()
     run_dir = make_run_dir(cfg)
     (run_dir / "config.yaml").write_text(_to_yaml(cfg))
