@@ -87,7 +87,9 @@ HOSTILE = [
     ("read_parent_environment", "import os\nprint(sorted(os.environ))\nprint(os.environ.get('AGENTRL_TEST_SECRET'))", "None", 3.0),
     ("read_parent_environ_via_proc", "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", "Error", 3.0),
     ("write_outside_workdir", "open('/etc/agentrl-evil', 'w').write('x')", "PermissionError", 3.0),
-    ("write_into_repository", f"open('{Path(__file__).resolve().parent}/evil.txt', 'w').write('x')", "PermissionError", 3.0),
+    # PermissionError, or FileNotFoundError when the checkout lives under /tmp (hidden by the sandbox's own /tmp);
+    # either way the file must not appear on the host (checked below)
+    ("write_into_repository", f"open('{Path(__file__).resolve().parent}/evil.txt', 'w').write('x')", "Error: the program exited with status 1.", 3.0),
     ("read_root_home", "import os\nprint(os.listdir('/root'))", "PermissionError", 3.0),
     ("become_root", "import os\nos.setuid(0)", "PermissionError", 3.0),
     ("huge_file", "f = open('big.bin', 'wb')\nwhile True:\n    f.write(b'x' * 1024 ** 2)", "File too large", 4.0),
