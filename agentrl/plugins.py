@@ -96,6 +96,11 @@ class PluginRegistry:
         self._prefer = {_group_name(g): dict(v) for g, v in (prefer or {}).items()}
         self._loaded: dict[tuple[str, str], Any] = {}
 
+    @property
+    def prefer(self) -> dict[str, dict[str, str]]:
+        """The distribution preferences this registry resolves with (full group names)."""
+        return {group: dict(names) for group, names in self._prefer.items()}
+
     def names(self, group: str) -> list[str]:
         return sorted({s.name for s in discover(group)})
 

@@ -35,6 +35,7 @@ from agentrl.agent.tools_runtime import CallOutcome, InteractionPool, Interactio
 from agentrl.data.row import Row
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.errors import EngineError
+from agentrl.rewards import score_to_float
 from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, Turn
 
 __all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd"]
@@ -347,12 +348,3 @@ async def ask_interaction(ep: Episode, turn: Turn) -> bool:
     ep.counts["user_turns"] += 1
     ep.observe([{"role": "user", "content": response.text}], "user")
     return True
-
-
-def score_to_float(result: Any) -> tuple[float, dict[str, Any]]:
-    """A reward function's float or ``{"score": ..., ...}`` as (score, extra info)."""
-    if isinstance(result, dict):
-        extra = {k: v for k, v in result.items() if k != "score"}
-        return float(result["score"]), extra
-    return float(result), {}
-

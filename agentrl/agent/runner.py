@@ -23,6 +23,7 @@ from agentrl.data.row import Row
 from agentrl.engines.base import Engine, SamplingParams
 from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry
+from agentrl.rewards import resolve_reward
 from agentrl.trajectory import Trajectory
 
 __all__ = ["RolloutRunner", "LoopTable", "RewardTable", "check_agent_names", "build_context"]
@@ -61,15 +62,15 @@ def check_agent_names(names: Iterable[str | None], registry: PluginRegistry | No
 class RewardTable:
     """Reward functions (``agentrl.rewards``) by data source, resolved once each."""
 
-    def __init__(self, config: RewardConfig, registry: PluginRegistry | None = None):
+    def __init__(self, config: RewardConfig, prefer: dict[str, dict[str, str]] | None = None):
         self.config = config
-        self.registry = registry or PluginRegistry()
+        self.prefer = prefer
         self._fns: dict[str, RewardFn] = {}
 
     def __call__(self, data_source: str) -> RewardFn:
         name = self.config.by_data_source.get(data_source, self.config.default)
         if name not in self._fns:
-            fn = self.registry.load("rewards", name)
+            fn = resolve_reward(name, self.prefer)
             if "format_score" in inspect.signature(fn).parameters:
                 format_score = self.config.format_score
                 base = fn
@@ -119,7 +120,7 @@ def build_context(
             top_p=rollout.top_p,
             top_k=rollout.top_k,
         ),
-        reward_fn=RewardTable(reward, registry),
+        reward_fn=RewardTable(reward, registry.prefer),
     )
 
 
