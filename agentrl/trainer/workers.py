@@ -424,7 +424,7 @@ class WorkerGroup:
         try:
             return ray.get(refs)
         except ray.exceptions.RayActorError as exc:
-            raise WorkerDied(f"a {self.name} worker died: {exc}") from exc
+            raise WorkerDied(f"a worker of the {self.name} group died: {exc}") from exc
 
     def kill(self) -> None:
         import ray

@@ -1,0 +1,98 @@
+"""Faults survived: a worker process that dies mid-step is named, not waited on forever; a
+trainer killed with SIGKILL resumes from its last checkpoint with an uninterrupted run's metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+SHORT = [
+    "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=0", "trainer.max_checkpoints=3",
+    "trainer.val_before_train=false", "trainer.export_hf=false",
+    "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
+    "data.task_train_size=32", "data.task_val_size=8", "rollout.max_new_tokens=32", "data.max_response_length=96",
+    "sft.num_demos=32", "sft.epochs=1", "logging.progress=false", "actor.optim.lr=1e-3",
+]
+
+
+class Sleeper:
+    def __init__(self, **kwargs):
+        self.rank = kwargs["rank"]
+
+    def ready(self):
+        return self.rank
+
+    def pid(self):
+        return os.getpid()
+
+    def work(self, seconds):
+        time.sleep(seconds)
+        return "done"
+
+
+def test_a_worker_that_dies_mid_call_is_named():
+    import ray
+
+    from agentrl.trainer.workers import WorkerDied, WorkerGroup
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}  # so workers import this module
+        group = WorkerGroup(Sleeper, world_size=2, num_cpus=0.5, env=env, name="actor")
+        pids = group.call_all("pid")
+        refs = [w.work.remote(30) for w in group.workers]
+        time.sleep(1.0)
+        os.kill(pids[1], signal.SIGKILL)  # the process dies, as an OOM kill would do it
+        start = time.monotonic()
+        with pytest.raises(WorkerDied, match="a worker of the actor group died"):
+            group.get(refs)
+        assert time.monotonic() - start < 25  # reported, not waited out
+    finally:
+        ray.shutdown()
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "reward/mean" in row:
+            out[row["step"]] = row  # the last record of a step wins (a resumed run rewrites it)
+    return out
+
+
+def run(args, cwd, **popen):
+    return subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_trainer_killed_with_sigkill_resumes_with_the_same_metrics(tmp_path):
+    reference = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=straight"], tmp_path)
+    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
+    killed_dir = tmp_path / "killed"
+    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=killed"], tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (killed_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file():
+        assert victim.poll() is None, victim.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray and its workers, mid-run
+    victim.wait()
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *SHORT, f"trainer.resume={killed_dir}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr
+    straight, resumed = metrics(tmp_path / "straight"), metrics(killed_dir)
+    assert sorted(resumed) == [1, 2, 3]
+    for step in (2, 3):
+        for key, value in straight[step].items():
+            if not key.startswith(("timing/", "tokens/per_s")):
+                assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
