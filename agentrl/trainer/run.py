@@ -181,7 +181,7 @@ class Trainer:
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
-            gradient_checkpointing=cfg.model.gradient_checkpointing, **dist,
+            gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature, **dist,
         )
         self.start_step = 0
         resumed = cfg.trainer.resume is not None and latest_checkpoint(run_dir) is not None
@@ -194,7 +194,7 @@ class Trainer:
         if cfg.use_reference:
             self.reference = WorkerGroup(
                 ReferenceWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="reference",
-                model_path=self.policy_source, **dist,
+                model_path=self.policy_source, temperature=cfg.rollout.temperature, **dist,
             )
         self.critic = None
         if cfg.critic.enable:
@@ -295,11 +295,9 @@ class Trainer:
         mode = self.cfg.actor.loss_agg_mode
         minis = [mb for _ in range(epochs) for mb in batch.split(size)]
         denominators = [mini_batch_denominator(mb.response_mask, mode) for mb in minis]
-        per_rank = [[_shards(mb, world_size)[rank] for mb in minis] for rank in range(world_size)]
-        if group is self.critic:
-            results = group.call_sharded("update", per_rank, denominators, kwargs["loss_agg_mode"])
-        else:
-            results = group.call_sharded("update", per_rank, denominators, use_kl_loss=kwargs["use_kl_loss"])
+        shards = [_shards(mb, world_size) for mb in minis]
+        per_rank = [[mini_shards[rank] for mini_shards in shards] for rank in range(world_size)]
+        results = group.call_sharded("update", per_rank, denominators, **kwargs)
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
     def validate(self, step: int) -> dict[str, float]:
@@ -355,13 +353,13 @@ class Trainer:
     def close(self) -> None:
         import ray
 
+        try:
+            self.actor.call_all("close")  # stops the engine thread before the process goes
+        except Exception:  # closing after a failure must not hide it
+            pass
         for group in (self.actor, self.reference, self.critic):
             if group is not None:
-                try:
-                    group.call_all("close") if group is self.actor else None
-                    group.kill()
-                except Exception:
-                    pass
+                group.kill()
         if ray.is_initialized():
             ray.shutdown()
 

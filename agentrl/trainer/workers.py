@@ -46,12 +46,19 @@ __all__ = [
 ]
 
 
-def response_logprobs(model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False):
-    """(B, R) logprobs of the response tokens under ``model`` (and their entropy if asked)."""
+def response_logprobs(model: torch.nn.Module, batch: TrainBatch, *, temperature: float = 1.0, with_entropy: bool = False):
+    """(B, R) logprobs of the response tokens under ``model`` (and their entropy if asked).
+
+    ``temperature`` is the rollout's: engines report ``log_softmax(logits / T)`` of the sampled
+    token (``log_softmax(logits)`` when greedy, T = 0), so the trainer scores the same
+    distribution, and the PPO ratio is between the policy that sampled and the updated one.
+    """
     P, R = batch.prompt_length, batch.response_length
     logits = model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
     ).logits[:, P - 1 : P + R - 1].float()  # (B, R, V)
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     targets = batch.input_ids[:, P : P + R]  # (B, R)
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, R)
     entropy = algo.entropy_from_logits(logits) if with_entropy else None  # (B, R)
@@ -111,10 +118,12 @@ class ActorWorker(_Worker):
         total_steps: int,
         rollout_setup: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
+        temperature: float = 1.0,
         **dist_kwargs: Any,
     ):
         super().__init__(**dist_kwargs)
         self.config = config
+        self.temperature = temperature  # the rollout's sampling temperature (see response_logprobs)
         self.model_path = model_path
         self.model = self._load_causal_lm(model_path)
         if gradient_checkpointing:
@@ -170,7 +179,7 @@ class ActorWorker(_Worker):
         R = batch.response_length
         for micro in batch.split(micro_batch_size):
             trimmed = micro.trim().to(self.device)
-            lp, ent = response_logprobs(self.model, trimmed, with_entropy=True)
+            lp, ent = response_logprobs(self.model, trimmed, temperature=self.temperature, with_entropy=True)
             logprobs.append(_pad_right(lp.cpu(), R))
             entropies.append(_pad_right(ent.cpu(), R))
         return torch.cat(logprobs), torch.cat(entropies)
@@ -183,7 +192,7 @@ class ActorWorker(_Worker):
 
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = m.response_mask
-            logprobs, entropy = response_logprobs(self.model, m, with_entropy=cfg.entropy_coeff != 0)
+            logprobs, entropy = response_logprobs(self.model, m, temperature=self.temperature, with_entropy=cfg.entropy_coeff != 0)
             loss, pg = algo.ppo_policy_loss(logprobs, m.old_logprobs, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode)
             metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()}}
             if entropy is not None:
@@ -273,8 +282,9 @@ class ActorWorker(_Worker):
 
 
 class ReferenceWorker(_Worker):
-    def __init__(self, *, model_path: str, **dist_kwargs: Any):
+    def __init__(self, *, model_path: str, temperature: float = 1.0, **dist_kwargs: Any):
         super().__init__(**dist_kwargs)
+        self.temperature = temperature
         self.model = self._load_causal_lm(model_path)
         self.model.eval()
 
@@ -282,7 +292,7 @@ class ReferenceWorker(_Worker):
     def compute_logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         R = batch.response_length
         parts = [
-            _pad_right(response_logprobs(self.model, micro.trim().to(self.device))[0].cpu(), R)
+            _pad_right(response_logprobs(self.model, micro.trim().to(self.device), temperature=self.temperature)[0].cpu(), R)
             for micro in batch.split(micro_batch_size)
         ]
         return torch.cat(parts)
