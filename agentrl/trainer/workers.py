@@ -53,13 +53,16 @@ def response_logprobs(model: torch.nn.Module, batch: TrainBatch, *, temperature:
     token (``log_softmax(logits)`` when greedy, T = 0), so the trainer scores the same
     distribution, and the PPO ratio is between the policy that sampled and the updated one.
     """
-    P, R = batch.prompt_length, batch.response_length
+    R = batch.response_length
+    # Only the last R + 1 positions' logits are needed (the one before each response token):
+    # the LM head never runs over the prompt, forward or backward.
     logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
-    ).logits[:, P - 1 : P + R - 1].float()  # (B, R, V)
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False,
+        logits_to_keep=R + 1,
+    ).logits[:, :R].float()  # (B, R, V)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    targets = batch.input_ids[:, P : P + R]  # (B, R)
+    targets = batch.input_ids[:, -R:]  # (B, R): the response columns
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, R)
     entropy = algo.entropy_from_logits(logits) if with_entropy else None  # (B, R)
     return logprobs, entropy
@@ -96,7 +99,7 @@ class _Worker:
     def _load_causal_lm(self, path: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
         return shard_model(model, self.mesh, param_dtype=self.param_dtype)
 
     def ready(self) -> int:
@@ -305,7 +308,7 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        self.backbone = AutoModel.from_pretrained(model_path, torch_dtype=torch.float32)
+        self.backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
         self._no_split_modules = self.backbone._no_split_modules
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)

@@ -1,0 +1,313 @@
+"""``agentrl bench trainer``: agentrl's GRPO against TRL's ``GRPOTrainer``, side by side.
+
+Both start from the same checkpoint (the tiny model after a short, deliberately imperfect SFT
+warm start on a one-answer task: "Say seven." answered "7" half of the time), train on the same
+prompts with the same batch (``--prompts`` prompts × ``--n`` samples, one optimizer step per
+step), learning rate, clip range, response length and number of steps, and are evaluated by one
+evaluator: the built-in engine sampling at temperature 1 on held-out prompts with fixed seeds,
+scored by the same reward function (``gsm8k_flexible``: the last number must be 7).
+
+Matched settings: no KL (TRL's ``beta=0``), GRPO group normalization with the std
+(``scale_rewards="group"``), token-mean loss over the whole batch (TRL's ``dapo``), constant
+learning rate, gradient clipping at 1.0, fp32, no reference model. agentrl runs its real
+training path: Ray actors, FSDP2 (world size 1), the built-in engine colocated with the actor,
+the single-turn agent loop; TRL runs in this process with transformers' ``generate``.
+
+Per-step time is the mean wall time of the steps after the first (which pays one-time costs),
+each step being generation + scoring + update (+ agentrl's weight sync). Prints one JSON object:
+``agentrl_step_s``, ``trl_step_s``, ``ratio`` (TRL's step time over agentrl's), ``agentrl_reward``
+and ``trl_reward`` (held-out evaluation), tokens/s, and the settings.
+
+    agentrl bench trainer --json [--steps 10] [--prompts 8] [--n 8] [--skip-trl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "Settings"]
+
+GROUND_TRUTH = "7"
+DATA_SOURCE = "bench/seven"
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_size: str = "1m"
+    steps: int = 10
+    prompts: int = 8  # prompts per step
+    n: int = 8  # samples per prompt
+    max_new_tokens: int = 8
+    lr: float = 6e-4
+    clip_ratio: float = 0.2
+    temperature: float = 1.0
+    eval_prompts: int = 64
+    eval_samples: int = 4
+    seed: int = 0
+    threads: int = 2
+
+
+def _prompt(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Say seven. ({i})"}]
+
+
+def _rows(start: int, count: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": _prompt(i),
+            "reward_model": {"style": "rule", "ground_truth": GROUND_TRUTH},
+            "extra_info": {"index": i},
+            "agent_name": "single_turn",
+        }
+        for i in range(start, start + count)
+    ]
+
+
+def _reward(text: str) -> float:
+    from agentrl.rewards import gsm8k_flexible
+
+    return float(gsm8k_flexible(DATA_SOURCE, text, GROUND_TRUTH))
+
+
+def _copy_non_weights(source: Path, target: Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file() and not item.name.endswith((".safetensors", ".bin")):
+            shutil.copy2(item, target / item.name)
+
+
+def warm_start(model_dir: Path, out: Path, settings: Settings) -> Path:
+    """A short SFT on demonstrations that answer 7 half of the time: a policy RL can improve."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.trainer.sft import sft_batches, tokenize_conversations
+    from agentrl.trainer.workers import response_logprobs
+
+    torch.manual_seed(settings.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    conversations = [
+        _prompt(10_000 + i) + [{"role": "assistant", "content": GROUND_TRUTH if i % 2 else str(i % 7)}] for i in range(128)
+    ]
+    examples = tokenize_conversations(tokenizer, conversations, tools=None, max_length=256)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for batch in sft_batches(examples, batch_size=16, pad_token_id=tokenizer.pad_token_id, epochs=2, seed=settings.seed):
+        logprobs, _ = response_logprobs(model, batch)
+        loss = -(logprobs * batch.response_mask).sum() / batch.response_mask.sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    _copy_non_weights(model_dir, out)
+    model.save_pretrained(out)
+    return out
+
+
+def evaluate(model_dir: Path, settings: Settings) -> float:
+    """Mean reward of sampled answers (T = 1, fixed seeds) on held-out prompts."""
+    from transformers import AutoTokenizer
+
+    from agentrl.engines.base import GenerateRequest, SamplingParams
+    from agentrl.engines.builtin import BuiltinEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stop = (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id)
+
+    async def run() -> list[str]:
+        async with BuiltinEngine(model_dir, max_batch_size=64, seed=settings.seed) as engine:
+            requests = []
+            for i in range(settings.eval_prompts):
+                ids = tokenizer.apply_chat_template(_prompt(50_000 + i), add_generation_prompt=True, return_dict=True)["input_ids"]
+                for k in range(settings.eval_samples):
+                    sampling = SamplingParams(
+                        max_new_tokens=settings.max_new_tokens, temperature=1.0, stop_token_ids=tuple(set(stop)), seed=i * 1000 + k
+                    )
+                    requests.append(GenerateRequest(list(ids), sampling))
+            results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        return [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
+
+    texts = asyncio.run(run())
+    return sum(_reward(t) for t in texts) / len(texts)
+
+
+def run_agentrl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
+    from agentrl.config import load_config
+    from agentrl.data.io import write_rows
+    from agentrl.trainer.run import train
+
+    train_file = write_rows(_rows(0, settings.prompts * settings.steps), work / "train.parquet")
+    overrides = [
+        "algorithm=grpo", f"model.path={start}", "sft.enable=false", "data.task=null", f"data.train_files=[{train_file}]",
+        "agent.default_loop=single_turn", "reward.default=gsm8k_flexible", f"trainer.total_steps={settings.steps}",
+        "trainer.test_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.export_hf=true",
+        f"trainer.seed={settings.seed}", f"data.train_batch_size={settings.prompts}", f"rollout.n={settings.n}",
+        f"actor.ppo_mini_batch_size={settings.prompts}", f"actor.ppo_micro_batch_size_per_gpu={settings.prompts * settings.n}",
+        f"rollout.max_new_tokens={settings.max_new_tokens}", f"data.max_response_length={settings.max_new_tokens}",
+        f"rollout.temperature={settings.temperature}", f"actor.optim.lr={settings.lr}", f"actor.clip_ratio={settings.clip_ratio}",
+        "actor.optim.grad_clip=1.0", "actor.loss_agg_mode=token-mean", "algorithm.norm_adv_by_std_in_grpo=true",
+        "logging.progress=false", "logging.loggers=[jsonl]", f"trainer.runs_root={work}", "trainer.run_name=agentrl",
+    ]
+    started = time.perf_counter()
+    result = train(load_config("train", overrides))
+    wall = time.perf_counter() - started
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "timing/step_s" in r]
+    step_times = [r["timing/step_s"] for r in steps]
+    tokens = [r["tokens/sampled"] for r in steps]
+    return {
+        "step_times": step_times,
+        "tokens": tokens,
+        "train_rewards": [r["reward/mean"] for r in steps],
+        "wall_s": wall,
+        "policy": result.run_dir / "policy",
+    }
+
+
+def run_trl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(settings.threads)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    rows = [{"prompt": _prompt(i)} for i in range(settings.prompts * settings.steps)]
+
+    def seven(completions: list[Any], **_: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [_reward(t) for t in texts]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.logs: list[dict[str, float]] = []
+            self._start = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._start)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.logs.append(dict(logs))
+
+    batch = settings.prompts * settings.n
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), per_device_train_batch_size=batch, num_generations=settings.n,
+        gradient_accumulation_steps=1, max_completion_length=settings.max_new_tokens, max_steps=settings.steps,
+        learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        epsilon=settings.clip_ratio, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
+        temperature=settings.temperature, top_p=1.0, top_k=0, use_cpu=True, bf16=False, fp16=False, logging_steps=1,
+        save_strategy="no", report_to="none", seed=settings.seed, disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=False,  # TRL's default is on; agentrl's is off (model.gradient_checkpointing)
+    )
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=seven, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    started = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - started
+    policy = work / "trl_policy"
+    _copy_non_weights(start, policy)
+    trainer.model.save_pretrained(policy)
+    lengths = [log.get("completions/mean_length", 0.0) for log in timer.logs]
+    return {
+        "step_times": timer.times,
+        "tokens": [length * batch for length in lengths],
+        "train_rewards": [log["reward"] for log in timer.logs],
+        "wall_s": wall,
+        "policy": policy,
+    }
+
+
+def _summary(run: dict[str, Any]) -> dict[str, float]:
+    times, tokens = run["step_times"], run["tokens"]
+    steady = times[1:] or times
+    return {
+        "step_s": sum(steady) / len(steady),
+        "first_step_s": times[0],
+        "tokens_per_s": sum(tokens[1:] or tokens) / sum(steady),
+        "train_reward_last": run["train_rewards"][-1],
+        "train_wall_s": run["wall_s"],
+    }
+
+
+def _run_both(settings: Settings, work: Path, *, with_trl: bool) -> dict[str, Any]:
+    from agentrl.tiny import tiny_model_dir
+
+    start = warm_start(tiny_model_dir(settings.model_size, seed=settings.seed), work / "start", settings)
+    out: dict[str, Any] = {"settings": asdict(settings), "start_reward": evaluate(start, settings)}
+    ours = run_agentrl(start, work, settings)
+    a = _summary(ours)
+    out.update({f"agentrl_{k}": v for k, v in a.items()}, agentrl_reward=evaluate(ours["policy"], settings))
+    out["agentrl_train_rewards"] = ours["train_rewards"]
+    if with_trl:
+        import trl
+
+        theirs = run_trl(start, work, settings)
+        t = _summary(theirs)
+        out.update({f"trl_{k}": v for k, v in t.items()}, trl_reward=evaluate(theirs["policy"], settings))
+        out["trl_train_rewards"] = theirs["train_rewards"]
+        out["ratio"] = t["step_s"] / a["step_s"]
+        out["trl_version"] = trl.__version__
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl bench trainer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    defaults = Settings()
+    for name, value in asdict(defaults).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--skip-trl", action="store_true", help="run agentrl only (TRL not installed)")
+    parser.add_argument("--keep", help="keep the work directory here instead of a temporary one")
+    args = parser.parse_args(argv)
+    settings = Settings(**{name: getattr(args, name) for name in asdict(defaults)})
+    if not args.skip_trl:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            print("TRL is not installed: pip install 'agentrl[bench]' (or pass --skip-trl)", file=sys.stderr)
+            return 2
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    torch.set_num_threads(settings.threads)
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="agentrl-bench-trainer-"))
+    work.mkdir(parents=True, exist_ok=True)
+    # stdout carries only the JSON object (TRL prints its logs there).
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            out = _run_both(settings, work, with_trl=not args.skip_trl)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    out = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+    if not args.json:
+        print(f"agentrl {out['agentrl_step_s']:.3f} s/step, TRL {out.get('trl_step_s', float('nan')):.3f} s/step", file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

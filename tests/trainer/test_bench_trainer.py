@@ -1,0 +1,34 @@
+"""`agentrl bench trainer --json` runs end to end and prints one JSON object (a smoke check of
+the command, with tiny settings; the figures themselves are written down in the README)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+HAVE_TRL = importlib.util.find_spec("trl") is not None
+
+
+def test_bench_trainer_prints_one_json_object_with_both_sides():
+    args = ["--steps", "2", "--prompts", "2", "--n", "4", "--max-new-tokens", "4", "--eval-prompts", "4", "--eval-samples", "2"]
+    if not HAVE_TRL:
+        args.append("--skip-trl")
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "bench", "trainer", "--json", *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, done.stdout[-2000:]  # TRL's own logs go to stderr
+    out = json.loads(lines[0])
+    assert out["settings"]["steps"] == 2 and out["settings"]["n"] == 4
+    assert len(out["agentrl_train_rewards"]) == 2
+    assert out["agentrl_step_s"] > 0 and 0.0 <= out["agentrl_reward"] <= 1.0
+    if HAVE_TRL:
+        assert len(out["trl_train_rewards"]) == 2 and 0.0 <= out["trl_reward"] <= 1.0
+        assert out["ratio"] == pytest.approx(out["trl_step_s"] / out["agentrl_step_s"], rel=1e-2)  # the figures are rounded to 4 decimals
