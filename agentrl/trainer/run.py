@@ -39,6 +39,7 @@ from agentrl.errors import CheckpointError, DataError
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch, collate
 from agentrl.trainer.logging import MetricsLogger
+from agentrl.trainer.workers import mini_batch_denominator
 from agentrl.trajectory import Trajectory
 
 __all__ = ["Trainer", "RunResult", "train", "cli_main", "trajectory_metrics", "compute_advantages"]
@@ -178,6 +179,11 @@ class Trainer:
             max_batch_size=cfg.engine.max_batch_size, seed=cfg.trainer.seed, max_concurrency=cfg.rollout.max_concurrency,
         )
         self.total_steps = cfg.trainer.total_steps
+        self.on_policy = (
+            cfg.actor.ppo_epochs == 1
+            and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+            and not cfg.algorithm.use_kl_in_reward
+        )
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
@@ -235,10 +241,14 @@ class Trainer:
         batch = collate(usable, pad_token_id=self.pad_id, max_prompt_length=cfg.data.max_prompt_length,
                         max_response_length=cfg.data.max_response_length)
         micro = cfg.actor.ppo_micro_batch_size_per_gpu
-        with _timed(timings, "old_logprobs"):
-            parts = self.actor.call_sharded("compute_logprobs", _shards(batch, W), micro)
-            old, entropy = (torch.cat([p[i] for p in parts])[: len(batch)] for i in (0, 1))
-            batch = batch.replace(old_logprobs=old)
+        # One mini-batch, one epoch, no KL in the reward: the update's own forward gives the old
+        # logprobs (see ActorWorker.update_on_policy), one forward pass fewer per step.
+        on_policy = self.on_policy and step >= cfg.trainer.critic_warmup
+        if not on_policy:
+            with _timed(timings, "old_logprobs"):
+                parts = self.actor.call_sharded("compute_logprobs", _shards(batch, W), micro)
+                old, entropy = (torch.cat([p[i] for p in parts])[: len(batch)] for i in (0, 1))
+                batch = batch.replace(old_logprobs=old)
         if self.reference is not None:
             with _timed(timings, "ref_logprobs"):
                 ref = torch.cat(self.reference.call_sharded("compute_logprobs", _shards(batch, W), micro))[: len(batch)]
@@ -253,7 +263,16 @@ class Trainer:
         if self.critic is not None:
             with _timed(timings, "critic_update"):
                 metrics.update(self._update(self.critic, batch, cfg.critic.ppo_mini_batch_size, cfg.critic.world_size, cfg.critic.ppo_epochs, loss_agg_mode=cfg.actor.loss_agg_mode))
-        if step >= cfg.trainer.critic_warmup:
+        if on_policy:
+            with _timed(timings, "actor_update"):
+                denominator = mini_batch_denominator(batch.response_mask, cfg.actor.loss_agg_mode)
+                parts = self.actor.call_sharded("update_on_policy", _shards(batch, W), denominator, use_kl_loss=cfg.actor.use_kl_loss)
+                metrics.update({k: sum(p[0][k] for p in parts) / len(parts) for k in parts[0][0]})
+                old, entropy = (torch.cat([p[i] for p in parts])[: len(batch)] for i in (1, 2))
+                batch = batch.replace(old_logprobs=old)
+            with _timed(timings, "weight_sync"):
+                self.actor.call_all("sync_weights", step + 1)
+        elif step >= cfg.trainer.critic_warmup:
             with _timed(timings, "actor_update"):
                 metrics.update(self._update(self.actor, batch, cfg.actor.ppo_mini_batch_size, W, cfg.actor.ppo_epochs, use_kl_loss=cfg.actor.use_kl_loss))
             with _timed(timings, "weight_sync"):
@@ -289,8 +308,6 @@ class Trainer:
 
     def _update(self, group, batch: TrainBatch, mini_prompts: int, world_size: int, epochs: int, **kwargs) -> dict[str, float]:
         """Split into mini-batches (``mini_prompts`` × n trajectories), shard each over the ranks."""
-        from agentrl.trainer.workers import mini_batch_denominator
-
         size = mini_prompts * self.cfg.rollout.n
         mode = self.cfg.actor.loss_agg_mode
         minis = [mb for _ in range(epochs) for mb in batch.split(size)]

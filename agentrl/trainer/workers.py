@@ -187,18 +187,29 @@ class ActorWorker(_Worker):
             entropies.append(_pad_right(ent.cpu(), R))
         return torch.cat(logprobs), torch.cat(entropies)
 
-    def update(self, mini_batches: Sequence[TrainBatch], denominators: Sequence[float], *, use_kl_loss: bool) -> dict[str, float]:
-        """PPO: one optimizer step per mini-batch (this rank's share), micro-batches accumulated."""
+    def update(self, mini_batches: Sequence[TrainBatch], denominators: Sequence[float], *, use_kl_loss: bool,
+               _seen: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, float]:
+        """PPO: one optimizer step per mini-batch (this rank's share), micro-batches accumulated.
+
+        ``_seen`` (used by ``update_on_policy``): the batch has no old logprobs; each micro-batch's
+        own forward provides them, and its (logprobs, entropy) are appended to the list.
+        """
         cfg = self.config
         low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
         high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
 
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = m.response_mask
-            logprobs, entropy = response_logprobs(self.model, m, temperature=self.temperature, with_entropy=cfg.entropy_coeff != 0)
-            loss, pg = algo.ppo_policy_loss(logprobs, m.old_logprobs, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode)
+            logprobs, entropy = response_logprobs(
+                self.model, m, temperature=self.temperature, with_entropy=cfg.entropy_coeff != 0 or _seen is not None
+            )
+            old = m.old_logprobs
+            if _seen is not None:
+                old = logprobs.detach()  # the weights that sampled are the ones being updated: ratio 1
+                _seen.append((old.cpu(), entropy.detach().cpu()))
+            loss, pg = algo.ppo_policy_loss(logprobs, old, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode)
             metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()}}
-            if entropy is not None:
+            if cfg.entropy_coeff != 0:
                 ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode)
                 loss = loss - cfg.entropy_coeff * ent
                 metrics["actor/entropy_loss"] = ent.item()
@@ -212,6 +223,21 @@ class ActorWorker(_Worker):
                                     mode=cfg.loss_agg_mode, prefix="actor", micro_loss=micro_loss)
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
+
+    def update_on_policy(self, batch: TrainBatch, denominator: float, *, use_kl_loss: bool) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """PPO when the step's batch is one mini-batch trained for one epoch (the default).
+
+        The policy that sampled the batch is exactly the one being updated, so the update's own
+        forward pass gives the old logprobs (``logprobs.detach()``, ratio 1 before the step) and
+        the separate old-logprob pass is skipped (TRL and verl do the same). Returns the metrics
+        and this rank's (B, R) old logprobs and entropies, for the step's metrics.
+        """
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        metrics = self.update([batch], [denominator], use_kl_loss=use_kl_loss, _seen=seen)
+        R = batch.response_length
+        logprobs = torch.cat([_pad_right(lp, R) for lp, _ in seen])
+        entropy = torch.cat([_pad_right(ent, R) for _, ent in seen])
+        return metrics, logprobs * batch.response_attention_mask, entropy * batch.response_attention_mask
 
     def sft_step(self, batch: TrainBatch, denominator: float, micro_batch_size: int) -> dict[str, float]:
         """One optimizer step of cross-entropy on the response mask (assistant tokens)."""

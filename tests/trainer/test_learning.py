@@ -60,5 +60,10 @@ def test_reward_rises(algorithm, tmp_path):
     assert len(rewards) == 12
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.15, rewards
+    steps = [r for r in rows if "reward/mean" in r]
+    # one mini-batch of one epoch: the update's own forward gave the old logprobs (no separate
+    # pass), and they agree with the engine's as a separate pass would
+    assert all("timing/old_logprobs_s" not in r for r in steps)
+    assert all(r["logprob_mismatch/mean"] < 1e-3 for r in steps)
     if algorithm == "ppo":
         assert all("critic/vf_loss" in r for r in rows if "reward/mean" in r)
