@@ -98,10 +98,15 @@ def run_benchmark(*, trajectories: int, tool_turns: int, concurrency: int, infli
         ctx = build_context(engine, tokenizer, agent=agent, rollout=rollout, reward=RewardConfig(), max_response_tokens=4096)
         return engine, ctx
 
-    # 1) throughput and per-turn overhead at a working concurrency
+    # warm-up rows (own ids, so the script starts afresh for the measured rows): the first
+    # trajectories fill the layer's caches (template shapes, token pieces, validators)
+    warmup = [(f"warmup:{i}", row) for i, (_, row) in enumerate(rows_from_dicts(generate("arith", 200, seed=3)))]
+
+    # 1) throughput at a working concurrency
     rows = rows_from_dicts(generate("arith", trajectories, seed=0))
     engine, ctx = setup(hold=1)
     runner = RolloutRunner(ctx, LoopTable("tool_agent"), max_concurrency=concurrency)
+    asyncio.run(runner.run(warmup, n=1))
     start = time.perf_counter()
     done = asyncio.run(runner.run(rows, n=1))
     wall = time.perf_counter() - start
@@ -111,7 +116,10 @@ def run_benchmark(*, trajectories: int, tool_turns: int, concurrency: int, infli
     # per-turn overhead without queueing behind other trajectories: one at a time
     sequential = rows_from_dicts(generate("arith", min(trajectories, 300), seed=2))
     engine_seq, ctx_seq = setup(hold=1)
-    asyncio.run(RolloutRunner(ctx_seq, LoopTable("tool_agent"), max_concurrency=1).run(sequential, n=1))
+    sequential_runner = RolloutRunner(ctx_seq, LoopTable("tool_agent"), max_concurrency=1)
+    asyncio.run(sequential_runner.run(warmup, n=1))
+    engine_seq.gaps.clear()
+    asyncio.run(sequential_runner.run(sequential, n=1))
     gaps_ms = sorted(g * 1000 for g in engine_seq.gaps)
 
     # 2) many trajectories in flight at once: memory at the peak
@@ -143,7 +151,7 @@ def run_benchmark(*, trajectories: int, tool_turns: int, concurrency: int, infli
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench agent-loop")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
-    parser.add_argument("--trajectories", type=int, default=2000)
+    parser.add_argument("--trajectories", type=int, default=4000)
     parser.add_argument("--tool-turns", type=int, default=3, help="tool-calling turns before the final answer")
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--inflight", type=int, default=10000)

@@ -110,6 +110,7 @@ class Episode:
         self.own_score: float | None = None  # a loop may score its own trajectory
         self.error: str | None = None  # what went wrong, when an error ended the episode
         self.final_answer: str | None = None  # for loops with an explicit final answer (react)
+        self.interaction_score: float | None = None  # the interaction's calculate_score, recorded in reward_info
 
     # ----------------------------------------------------------------- generation
     @property
@@ -177,6 +178,8 @@ class Episode:
 
     def truncate_tool_text(self, text: str) -> str:
         limit = self.ctx.limits.max_tool_response_tokens
+        if self.ctx.renderer.surely_fits(text, limit):
+            return text
         ids = self.ctx.renderer.encode(text)
         if len(ids) <= limit:
             return text
@@ -246,9 +249,6 @@ class AgentLoop:
             if extra.interaction_kwargs is not None
             else None
         )
-        finish = "stop"
-        episode: Episode | None = None
-        error: str | None = None
         async with tools:
             schemas = tools.schemas()
             messages = self.initial_messages(row, ctx, schemas)
@@ -258,22 +258,15 @@ class AgentLoop:
                 interaction=interaction, messages=messages, prompt_ids=prompt_ids,
             )
             try:
-                if interaction is not None:
+                finish, error = await self._play(episode, interaction)
+                if interaction is not None and finish != "interaction_error":
                     try:
-                        await interaction.__aenter__()
+                        episode.interaction_score = await interaction.score()
                     except Exception as exc:
-                        raise InteractionFailure(f"start failed: {type(exc).__name__}: {exc}") from exc
-                finish = await asyncio.wait_for(self.play(episode), ctx.limits.trajectory_timeout_s)
-            except EpisodeEnd as end:
-                finish = end.reason
-                error = episode.error
-            except asyncio.TimeoutError:
-                finish = "trajectory_timeout"
-            except InteractionFailure as exc:
-                finish, error = "interaction_error", str(exc)
+                        finish, error = "interaction_error", f"calculate_score failed: {type(exc).__name__}: {exc}"
             finally:
                 if interaction is not None:
-                    await interaction.__aexit__(None, None, None)
+                    await interaction.__aexit__(None, None, None)  # finalize, always
             sep = ctx.renderer.separator_ids
             if (
                 episode.last_stopped_on_eos
@@ -285,6 +278,23 @@ class AgentLoop:
                 episode.builder.append_template(sep)
             await tools.collect_rewards()
         return self._finish(episode, finish, error)
+
+    async def _play(self, episode: Episode, interaction: InteractionSession | None) -> tuple[str, str | None]:
+        """Start the interaction and play the episode under the trajectory timeout; returns
+        (finish reason, error)."""
+        try:
+            if interaction is not None:
+                try:
+                    await interaction.__aenter__()
+                except Exception as exc:
+                    raise InteractionFailure(f"start failed: {type(exc).__name__}: {exc}") from exc
+            return await asyncio.wait_for(self.play(episode), episode.ctx.limits.trajectory_timeout_s), None
+        except EpisodeEnd as end:
+            return end.reason, episode.error
+        except asyncio.TimeoutError:
+            return "trajectory_timeout", None
+        except InteractionFailure as exc:
+            return "interaction_error", str(exc)
 
     def _finish(self, ep: Episode, finish: str, error: str | None) -> Trajectory:
         row = ep.row
@@ -298,6 +308,11 @@ class AgentLoop:
                 reward, info = score_to_float(fn(row.data_source, solution, row.ground_truth, row.extra_info.model_dump()))
         if ep.tools.calc_rewards:
             info["tool_rewards"] = dict(ep.tools.calc_rewards)
+        if ep.tools.calc_reward_errors:
+            info["tool_reward_errors"] = dict(ep.tools.calc_reward_errors)
+            ep.counts["tool_errors/calc_reward"] += len(ep.tools.calc_reward_errors)
+        if ep.interaction_score is not None:
+            info["interaction_score"] = float(ep.interaction_score)
         if error:
             info["error"] = error
         b = ep.builder

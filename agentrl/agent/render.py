@@ -12,33 +12,62 @@ samples that separator, so the delta must supply it or the stream drifts from th
 
 For *append-only* templates (rendering a conversation is a prefix of rendering any
 continuation) the final token stream then equals the template's rendering of the final
-messages, token for token. Templates that rewrite history (e.g. drop earlier ``<think>``
-blocks) are detected at construction (``append_only`` is False); with them the stream stays
-what the model actually saw while generating - the deltas are still exact - but it no longer
-equals a fresh rendering of the final messages, and the trainer trains on the real context.
+messages, token for token, whenever the model's tokens are the tokenizer's own encoding of its
+text. Templates that rewrite history (e.g. drop earlier ``<think>`` blocks) are detected at
+construction (``append_only`` is False). With them the stream stays what the model actually saw
+while generating - each delta is still exactly the template's rendering of the new messages -
+but it no longer equals a fresh rendering of the final messages; the trainer trains on the
+real context, and ``Trajectory.messages`` is a record, not a recipe for the tokens.
 
-Rendering is cached per shape: the template is rendered once with placeholder contents for a
-given sequence of roles, split on the placeholders, and later deltas are string joins (checked
-against a full rendering when the shape is first seen).
+Speed (the agent layer renders thousands of deltas per second):
+
+* a delta is cached per *shape* (the sequence of roles): the template is rendered once with
+  placeholder contents, split on them, and later deltas are string joins. A shape is trusted
+  only if a probe (contents with edge whitespace, quotes, braces, markup) renders identically
+  both ways; otherwise that shape is rendered by the template every time;
+* tokenization splits text at the tokenizer's added tokens (``<|im_start|>``, ``<tool_call>``,
+  ...), which the tokenizer itself never merges across, and caches the pieces between them:
+  the template's own text is tokenized once. Used only if the tokenizer passes a probe;
+* prompts are cached per (messages, tools), so the ``n`` samples of a row render once;
+* templates are rendered by transformers' compiled template directly (skipping
+  ``apply_chat_template``'s per-call conversions), again only if a probe renders identically.
+
+Every fast path falls back to the reference path (``apply_chat_template`` and
+``tokenizer.encode``) when its probe disagrees, so speed never changes the tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+import re
+from typing import Any, Callable, Sequence
 
 __all__ = ["ChatRenderer"]
 
 _DUMMY = "\x00dummy\x00"
 _HOLE = "\x00hole{}\x00"
+# contents that a template which strips, escapes or inspects its contents renders differently
+_PROBES = ("  probe \n\t<x> & 'q' \"dq\" {{ y }} {% z %}\n\n", "")
+_MAX_CACHED_PIECES = 50_000
+_MAX_CACHED_PIECE_LEN = 512
+_MAX_CACHED_PROMPTS = 4096
 
 
 class ChatRenderer:
-    """Renders prompts and observation deltas through a tokenizer's chat template."""
+    """Renders prompts and observation deltas through a tokenizer's chat template.
 
-    def __init__(self, tokenizer: Any):
+    ``eos_token`` / ``eos_id`` is the end-of-turn token: the added token the template writes
+    right after an assistant message's content (``<|im_end|>`` for Qwen-style templates). It
+    is the token generation stops at.
+    """
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None):
         self.tokenizer = tokenizer
-        self.eos_token: str = tokenizer.eos_token
-        self.eos_id: int = tokenizer.convert_tokens_to_ids(self.eos_token)
+        self.chat_template: str = chat_template or tokenizer.chat_template
+        if not self.chat_template:
+            raise ValueError("the tokenizer has no chat template (set model.chat_template to a jinja file)")
+        self._render = self._choose_render()
+        self.encode, self.decode = self._choose_codec()
         self._base = [
             {"role": "system", "content": _DUMMY},
             {"role": "user", "content": _DUMMY},
@@ -46,72 +75,133 @@ class ChatRenderer:
         ]
         base_text = self._render(self._base, add_generation_prompt=False)
         self._base_len = len(base_text)
-        end = base_text.rfind(_DUMMY + self.eos_token)
-        if end < 0:
-            raise ValueError("the chat template does not end an assistant message with the tokenizer's eos token")
-        # what the template writes after the assistant's eos (never sampled by the engine)
-        self.separator = base_text[end + len(_DUMMY) + len(self.eos_token) :]
+        suffix = base_text[base_text.rfind(_DUMMY) + len(_DUMMY) :]
+        self.eos_token = self._end_of_turn(suffix)
+        self.eos_id: int = tokenizer.convert_tokens_to_ids(self.eos_token)
+        # what the template writes after the assistant's end-of-turn token (never sampled)
+        self.separator = suffix[len(self.eos_token) :]
         self.separator_ids: list[int] = self.encode(self.separator)
         self._shapes: dict[tuple[str, ...], list[str]] = {}
+        self._prompts: dict[str, list[int]] = {}
         self.append_only = self._probe_append_only()
 
-    def _render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, tools: Any = None) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
+    # ------------------------------------------------------------------ public API
     def prompt_ids(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt: messages rendered with the tools block and the generation prompt."""
-        return self.encode(self._render(messages, add_generation_prompt=True, tools=tools or None))
+        """The prompt: messages rendered with the tools block and the generation prompt (a fresh list)."""
+        key = json.dumps([messages, tools or None], ensure_ascii=False, sort_keys=True, default=str)
+        ids = self._prompts.get(key)
+        if ids is None:
+            if len(self._prompts) >= _MAX_CACHED_PROMPTS:
+                self._prompts.clear()
+            ids = self._prompts[key] = self.encode(self._render(messages, add_generation_prompt=True, tools=tools or None))
+        return list(ids)
 
     def render_ids(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """A full rendering (no generation prompt): what an append-only stream must equal."""
-        return self.encode(self._render(messages, add_generation_prompt=False, tools=tools or None))
+        """The reference rendering (``apply_chat_template``, no generation prompt): what an
+        append-only stream must equal. Slow; for tests and replay, not the rollout path."""
+        text = self._reference_render(messages, add_generation_prompt=False, tools=tools or None)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def observation_text(self, messages: Sequence[dict[str, Any]], *, after_eos: bool = True) -> str:
         """Text appended after an assistant turn for ``messages`` (tool or user turns), ending
         with the generation prompt of the next assistant turn."""
         shape = tuple(m["role"] for m in messages)
         segments = self._shapes.get(shape)
-        contents = [m.get("content") or "" for m in messages]
         if segments is None:
             segments = self._learn_shape(shape)
-        if segments:
+        if segments and all(m.keys() <= {"role", "content"} for m in messages):
             parts = [segments[0]]
-            for content, segment in zip(contents, segments[1:]):
-                parts.append(content)
+            for message, segment in zip(messages, segments[1:]):
+                parts.append(message.get("content") or "")
                 parts.append(segment)
             text = "".join(parts)
         else:  # the template does not insert contents verbatim: render in full
-            full = self._render(self._base + list(messages), add_generation_prompt=True)
-            text = full[self._base_len :]
+            text = self._render(self._base + list(messages), add_generation_prompt=True)[self._base_len :]
         return (self.separator if after_eos else "") + text
 
     def observation_ids(self, messages: Sequence[dict[str, Any]], *, after_eos: bool = True) -> list[int]:
         return self.encode(self.observation_text(messages, after_eos=after_eos))
 
+    def surely_fits(self, text: str, limit: int) -> bool:
+        """True when ``text`` certainly encodes to at most ``limit`` tokens, known without
+        encoding it (every token covers at least one byte, give or take a leading marker)."""
+        return len(text) * 4 < limit or len(text.encode("utf-8")) + 1 <= limit
+
+    # ------------------------------------------------------------------ rendering
+    def _reference_render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, tools: Any = None) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=self.chat_template,
+        )
+
+    def _choose_render(self) -> Callable[..., str]:
+        """transformers' compiled template called directly, if it renders a probe identically."""
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(self.chat_template)
+        except Exception:  # another transformers version: the public path only
+            return self._reference_render
+        kwargs = dict(self.tokenizer.special_tokens_map)
+
+        def render(messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, tools: Any = None) -> str:
+            return compiled.render(
+                messages=list(messages), tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+
+        probe_tools = [{"type": "function", "function": {"name": "f", "description": "d <b>", "parameters": {
+            "type": "object", "properties": {"x": {"type": "string", "enum": ["a", "é"]}}, "required": ["x"]}}}]
+        probe = [
+            {"role": "system", "content": _PROBES[0]},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+            {"role": "tool", "content": _PROBES[0]},
+            {"role": "user", "content": _PROBES[0]},
+        ]
+        try:
+            for tools in (None, probe_tools):
+                for generation in (False, True):
+                    fast = render(probe, add_generation_prompt=generation, tools=tools)
+                    if fast != self._reference_render(probe, add_generation_prompt=generation, tools=tools):
+                        return self._reference_render
+        except Exception:
+            return self._reference_render
+        return render
+
+    def _end_of_turn(self, suffix: str) -> str:
+        for token in sorted(self._added_tokens(), key=len, reverse=True):
+            if suffix.startswith(token):
+                return token
+        raise ValueError(
+            f"the chat template ends an assistant message with {suffix!r}, which does not start with an added "
+            "token: generation needs an end-of-turn token to stop at"
+        )
+
     def _learn_shape(self, shape: tuple[str, ...]) -> list[str]:
+        segments = self._split_on_holes(shape)
+        # trust the cached segments only if they reproduce real renderings
+        for probe in _PROBES:
+            messages = [{"role": role, "content": probe} for role in shape]
+            full = self._render(self._base + messages, add_generation_prompt=True)[self._base_len :]
+            if segments and full != probe.join(segments):
+                segments = []
+        self._shapes[shape] = segments
+        return segments
+
+    def _split_on_holes(self, shape: tuple[str, ...]) -> list[str]:
         holes = [{"role": role, "content": _HOLE.format(i)} for i, role in enumerate(shape)]
         full = self._render(self._base + holes, add_generation_prompt=True)
-        delta = full[self._base_len :]
+        if not full.startswith(self._render(self._base, add_generation_prompt=False)):
+            return []
+        rest = full[self._base_len :]
         segments: list[str] = []
-        rest = delta
         for i in range(len(shape)):
             hole = _HOLE.format(i)
             if rest.count(hole) != 1:
-                segments = []
-                break
+                return []
             before, rest = rest.split(hole)
             segments.append(before)
-        else:
-            segments.append(rest)
-        self._shapes[shape] = segments
+        segments.append(rest)
         return segments
 
     def _probe_append_only(self) -> bool:
@@ -122,10 +212,12 @@ class ChatRenderer:
             {"role": "assistant", "content": "<think>r</think>a", "tool_calls": [tool_call]},
             {"role": "tool", "content": "t"},
             {"role": "assistant", "content": "<think>r2</think>b"},
+            {"role": "user", "content": "u2"},
+            {"role": "assistant", "content": "<think>r3</think>c"},
         ]
         try:
             full = self._render(conversation, add_generation_prompt=False)
-            for k in (2, 4):
+            for k in (2, 4, 6):
                 if not full.startswith(self._render(conversation[:k], add_generation_prompt=True)):
                     return False
                 if not full.startswith(self._render(conversation[: k + 1], add_generation_prompt=False)):
@@ -133,3 +225,61 @@ class ChatRenderer:
         except Exception:  # a template that cannot render the probe is not known to be append-only
             return False
         return True
+
+    # ------------------------------------------------------------------ tokenization
+    def _added_tokens(self) -> list[str]:
+        return [t.content for t in self.tokenizer.added_tokens_decoder.values()]
+
+    def _choose_codec(self) -> tuple[Callable[[str], list[int]], Callable[[Sequence[int]], str]]:
+        """Piecewise cached encoding and the backend's decode, each if it agrees with the
+        tokenizer's own methods on a probe."""
+        tok = self.tokenizer
+
+        def reference_encode(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)
+
+        def reference_decode(ids: Sequence[int]) -> str:
+            return tok.decode(list(ids), skip_special_tokens=False)
+
+        backend = getattr(tok, "backend_tokenizer", None)
+        added = list(tok.added_tokens_decoder.values())
+        if backend is None or not added:
+            return reference_encode, reference_decode
+        pieces: dict[str, list[int]] = {}
+        splitter = re.compile("(" + "|".join(re.escape(t.content) for t in sorted(added, key=lambda t: -len(t.content))) + ")")
+        token_ids = {t.content: tok.convert_tokens_to_ids(t.content) for t in added}
+
+        def piece_ids(piece: str) -> list[int]:
+            ids = pieces.get(piece)
+            if ids is None:
+                ids = backend.encode(piece, add_special_tokens=False).ids
+                if len(piece) <= _MAX_CACHED_PIECE_LEN:
+                    if len(pieces) >= _MAX_CACHED_PIECES:
+                        pieces.clear()
+                    pieces[piece] = ids
+            return ids
+
+        def fast_encode(text: str) -> list[int]:
+            out: list[int] = []
+            for i, piece in enumerate(splitter.split(text)):
+                if i % 2:
+                    out.append(token_ids[piece])
+                elif piece:
+                    out.extend(piece_ids(piece))
+            return out
+
+        def fast_decode(ids: Sequence[int]) -> str:
+            return backend.decode(list(ids), skip_special_tokens=False)
+
+        # Added tokens that strip neighbouring whitespace, or that match after normalization,
+        # tokenize differently when their neighbours are encoded apart: no piecewise encoding.
+        splittable = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added)
+        words = [" ", ".\n", "a", "\n\n", " x", "12", "\n", "é", ""]
+        probe = "".join(w + t.content for w in words for t in added) + " tail.\n"
+        try:
+            reference = reference_encode(probe)
+            encode = fast_encode if splittable and fast_encode(probe) == reference else reference_encode
+            decode = fast_decode if fast_decode(reference) == reference_decode(reference) else reference_decode
+        except Exception:
+            return reference_encode, reference_decode
+        return encode, decode

@@ -31,9 +31,9 @@ __all__ = ["ToolBox", "ToolSession", "CallOutcome", "InteractionPool", "Interact
 def validate_arguments(tool: type[Tool] | Tool, arguments: dict[str, Any]) -> str | None:
     """None when ``arguments`` match the tool's JSON schema, else what is wrong (for the model)."""
     validator = _validator(type(tool) if isinstance(tool, Tool) else tool)
-    errors = sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
-    if not errors:
+    if validator.is_valid(arguments):
         return None
+    errors = sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
     err = errors[0]
     where = ".".join(str(p) for p in err.path) or "arguments"
     return f"invalid arguments for {tool.name}: {where}: {err.message}"
@@ -71,6 +71,7 @@ class ToolBox:
         tool_timeout_s: float = 30.0,
     ):
         self.tools = tools
+        self._schemas: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         self.max_parallel_calls = max_parallel_calls
         self.tool_timeout_s = tool_timeout_s
 
@@ -94,7 +95,12 @@ class ToolBox:
         return cls(tools, **kwargs)
 
     def schemas(self, names: list[str]) -> list[dict[str, Any]]:
-        return [self.tools[n].schema() for n in names if n in self.tools]
+        """The tools' function schemas (cached per tool list; do not mutate)."""
+        key = tuple(names)
+        schemas = self._schemas.get(key)
+        if schemas is None:
+            schemas = self._schemas[key] = [self.tools[n].schema() for n in names if n in self.tools]
+        return schemas
 
     def session(self, instance_id: str, tools_kwargs: dict[str, Any]) -> "ToolSession":
         return ToolSession(self, instance_id, tools_kwargs)
@@ -112,6 +118,7 @@ class ToolSession:
         self._kwargs = tools_kwargs
         self._created: list[str] = []
         self.calc_rewards: dict[str, float] = {}
+        self.calc_reward_errors: dict[str, str] = {}
 
     def _kw(self, name: str, key: str) -> dict[str, Any]:
         spec = self._kwargs.get(name)
@@ -123,8 +130,9 @@ class ToolSession:
     async def __aenter__(self) -> "ToolSession":
         try:
             for name in self.enabled:
-                await self.box.tools[name].create(self.instance_id, **self._kw(name, "create_kwargs"))
+                # counted before the call: a create that fails half-way is released too
                 self._created.append(name)
+                await self.box.tools[name].create(self.instance_id, **self._kw(name, "create_kwargs"))
         except BaseException:
             await self._release()
             raise
@@ -134,8 +142,14 @@ class ToolSession:
         await self._release()
 
     async def collect_rewards(self) -> dict[str, float]:
+        """Each created tool's ``calc_reward``; a tool that raises is recorded in
+        ``calc_reward_errors`` (the trajectory survives it)."""
         for name in self._created:
-            reward = await self.box.tools[name].calc_reward(self.instance_id, **self._kw(name, "calc_reward_kwargs"))
+            try:
+                reward = await self.box.tools[name].calc_reward(self.instance_id, **self._kw(name, "calc_reward_kwargs"))
+            except Exception as exc:
+                self.calc_reward_errors[name] = f"{type(exc).__name__}: {exc}"
+                continue
             if reward is not None:
                 self.calc_rewards[name] = float(reward)
         return self.calc_rewards
@@ -153,6 +167,11 @@ class ToolSession:
         return self.box.schemas(self.enabled)
 
     async def execute_all(self, calls: list[ParsedCall]) -> list[CallOutcome]:
+        """Run a turn's calls, at most ``max_parallel_calls`` at once; outcomes in call order."""
+        if len(calls) == 1:  # the common case, without the cost of tasks
+            return [await self.execute(calls[0])]
+        if len(calls) <= self.box.max_parallel_calls:
+            return list(await asyncio.gather(*(self.execute(c) for c in calls)))
         semaphore = asyncio.Semaphore(self.box.max_parallel_calls)
 
         async def one(call: ParsedCall) -> CallOutcome:
@@ -175,7 +194,7 @@ class ToolSession:
             return CallOutcome(call, f"Error: {problem}", error="invalid_arguments")
         start = time.perf_counter()
         try:
-            result: ToolResult = await asyncio.wait_for(
+            result: ToolResult = await _with_timeout(
                 tool.execute(self.instance_id, arguments, **self._kw(name, "execute_kwargs")), self.box.tool_timeout_s
             )
         except asyncio.TimeoutError:
@@ -192,6 +211,15 @@ class ToolSession:
             )
         call.arguments = arguments
         return CallOutcome(call, result.text, reward=result.reward, duration_s=time.perf_counter() - start, metrics=result.metrics)
+
+
+async def _with_timeout(awaitable: Any, seconds: float) -> Any:
+    """``await`` under a timeout; ``asyncio.timeout`` (3.11+) needs no extra task per call."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:
+        return await asyncio.wait_for(awaitable, seconds)
+    async with timeout(seconds):
+        return await awaitable
 
 
 def _map_plain_input(tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -233,8 +261,8 @@ class InteractionSession:
         self._started = False
 
     async def __aenter__(self) -> "InteractionSession":
+        self._started = True  # before the call: a start that fails half-way is finalized too
         await self.interaction.start(self.instance_id, **self.kwargs)
-        self._started = True
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:

@@ -79,6 +79,7 @@ def test_interaction_tells_the_model_it_is_wrong_and_lets_it_retry(run_rows, tin
     assert [x.role for x in t.turns] == ["assistant", "user", "assistant"]
     assert [x.reward for x in t.turns if x.role == "assistant"] == [0.0, 1.0]
     assert t.reward == 1.0
+    assert t.reward_info["interaction_score"] == 1.0  # calculate_score, recorded beside the reward
     user_text = tiny_tokenizer.decode(t.response_ids[t.turns[1].start : t.turns[1].end])
     assert user_text == f"\n<|im_start|>user\n{INCORRECT}<|im_end|>\n<|im_start|>assistant\n"
     assert t.prompt_ids + t.response_ids == ctx.renderer.render_ids(t.messages, ctx.toolbox.schemas(["calculator"]))

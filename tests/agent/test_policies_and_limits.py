@@ -223,3 +223,87 @@ def test_custom_loop_subclass_runs_through_the_runner(tiny_tokenizer, make_ctx):
     table._loops["echo"] = EchoLoop()
     [t] = asyncio.run(RolloutRunner(ctx, table).run([("r0", make_row(agent="echo"))]))
     assert t.agent_name == "echo" and t.reward == 0.5
+
+
+class CountingTool(SlowTool):
+    """Records how many of its calls run at once."""
+
+    name = "counting"
+    parameters = {"type": "object", "properties": {"i": {"type": "integer"}}, "required": ["i"]}
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        self.active = self.peak = 0
+
+    async def execute(self, instance_id, arguments, **kwargs):
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        await asyncio.sleep(0.01)
+        self.active -= 1
+        return ToolResult(f"done {arguments['i']}", reward=0.25)
+
+
+def test_parallel_calls_run_at_most_max_parallel_calls_at_once_and_keep_their_order(tiny_tokenizer, make_ctx):
+    tool = CountingTool()
+    calls = "\n".join(f'<tool_call>\n{{"name": "counting", "arguments": {{"i": {i}}}}}\n</tool_call>' for i in range(5))
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [calls, "#### 1"]})
+    ctx = make_ctx(engine, tools=())
+    ctx.toolbox = ToolBox({tool.name: tool}, max_parallel_calls=2)
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r0", make_row(tools_kwargs={"counting": {}}))]))
+    assert tool.peak == 2
+    assert [m["content"] for m in t.messages if m["role"] == "tool"] == [f"done {i}" for i in range(5)]
+    assert t.turns[0].reward == 1.25  # the five step rewards, on the calling turn
+    assert t.metrics["tool_calls"] == 5
+
+
+class FailingCreateTool(SlowTool):
+    name = "failing_create"
+
+    async def create(self, instance_id, **kwargs):
+        self.created.append(instance_id)
+        raise OSError("no sandbox slot")
+
+
+def test_tool_whose_create_fails_is_still_released_and_the_trajectory_is_recorded(tiny_tokenizer, make_ctx):
+    tool = FailingCreateTool()
+    runner = _runner(tiny_tokenizer, make_ctx, tool, {"r0": ["#### 1"]})
+    [t] = asyncio.run(runner.run([("r0", make_row(tools_kwargs={"failing_create": {}}))]))
+    assert t.finish_reason == "loop_error" and t.reward_info["error"] == "OSError: no sandbox slot"
+    assert tool.released == tool.created and len(tool.created) == 1
+
+
+class BadRewardTool(SlowTool):
+    name = "bad_reward"
+
+    async def calc_reward(self, instance_id, **kwargs):
+        raise ValueError("no reward today")
+
+
+def test_calc_reward_that_raises_is_recorded_and_the_trajectory_survives(tiny_tokenizer, make_ctx):
+    tool = BadRewardTool()
+    runner = _runner(tiny_tokenizer, make_ctx, tool, {"r0": ["#### 408"]})
+    [t] = asyncio.run(runner.run([("r0", make_row(tools_kwargs={"bad_reward": {}}))]))
+    assert t.finish_reason == "stop" and t.reward == 1.0
+    assert t.reward_info["tool_reward_errors"] == {"bad_reward": "ValueError: no reward today"}
+    assert t.metrics["tool_errors/calc_reward"] == 1
+    assert tool.released == tool.created
+
+
+def test_interaction_is_finalized_even_when_its_start_fails(run_rows, monkeypatch):
+    from agentrl_interactions.gsm8k import Gsm8kInteraction
+
+    finalized = []
+
+    async def bad_start(self, instance_id, **kwargs):
+        raise RuntimeError("no grader")
+
+    async def finalize(self, instance_id):
+        finalized.append(instance_id)
+
+    monkeypatch.setattr(Gsm8kInteraction, "start", bad_start)
+    monkeypatch.setattr(Gsm8kInteraction, "finalize", finalize)
+    row = make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"})
+    [t], *_ = run_rows({"r0": ["#### 408"]}, [("r0", row)])
+    assert t.finish_reason == "interaction_error"
+    assert t.reward_info["error"] == "start failed: RuntimeError: no grader"
+    assert len(finalized) == 1
