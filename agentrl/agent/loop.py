@@ -38,7 +38,7 @@ from agentrl.errors import EngineError
 from agentrl.rewards import score_to_float
 from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, Turn
 
-__all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd"]
+__all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd", "ask_interaction"]
 
 # compute_score(data_source, solution, ground_truth, extra_info) -> float | {"score": float, ...}
 RewardFn = Callable[[str, str, Any, dict[str, Any]], Any]

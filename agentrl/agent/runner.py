@@ -26,7 +26,7 @@ from agentrl.plugins import PluginRegistry
 from agentrl.rewards import resolve_reward
 from agentrl.trajectory import Trajectory
 
-__all__ = ["RolloutRunner", "LoopTable", "RewardTable", "check_agent_names", "build_context"]
+__all__ = ["RolloutRunner", "LoopTable", "RewardTable", "check_agent_names", "check_row_plugins", "build_context"]
 
 
 class LoopTable:
@@ -56,6 +56,25 @@ def check_agent_names(names: Iterable[str | None], registry: PluginRegistry | No
     for name in sorted({n for n in names if n}):
         if registry.canonical("agent_loops", name) not in known:
             problems.append(f"unknown agent_name {name!r} (known loops: {', '.join(sorted(known))})")
+    return problems
+
+
+def check_row_plugins(row: Row, registry: PluginRegistry | None = None) -> list[tuple[str, str]]:
+    """``(field, problem)`` for each plugin a row names that is not installed: its agent loop,
+    its tools (the keys of ``extra_info.tools_kwargs``) and its interaction. Nothing is imported."""
+    registry = registry or PluginRegistry()
+    problems = []
+    if row.agent_name:
+        problems += [("agent_name", p) for p in check_agent_names([row.agent_name], registry)]
+    tools = set(registry.names("tools"))
+    for name in row.extra_info.tools_kwargs:
+        if name not in tools:
+            problems.append((f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools))})"))
+    interaction = row.extra_info.interaction_kwargs
+    if interaction is not None and interaction.name not in (known := set(registry.names("interactions"))):
+        problems.append(
+            ("extra_info.interaction_kwargs.name", f"unknown interaction {interaction.name!r} (known: {', '.join(sorted(known))})")
+        )
     return problems
 
 

@@ -61,7 +61,12 @@ class CallOutcome:
 
 
 class ToolBox:
-    """The tools of one worker, each constructed once."""
+    """The tools of one worker, each constructed once.
+
+    A row's ``tools_kwargs`` may name a tool the box was not built with: a box that knows its
+    plugin registry loads and constructs it then (once, for every later trajectory too); a
+    box without one refuses the row with an error naming the tool. Never silently dropped.
+    """
 
     def __init__(
         self,
@@ -69,11 +74,15 @@ class ToolBox:
         *,
         max_parallel_calls: int = 4,
         tool_timeout_s: float = 30.0,
+        registry: PluginRegistry | None = None,
+        tool_config: dict[str, dict[str, Any]] | None = None,
     ):
         self.tools = tools
         self._schemas: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         self.max_parallel_calls = max_parallel_calls
         self.tool_timeout_s = tool_timeout_s
+        self._registry = registry
+        self._tool_config = tool_config or {}
 
     @classmethod
     def from_plugins(
@@ -84,15 +93,24 @@ class ToolBox:
         registry: PluginRegistry | None = None,
         **kwargs: Any,
     ) -> "ToolBox":
-        registry = registry or PluginRegistry()
-        tool_config = tool_config or {}
-        tools = {}
+        box = cls({}, registry=registry or PluginRegistry(), tool_config=tool_config, **kwargs)
         for name in names:
-            tool_cls = registry.load("tools", name)
-            if not (isinstance(tool_cls, type) and issubclass(tool_cls, Tool)):
-                raise PluginError(f"tool plugin {name!r} must be a subclass of agentrl.agent.tool.Tool, got {tool_cls!r}")
-            tools[name] = tool_cls(**tool_config.get(name, {}))
-        return cls(tools, **kwargs)
+            box.ensure(name)
+        return box
+
+    def ensure(self, name: str) -> Tool:
+        """The worker's tool ``name``, loaded and constructed on first use."""
+        tool = self.tools.get(name)
+        if tool is not None:
+            return tool
+        if self._registry is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            raise PluginError(f"tools_kwargs names tool {name!r}, which this worker does not have (tools: {known})")
+        tool_cls = self._registry.load("tools", name)
+        if not (isinstance(tool_cls, type) and issubclass(tool_cls, Tool)):
+            raise PluginError(f"tool plugin {name!r} must be a subclass of agentrl.agent.tool.Tool, got {tool_cls!r}")
+        tool = self.tools[name] = tool_cls(**self._tool_config.get(name, {}))
+        return tool
 
     def schemas(self, names: list[str]) -> list[dict[str, Any]]:
         """The tools' function schemas (cached per tool list; do not mutate)."""
@@ -113,8 +131,7 @@ class ToolSession:
         self.box = box
         self.instance_id = instance_id
         # tools enabled for the row: those named in its tools_kwargs, else every tool of the box
-        self.enabled = [n for n in tools_kwargs if n in box.tools] if tools_kwargs else list(box.tools)
-        self.unknown_enabled = [n for n in tools_kwargs if n not in box.tools]
+        self.enabled = [n for n in tools_kwargs if box.ensure(n)] if tools_kwargs else list(box.tools)
         self._kwargs = tools_kwargs
         self._created: list[str] = []
         self.calc_rewards: dict[str, float] = {}

@@ -307,3 +307,27 @@ def test_interaction_is_finalized_even_when_its_start_fails(run_rows, monkeypatc
     assert t.finish_reason == "interaction_error"
     assert t.reward_info["error"] == "start failed: RuntimeError: no grader"
     assert len(finalized) == 1
+
+
+def test_a_tool_named_by_the_row_but_not_configured_is_loaded_once_for_the_worker(run_rows):
+    row = make_row(tools_kwargs={"check_answer": {"create_kwargs": {"ground_truth": "408"}}})
+    call = '<tool_call>\n{"name": "check_answer", "arguments": {"answer": "408"}}\n</tool_call>'
+    trajectories, ctx, *_ = run_rows({"r0": [call, "#### 408"], "r1": [call, "#### 408"]}, [("r0", row), ("r1", row)])
+    assert [t.turns[0].reward for t in trajectories] == [1.0, 1.0]
+    assert sorted(ctx.toolbox.tools) == ["calculator", "check_answer"]
+
+
+def test_a_row_naming_a_tool_that_is_not_installed_is_an_error_naming_it(run_rows):
+    [t], *_ = run_rows({"r0": ["#### 1"]}, [("r0", make_row(tools_kwargs={"telescope": {}}))])
+    assert t.finish_reason == "loop_error"
+    assert "no plugin named 'telescope' in group agentrl.tools" in t.reward_info["error"]
+
+
+def test_row_plugin_check_names_each_unknown_plugin_and_its_field():
+    from agentrl.agent.runner import check_row_plugins
+
+    assert check_row_plugins(make_row(interaction_kwargs={"name": "gsm8k"})) == []
+    row = make_row(agent="planner", tools_kwargs={"calculator": {}, "telescope": {}}, interaction_kwargs={"name": "oracle"})
+    fields = [field for field, _ in check_row_plugins(row)]
+    assert fields == ["agent_name", "extra_info.tools_kwargs.telescope", "extra_info.interaction_kwargs.name"]
+    assert check_row_plugins(row)[1][1].startswith("unknown tool 'telescope' (known tools: ")
