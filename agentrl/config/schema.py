@@ -195,6 +195,8 @@ class TrainerConfig(Section):
     val_before_train: bool = True
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch threads of each worker process; null: the machine's cores / actor.world_size
+    threads_per_worker: int | None = Field(None, ge=1)
     colocate: bool = True  # actor and builtin engine share a process (in-memory weight sync)
     runs_root: str = "runs"
     run_name: str | None = None  # null: a timestamp

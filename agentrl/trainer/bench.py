@@ -45,6 +45,7 @@ DATA_SOURCE = "bench/seven"
 @dataclass(frozen=True)
 class Settings:
     model_size: str = "1m"
+    answer: str = "short"  # short: "7"; counting: a ~36-token sentence ending in the number
     steps: int = 10
     prompts: int = 8  # prompts per step
     n: int = 8  # samples per prompt
@@ -75,6 +76,14 @@ def _rows(start: int, count: int) -> list[dict[str, Any]]:
     ]
 
 
+def _answer(number: str, settings: Settings) -> str:
+    if settings.answer == "short":
+        return number
+    if settings.answer == "counting":
+        return f"Counting: one, two, three, four, five, six, seven. The answer is {number}."
+    raise ValueError(f"--answer must be short or counting, got {settings.answer!r}")
+
+
 def _reward(text: str) -> float:
     from agentrl.rewards import gsm8k_flexible
 
@@ -99,7 +108,8 @@ def warm_start(model_dir: Path, out: Path, settings: Settings) -> Path:
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations = [
-        _prompt(10_000 + i) + [{"role": "assistant", "content": GROUND_TRUTH if i % 2 else str(i % 7)}] for i in range(128)
+        _prompt(10_000 + i) + [{"role": "assistant", "content": _answer(GROUND_TRUTH if i % 2 else str(i % 7), settings)}]
+        for i in range(128)
     ]
     examples = tokenize_conversations(tokenizer, conversations, tools=None, max_length=256)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -153,7 +163,8 @@ def run_agentrl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
         "algorithm=grpo", f"model.path={start}", "sft.enable=false", "data.task=null", f"data.train_files=[{train_file}]",
         "agent.default_loop=single_turn", "reward.default=gsm8k_flexible", f"trainer.total_steps={settings.steps}",
         "trainer.test_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.export_hf=true",
-        f"trainer.seed={settings.seed}", f"data.train_batch_size={settings.prompts}", f"rollout.n={settings.n}",
+        f"trainer.seed={settings.seed}", f"trainer.threads_per_worker={settings.threads}",
+        f"data.train_batch_size={settings.prompts}", f"rollout.n={settings.n}",
         f"actor.ppo_mini_batch_size={settings.prompts}", f"actor.ppo_micro_batch_size_per_gpu={settings.prompts * settings.n}",
         f"rollout.max_new_tokens={settings.max_new_tokens}", f"data.max_response_length={settings.max_new_tokens}",
         f"rollout.temperature={settings.temperature}", f"actor.optim.lr={settings.lr}", f"actor.clip_ratio={settings.clip_ratio}",

@@ -172,7 +172,7 @@ class Trainer:
         if not ray.is_initialized():
             ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
         cpus = os.cpu_count() or 2
-        env = worker_env(threads=max(1, cpus // cfg.actor.world_size))
+        env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)
         setup = dict(
             agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward, max_response_tokens=cfg.data.max_response_length,
