@@ -177,6 +177,7 @@ class Trainer:
         setup = dict(
             agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward, max_response_tokens=cfg.data.max_response_length,
             max_batch_size=cfg.engine.max_batch_size, seed=cfg.trainer.seed, max_concurrency=cfg.rollout.max_concurrency,
+            weight_sync="disk" if cfg.engine.weight_sync == "disk" else "memory", weights_dir=str(run_dir / "engine_weights"),
         )
         self.total_steps = cfg.trainer.total_steps
         self.on_policy = (
@@ -391,6 +392,8 @@ def require_builtin_engine(cfg: TrainConfig) -> None:
     if cfg.engine.backend != "builtin":
         raise ConfigError([("engine.backend", f"{cfg.engine.backend!r} is not wired into agentrl train/rollout yet; "
                             "use engine=builtin (SGLang servers work through agentrl.engines.SGLangEngine in the agent layer)")])
+    if cfg.engine.weight_sync == "nccl":
+        raise ConfigError([("engine.weight_sync", "nccl is for remote GPU engines, not wired into agentrl train yet; use memory or disk")])
 
 
 def resolve_model(cfg: TrainConfig) -> Path:

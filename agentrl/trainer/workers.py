@@ -168,7 +168,18 @@ class ActorWorker(_Worker):
         return asyncio.run(runner.run(rows, n=n, seed=seed, group_prefix=group_prefix, progress=progress))
 
     def sync_weights(self, version: int) -> None:
-        """Collective: copy the updated policy into the colocated engine (rank 0)."""
+        """Collective: copy the updated policy into the colocated engine (rank 0).
+
+        In memory by default; with ``engine.weight_sync=disk`` through a transformers checkpoint
+        that the engine reloads (``update_weights(path=...)``), the path SGLang servers take
+        (``/update_weights_from_disk``).
+        """
+        if self.rollout_setup is not None and self.rollout_setup["weight_sync"] == "disk":
+            directory = self.rollout_setup["weights_dir"]
+            self.export_hf(directory)
+            if self.engine is not None:
+                asyncio.run(self.engine.update_weights(path=directory, version=version))
+            return
         state = gather_model_state(self.model)
         if self.engine is not None:
             state = drop_tied_duplicates(self.model, state)

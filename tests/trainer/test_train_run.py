@@ -89,3 +89,18 @@ def test_resume_continues_with_the_same_metrics(short_run, tmp_path):
     assert compared and all(k in again for k in compared)
     for key in compared:
         assert again[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+
+
+def test_weight_sync_through_disk_gives_the_steps_of_the_in_memory_sync(short_run, tmp_path):
+    """engine.weight_sync=disk: the engine reloads a transformers checkpoint (SGLang's path)."""
+    changed = {"trainer.total_steps": "2", "trainer.save_freq": "0", "trainer.export_hf": "false"}
+    args = [a for a in SHORT if a.split("=")[0] not in changed] + [f"{k}={v}" for k, v in changed.items()]
+    done = run_cli(args + ["engine.weight_sync=disk", f"trainer.runs_root={tmp_path}", "trainer.run_name=disk"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "disk" / "engine_weights" / "config.json").is_file()
+    memory, disk = metrics_by_step(short_run), metrics_by_step(tmp_path / "disk")
+    assert sorted(disk) == [1, 2]
+    for step in (1, 2):
+        compared = [k for k in memory[step] if not k.startswith(TIMING) and not k.startswith("val/")]
+        for key in compared:
+            assert disk[step][key] == pytest.approx(memory[step][key], rel=1e-4, abs=1e-6), (step, key)
