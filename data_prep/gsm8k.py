@@ -10,14 +10,21 @@ Variants:
 * ``interaction``: ``extra_info.interaction_kwargs = {name: gsm8k, query, ground_truth}``:
   the model is told when it is wrong and may retry; agent ``tool_agent``;
 * ``sft``: a ``messages`` column with multi-turn conversations built from the solution's
-  calculator annotations. The solution text up to an annotation ``<<48/2=24>>`` becomes an
-  assistant message carrying a ``calculator`` call with ``{"expression": "48/2"}``; a tool
-  message answers ``24``; the text continues after the annotation in the next assistant
-  message, and the last one ends with ``#### <answer>``.
+  calculator annotations (``prompt`` holds the user turn alone). The solution text up to an
+  annotation ``<<48/2=24>>`` becomes an assistant message carrying a ``calculator`` call
+  ``{"expression": "48/2"}`` (OpenAI ``tool_calls`` format, arguments as a dict); a tool message
+  answers ``24``; the text continues after the annotation in the next assistant message, and
+  the last one ends with ``#### <ground truth>``. Nothing else is changed: the assistant
+  contents joined together are the solution with its annotations removed, the final line
+  normalized to ``#### <ground truth>``.
 
-``reward_model.ground_truth`` is the text after ``#### `` with thousands separators removed;
-``extra_info.index`` is the 0-based line (or row) number in the source. Malformed lines are
-reported with their line number and skipped, or end the run with ``--strict``.
+``reward_model.ground_truth`` is the text after ``#### `` with thousands separators (commas)
+removed. ``extra_info.index`` is the 0-based line number in a jsonl source (0-based row in a
+parquet one), as verl's ``enumerate`` gives it, so ``row_uid`` is ``openai/gsm8k:<index>``.
+``extra_info.split`` is ``--split``, by default the input's file stem when that is ``train`` or
+``test``. Malformed lines (bad JSON, missing fields, no ``####``) are reported with their 1-based
+line number (as an editor shows it; parquet rows by 0-based row index) and skipped, or end the
+run with ``--strict``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["VARIANTS", "ground_truth_of", "convert_record", "sft_messages", "read_source", "convert", "main"]
+__all__ = ["VARIANTS", "MalformedRecord", "ground_truth_of", "convert_record", "sft_messages", "read_source", "convert", "main"]
 
 VARIANTS = ("single_turn", "tool", "interaction", "sft")
 DATA_SOURCE = "openai/gsm8k"
@@ -66,7 +73,7 @@ def sft_messages(question: str, answer: str) -> list[dict[str, Any]]:
         messages.append({"role": "assistant", "content": text, "tool_calls": [call]})
         messages.append({"role": "tool", "content": value})
         position = match.end()
-    messages.append({"role": "assistant", "content": f"{body[position:]}#### {gt}".lstrip()})
+    messages.append({"role": "assistant", "content": f"{body[position:]}#### {gt}"})
     return messages
 
 
@@ -104,16 +111,25 @@ def convert_record(record: dict[str, Any], index: int, variant: str, split: str)
     return row
 
 
+def is_parquet(path: Path) -> bool:
+    return path.suffix == ".parquet"
+
+
 def read_source(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
-    """(index, record or None, problem) for each line of a jsonl file or row of a parquet file."""
-    if path.suffix == ".parquet":
+    """(0-based index, record or None, problem) for each line of a jsonl file or row of a parquet file."""
+    if is_parquet(path):
         from agentrl.data.io import iter_raw_rows
 
         for index, raw in iter_raw_rows(path, columns=["question", "answer"]):
             yield index, raw, None
         return
-    with path.open(encoding="utf-8") as f:
-        for index, line in enumerate(f):
+    with path.open("rb") as f:  # decoded line by line, so one bad line does not end the file
+        for index, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield index, None, "not UTF-8 text"
+                continue
             if not line.strip():
                 yield index, None, "empty line"
                 continue
@@ -128,9 +144,17 @@ def read_source(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | 
             yield index, record, None
 
 
-def convert(path: Path, variant: str, *, split: str = "train", strict: bool = False, limit: int | None = None):
-    """Rows and (line number, reason) problems; raises on the first problem when ``strict``."""
-    rows, problems = [], []
+def default_split(path: Path) -> str:
+    return path.stem if path.stem in ("train", "test") else "train"
+
+
+def convert(path: Path, variant: str, *, split: str | None = None, strict: bool = False, limit: int | None = None):
+    """Rows and (line number, reason) problems; raises on the first problem when ``strict``.
+    Line numbers are 1-based for jsonl, 0-based row indices for parquet."""
+    split = split or default_split(path)
+    rows: list[dict[str, Any]] = []
+    problems: list[tuple[int, str]] = []
+    unit, base = ("row", 0) if is_parquet(path) else ("line", 1)
     for index, record, problem in read_source(path):
         if limit is not None and len(rows) >= limit:
             break
@@ -140,18 +164,20 @@ def convert(path: Path, variant: str, *, split: str = "train", strict: bool = Fa
                 continue
             except MalformedRecord as exc:
                 problem = str(exc)
-        problems.append((index + 1, problem))  # reported as 1-based line numbers
+        problems.append((index + base, problem))
         if strict:
-            raise MalformedRecord(f"{path}: line {index + 1}: {problem}")
+            raise MalformedRecord(f"{path}: {unit} {index + base}: {problem}")
     return rows, problems
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_prep.gsm8k", description="Convert GSM8K into agentrl rows.")
+def main(argv: list[str] | None = None, *, prog: str = "python -m data_prep.gsm8k") -> int:
+    from agentrl.errors import DataError
+
+    parser = argparse.ArgumentParser(prog=prog, description="Convert GSM8K into agentrl rows.")
     parser.add_argument("--input", required=True, type=Path, help="GSM8K jsonl or parquet (question, answer)")
     parser.add_argument("--output", required=True, type=Path, help="output parquet file")
     parser.add_argument("--variant", required=True, choices=VARIANTS)
-    parser.add_argument("--split", default="train")
+    parser.add_argument("--split", default=None, help="extra_info.split (default: the input's stem if train/test, else train)")
     parser.add_argument("--strict", action="store_true", help="fail on the first malformed line instead of skipping it")
     parser.add_argument("--limit", type=int, default=None, help="convert at most this many rows")
     args = parser.parse_args(argv)
@@ -160,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rows, problems = convert(args.input, args.variant, split=args.split, strict=args.strict, limit=args.limit)
-    except MalformedRecord as exc:
+    except (MalformedRecord, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for line, reason in problems:
-        print(f"{args.input}: line {line}: skipped: {reason}", file=sys.stderr)
+    unit = "row" if is_parquet(args.input) else "line"
+    for number, reason in problems:
+        print(f"{args.input}: {unit} {number}: skipped: {reason}", file=sys.stderr)
     from agentrl.data.io import write_rows
 
     write_rows(rows, args.output)

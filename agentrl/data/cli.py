@@ -1,13 +1,42 @@
 """``agentrl data``: prepare and validate datasets.
 
-    agentrl data gsm8k --input FILE --output OUT.parquet --variant V [--strict]   (= python -m data_prep.gsm8k)
-    agentrl data tasks --task arith --n 1000 --output-dir DIR                     (= python -m data_prep.tasks)
-    agentrl data validate FILE...                                                 (every bad row, then exit 1)
+    agentrl data gsm8k --input FILE --output OUT.parquet --variant V [--strict] [--limit N]   (= python -m data_prep.gsm8k)
+    agentrl data tasks --task arith --n 1000 --output-dir DIR                                 (= python -m data_prep.tasks)
+    agentrl data validate FILE... [--default-agent NAME]                                      (every bad row, then exit 1)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+__all__ = ["cli_main", "known_agent_names"]
+
+
+def known_agent_names() -> set[str]:
+    """The installed agent loops (entry points) and the aliases that point at one of them."""
+    from agentrl.plugins import ALIASES, PluginRegistry
+
+    names = set(PluginRegistry().names("agent_loops"))
+    return names | {alias for alias, target in ALIASES.get("agentrl.agent_loops", {}).items() if target in names}
+
+
+def _validate(argv: list[str]) -> int:
+    from agentrl.data.dataset import validate_files
+    from agentrl.data.io import count_rows
+
+    parser = argparse.ArgumentParser(prog="agentrl data validate", description="Check every row of parquet row files.")
+    parser.add_argument("files", nargs="+", help="parquet files of rows")
+    parser.add_argument("--default-agent", default=None, help="the loop that runs rows without agent_name (checked too)")
+    args = parser.parse_args(argv)
+    problems = validate_files(args.files, known_agent_names=known_agent_names(), default_agent=args.default_agent)
+    for problem in problems:
+        print(problem)
+    if problems:
+        return 1
+    total = sum(count_rows(path) for path in args.files)
+    print(f"{total} rows in {len(args.files)} file(s): all valid")
+    return 0
 
 
 def cli_main(argv: list[str]) -> int:
@@ -18,23 +47,9 @@ def cli_main(argv: list[str]) -> int:
     if command == "gsm8k":
         from agentrl_data_prep.gsm8k import main
 
-        return main(rest)
+        return main(rest, prog="agentrl data gsm8k")
     if command == "tasks":
         from agentrl_data_prep.tasks import main
 
         return main(rest)
-    from agentrl.agent.runner import check_agent_names
-    from agentrl.data.dataset import validate_files
-    from agentrl.data.io import count_rows
-
-    if not rest:
-        print("usage: agentrl data validate FILE...", file=sys.stderr)
-        return 2
-    problems = validate_files(rest, check_agent_names=check_agent_names)
-    for problem in problems:
-        print(problem)
-    if problems:
-        return 1
-    total = sum(count_rows(path) for path in rest)
-    print(f"{total} rows in {len(rest)} file(s): all valid")
-    return 0
+    return _validate(rest)

@@ -1,12 +1,22 @@
 """Datasets of rows: validated on load, read in pieces, shuffled by seed, resumable.
 
 ``validate_files`` scans every file in record batches before any compute is spent and reports
-every bad row at once (file, row index, field), and unknown ``agent_name``s.
+every bad row at once (file, 0-based row index within the file, field path such as
+``prompt.0.role``), and every row whose ``agent_name`` is not a known agent loop. The known names
+come from the caller (``PluginRegistry().names("agent_loops")`` plus aliases): the plugin
+registry is the source of truth, and the data layer imports no loop.
 
-``RowDataset`` never loads a file whole: it keeps, per file, only the row-group sizes from the
-parquet footer, draws a seeded permutation of global row indices per epoch (8 bytes a row), and
-reads rows through a small cache of decoded row groups. ``state_dict()`` is the position
-(epoch and offset); loading it makes the following batches equal an uninterrupted run's.
+``RowDataset`` never loads a file whole. It keeps, per file, only the row-group sizes from the
+parquet footer, draws a seeded permutation of the global row indices per epoch (8 bytes a row:
+80 MB for 10^7 rows; beyond ~10^8 rows split the data into several runs), and reads the rows of
+a batch through a small byte-bounded LRU cache of decoded row groups (kept as Arrow tables;
+only the rows asked for become Python objects). A random read therefore costs one row group:
+write files with small row groups (``write_rows`` uses 1,024 rows; HF ``datasets`` files, as
+verl's preprocessing writes them, already have about 1,000), and a file whose row group alone
+exceeds the cache budget is refused with a message saying how to rewrite it.
+
+``state_dict()`` is the position (epoch, offset into the epoch's order, seed); loading it makes
+the following batches equal an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -14,74 +24,115 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
+import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 from pydantic import ValidationError
 
-from agentrl.data.io import decode_row, iter_raw_rows
+from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
 from agentrl.data.row import Row
 from agentrl.errors import DataError
 
-__all__ = ["row_uid", "parse_row", "validate_files", "RowDataset", "rows_from_dicts"]
+__all__ = ["MAX_REPORTED", "row_uid", "parse_row", "validate_files", "RowDataset", "rows_from_dicts"]
 
 MAX_REPORTED = 50
+CACHE_BYTES = 1 << 30
 
 
 def row_uid(row: Row, file: str, index: int) -> str:
-    """A stable id: data_source and extra_info.index when the row has one, else file and row."""
+    """A stable id: ``data_source:extra_info.index`` when the row has an index, else
+    ``file_stem:row_number`` (the row's 0-based position in its file)."""
     if row.extra_info.index is not None:
         return f"{row.data_source}:{row.extra_info.index}"
     return f"{Path(file).stem}:{index}"
 
 
 def parse_row(raw: dict[str, Any], *, file: str, index: int) -> Row:
+    """Validate one decoded row; a DataError names the file, the row and the first bad field."""
     try:
         return Row.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        more = f" (and {len(exc.errors()) - 1} more problems in this row)" if len(exc.errors()) > 1 else ""
-        raise DataError(f"{err['msg']}{more}", file=file, row=index, field=field) from None
+        errors = exc.errors()
+        field = ".".join(str(p) for p in errors[0]["loc"]) or None
+        more = f" (and {len(errors) - 1} more problems in this row)" if len(errors) > 1 else ""
+        raise DataError(f"{errors[0]['msg']}{more}", file=file, row=index, field=field) from None
 
 
 def validate_files(
     paths: Sequence[str | Path],
     *,
+    known_agent_names: Collection[str] | None = None,
+    default_agent: str | None = None,
     check_agent_names: Callable[[Iterable[str | None]], list[str]] | None = None,
     max_reported: int = MAX_REPORTED,
 ) -> list[DataError]:
-    """Every problem in ``paths`` (capped at ``max_reported``, with a count of the rest)."""
-    problems: list[DataError] = []
-    extra = 0
-    names: dict[str, tuple[str, int]] = {}
+    """Every problem in ``paths``, in file and row order: missing or unreadable files, rows that
+    fail validation, and (when ``known_agent_names`` is given) rows whose ``agent_name`` - or,
+    for rows without one, ``default_agent`` - is not among them. At most ``max_reported``
+    problems are listed; one more entry then says how many were left out.
+
+    ``check_agent_names`` is the older form of the agent check (a callable returning messages
+    for unknown names); prefer ``known_agent_names``."""
+    found = _Problems(max_reported)
+    known = set(known_agent_names) if known_agent_names is not None else None
+    known_text = ", ".join(sorted(known)) if known is not None else ""
+    first_defaulted: tuple[str, int] | None = None  # the first row without agent_name
+    defaulted = 0
+    first_use: dict[str, tuple[str, int]] = {}
     for path in paths:
+        path = str(path)
         try:
             for index, raw in iter_raw_rows(path):
                 try:
-                    row = parse_row(raw, file=str(path), index=index)
+                    row = parse_row(raw, file=path, index=index)
                 except DataError as err:
-                    if len(problems) < max_reported:
-                        problems.append(err)
-                    else:
-                        extra += 1
+                    found.add(err)
                     continue
-                if row.agent_name is not None:
-                    names.setdefault(row.agent_name, (str(path), index))
+                if row.agent_name is None:
+                    first_defaulted = first_defaulted or (path, index)
+                    defaulted += 1
+                elif known is not None and row.agent_name not in known:
+                    found.add(DataError(f"unknown agent_name {row.agent_name!r} (known: {known_text})", file=path, row=index, field="agent_name"))
+                else:
+                    first_use.setdefault(row.agent_name, (path, index))
         except DataError as err:
-            problems.append(err)
+            found.add(err)
+    if known is not None and default_agent is not None and default_agent not in known and first_defaulted:
+        file, index = first_defaulted
+        found.items.insert(0, DataError(  # a configuration problem: listed first, never left out
+            f"no agent_name, and the default agent {default_agent!r} is unknown (known: {known_text}); "
+            f"{defaulted} rows have no agent_name", file=file, row=index, field="agent_name",
+        ))
     if check_agent_names is not None:
-        for name, (file, index) in names.items():
+        for name, (file, index) in first_use.items():
             for message in check_agent_names([name]):
-                problems.append(DataError(message, file=file, row=index, field="agent_name"))
-    if extra:
-        problems.append(DataError(f"... and {extra} more invalid rows"))
-    return problems
+                found.add(DataError(message, file=file, row=index, field="agent_name"))
+    return found.report()
+
+
+class _Problems:
+    """A capped list of problems that counts what it leaves out."""
+
+    def __init__(self, cap: int):
+        self.cap, self.items, self.left_out = cap, [], 0
+
+    def add(self, problem: DataError) -> None:
+        if len(self.items) < self.cap:
+            self.items.append(problem)
+        else:
+            self.left_out += 1
+
+    def report(self) -> list[DataError]:
+        if self.left_out:
+            return self.items + [DataError(f"... and {self.left_out} more problems (only the first {self.cap} are listed)")]
+        return list(self.items)
 
 
 class RowDataset:
-    """Seeded, resumable batches of ``(row_uid, Row)`` over parquet files."""
+    """Seeded, resumable batches of ``(row_uid, Row)`` over parquet files.
+
+    ``cache_bytes`` bounds the decoded row groups kept in memory (Arrow bytes)."""
 
     def __init__(
         self,
@@ -91,25 +142,31 @@ class RowDataset:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
-        cache_row_groups: int = 8,
+        cache_bytes: int = CACHE_BYTES,
     ):
         if not files:
             raise DataError("no data files given")
+        if batch_size < 1:
+            raise DataError(f"batch_size must be at least 1, got {batch_size}")
         self.files = [str(f) for f in files]
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self.cache_bytes = cache_bytes
         # per file: cumulative row counts of its row groups (from the footer, no data read)
         self._group_starts: list[list[int]] = []
         self._file_starts: list[int] = [0]
         for path in self.files:
-            try:
-                meta = pq.ParquetFile(path).metadata
-            except FileNotFoundError:
-                raise DataError("file not found", file=path) from None
-            except OSError as exc:
-                raise DataError(f"not a readable parquet file: {exc}", file=path) from exc
+            meta = open_parquet(path).metadata
             starts = [0]
             for g in range(meta.num_row_groups):
-                starts.append(starts[-1] + meta.row_group(g).num_rows)
+                group = meta.row_group(g)
+                if group.total_byte_size > cache_bytes:
+                    raise DataError(
+                        f"row group {g} holds {group.num_rows} rows ({group.total_byte_size / 2**20:.0f} MiB decoded), more than "
+                        f"the row cache's {cache_bytes / 2**20:.0f} MiB; rows are read a row group at a time, so rewrite the file "
+                        "with smaller row groups (agentrl.data.io.write_rows or pyarrow.parquet.write_table(..., row_group_size=1024))",
+                        file=path,
+                    )
+                starts.append(starts[-1] + group.num_rows)
             self._group_starts.append(starts)
             self._file_starts.append(self._file_starts[-1] + starts[-1])
         self.num_rows = self._file_starts[-1]
@@ -117,8 +174,9 @@ class RowDataset:
             raise DataError("the data files hold no rows", file=", ".join(self.files))
         if drop_last and self.num_rows < batch_size:
             raise DataError(f"{self.num_rows} rows cannot fill one batch of {batch_size}", file=", ".join(self.files))
-        self._cache: OrderedDict[tuple[int, int], list[dict[str, Any]]] = OrderedDict()
-        self._cache_size = cache_row_groups
+        self._parquet: dict[int, pq.ParquetFile] = {}
+        self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
+        self._order_of: tuple[int, list[int]] | None = None
         self.reads = 0  # row groups decoded (for tests and progress)
         self.epoch = 0
         self.offset = 0  # rows of this epoch's order already handed out
@@ -128,47 +186,77 @@ class RowDataset:
         full, rest = divmod(self.num_rows, self.batch_size)
         return full if self.drop_last or rest == 0 else full + 1
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_rows)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_rows, generator=generator)
+    def __getstate__(self) -> dict[str, Any]:
+        # open files and decoded row groups stay behind when the dataset is pickled
+        return {**self.__dict__, "_parquet": {}, "_cache": OrderedDict(), "_order_of": None}
 
-    def _row_group(self, file_index: int, group: int) -> list[dict[str, Any]]:
-        key = (file_index, group)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        rows = pq.ParquetFile(self.files[file_index]).read_row_group(group).to_pylist()
-        self.reads += 1
-        self._cache[key] = rows
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return rows
+    def order(self, epoch: int) -> list[int]:
+        """The global row indices of one epoch, in the order they are handed out."""
+        if self._order_of is None or self._order_of[0] != epoch:
+            import torch  # imported here so that validating data does not import torch
 
-    def row(self, global_index: int) -> tuple[str, Row]:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                order = torch.randperm(self.num_rows, generator=generator).tolist()
+            else:
+                order = list(range(self.num_rows))
+            self._order_of = (epoch, order)
+        return self._order_of[1]
+
+    def _locate(self, global_index: int) -> tuple[int, int, int]:
+        """(file, row group, row within the group) of a global row index."""
+        if not 0 <= global_index < self.num_rows:
+            raise IndexError(f"row {global_index} is outside the dataset's {self.num_rows} rows")
         file_index = bisect.bisect_right(self._file_starts, global_index) - 1
         local = global_index - self._file_starts[file_index]
         starts = self._group_starts[file_index]
         group = bisect.bisect_right(starts, local) - 1
-        raw = dict(self._row_group(file_index, group)[local - starts[group]])
-        raw = decode_row(raw)
-        path = self.files[file_index]
-        row = parse_row(raw, file=path, index=local)
-        return row_uid(row, path, local), row
+        return file_index, group, local - starts[group]
+
+    def _row_group(self, file_index: int, group: int) -> pa.Table:
+        key = (file_index, group)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        if file_index not in self._parquet:
+            self._parquet[file_index] = open_parquet(self.files[file_index])
+        table = self._parquet[file_index].read_row_group(group)
+        self.reads += 1
+        self._cache[key] = table
+        while len(self._cache) > 1 and sum(t.nbytes for t in self._cache.values()) > self.cache_bytes:
+            self._cache.popitem(last=False)
+        return table
+
+    def rows(self, indices: Sequence[int]) -> list[tuple[str, Row]]:
+        """The rows at these global indices, in that order; each row group is decoded once."""
+        wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (file, group) -> [(slot, row in group)]
+        for slot, index in enumerate(indices):
+            file_index, group, within = self._locate(index)
+            wanted.setdefault((file_index, group), []).append((slot, within))
+        out: list[tuple[str, Row] | None] = [None] * len(indices)
+        for (file_index, group), places in wanted.items():
+            table = self._row_group(file_index, group)
+            raws = table.take([within for _, within in places]).to_pylist()
+            path, first = self.files[file_index], self._group_starts[file_index][group]
+            for (slot, within), raw in zip(places, raws):
+                row = parse_row(decode_row(raw), file=path, index=first + within)
+                out[slot] = (row_uid(row, path, first + within), row)
+        return out  # type: ignore[return-value]
+
+    def row(self, global_index: int) -> tuple[str, Row]:
+        return self.rows([global_index])[0]
 
     def next_batch(self) -> list[tuple[str, Row]]:
         """The next batch, moving to the next epoch (a new order) when this one runs out."""
-        order = self._order(self.epoch)
         remaining = self.num_rows - self.offset
         if remaining < self.batch_size and (self.drop_last or remaining == 0):
             self.epoch, self.offset = self.epoch + 1, 0
-            order = self._order(self.epoch)
-        indices = order[self.offset : self.offset + self.batch_size].tolist()
+        indices = self.order(self.epoch)[self.offset : self.offset + self.batch_size]
         self.offset += len(indices)
-        return [self.row(i) for i in indices]
+        return self.rows(indices)
 
     def __iter__(self) -> Iterator[list[tuple[str, Row]]]:
+        """Batches without end, epoch after epoch (the caller decides when to stop)."""
         while True:
             yield self.next_batch()
 

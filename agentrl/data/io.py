@@ -1,9 +1,13 @@
 """Reading and writing row parquet files with pyarrow, in record batches.
 
-Free-form nested values - ``extra_info.tools_kwargs``, ``extra_info.interaction_kwargs`` and an
-SFT ``messages`` column - are stored as JSON text: Arrow structs need one schema for every
-row (and cannot be empty), while these differ from row to row (each tool has its own create
-kwargs). Reading accepts both JSON text and verl's structs.
+Free-form nested values - ``extra_info.tools_kwargs``, ``extra_info.interaction_kwargs``, the
+``tool_calls`` of a prompt message and an SFT ``messages`` column - are stored as JSON text:
+Arrow structs need one schema for every row (and cannot be empty), while these differ from row
+to row (each tool has its own create kwargs). Reading accepts both JSON text and verl's structs.
+
+Arrow merges the struct fields of all rows, so a key that only some rows have reads back as
+``None`` in the others; reading drops those ``None`` members again (in a parquet struct a
+missing key and a null are the same thing).
 """
 
 from __future__ import annotations
@@ -18,79 +22,124 @@ import pyarrow.parquet as pq
 
 from agentrl.errors import DataError
 
-__all__ = ["JSON_FIELDS", "write_rows", "iter_raw_rows", "decode_row", "count_rows"]
+__all__ = ["JSON_FIELDS", "ROW_GROUP_SIZE", "write_rows", "iter_raw_rows", "decode_row", "count_rows", "open_parquet"]
 
-JSON_FIELDS = (("extra_info", "tools_kwargs"), ("extra_info", "interaction_kwargs"), ("messages",))
+JSON_FIELDS = (("extra_info", "tools_kwargs"), ("extra_info", "interaction_kwargs"), ("prompt", "*", "tool_calls"), ("messages",))
+# Rows per row group when writing: the unit a shuffled dataset decodes to reach one row, so it
+# bounds both the memory of its cache and the work of a random read.
+ROW_GROUP_SIZE = 1024
+_EXTRA_JSON = ("tools_kwargs", "interaction_kwargs")
+_STRUCTS = ("extra_info", "reward_model")
 
 
 def _encode(row: dict[str, Any]) -> dict[str, Any]:
     row = dict(row)
-    if "extra_info" in row and isinstance(row["extra_info"], dict):
+    if isinstance(row.get("extra_info"), dict):
         extra = dict(row["extra_info"])
-        for key in ("tools_kwargs", "interaction_kwargs"):
+        for key in _EXTRA_JSON:
             if key in extra and not isinstance(extra[key], str):
                 extra[key] = json.dumps(extra[key])
         row["extra_info"] = extra
     if "messages" in row and not isinstance(row["messages"], str):
         row["messages"] = json.dumps(row["messages"])
-    if "prompt" in row:
-        # only role/content are columns; tool calls inside a prompt travel as JSON text
-        row["prompt"] = [
-            {"role": m["role"], "content": m.get("content") or "", **({"tool_calls": json.dumps(m["tool_calls"])} if m.get("tool_calls") else {})}
-            for m in row["prompt"]
-        ]
+    if isinstance(row.get("prompt"), list):
+        prompt = []
+        for message in row["prompt"]:
+            message = dict(message)
+            if message.get("content") is None:
+                message["content"] = ""
+            if message.get("tool_calls") is not None and not isinstance(message["tool_calls"], str):
+                message["tool_calls"] = json.dumps(message["tool_calls"])
+            prompt.append(message)
+        row["prompt"] = prompt
     return row
 
 
+def _drop_nulls(value: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def _drop_nulls_deep(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls_deep(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def decode_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Undo the JSON encoding of a row read from parquet (structs pass through)."""
+    """Undo the JSON encoding of a row read from parquet (verl's structs pass through)."""
+    for key in _STRUCTS:
+        if isinstance(row.get(key), dict):
+            row[key] = _drop_nulls(row[key])
     extra = row.get("extra_info")
     if isinstance(extra, dict):
-        for key in ("tools_kwargs", "interaction_kwargs"):
+        for key in _EXTRA_JSON:
             value = extra.get(key)
             if isinstance(value, str):
                 extra[key] = json.loads(value) if value else None
             elif isinstance(value, dict):  # verl's struct: drop the null members Arrow added
-                extra[key] = {k: v for k, v in value.items() if v is not None}
+                extra[key] = _drop_nulls_deep(value)
     if isinstance(row.get("messages"), str):
         row["messages"] = json.loads(row["messages"])
-    for message in row.get("prompt") or []:
-        if isinstance(message, dict):
-            if isinstance(message.get("tool_calls"), str):
-                message["tool_calls"] = json.loads(message["tool_calls"])
-            elif message.get("tool_calls") is None:
-                message.pop("tool_calls", None)
+    if isinstance(row.get("prompt"), list):
+        prompt = []
+        for message in row["prompt"]:
+            if isinstance(message, dict):
+                message = _drop_nulls(message)
+                if isinstance(message.get("tool_calls"), str):
+                    message["tool_calls"] = json.loads(message["tool_calls"])
+            prompt.append(message)
+        row["prompt"] = prompt
     return row
 
 
-def write_rows(rows: list[dict[str, Any]], path: str | Path, *, row_group_size: int | None = None) -> Path:
-    """Write rows atomically (a temporary file renamed into place)."""
+def write_rows(rows: list[dict[str, Any]], path: str | Path, *, row_group_size: int = ROW_GROUP_SIZE) -> Path:
+    """Write rows to parquet atomically (a temporary file, fsynced, renamed into place).
+
+    Every top-level key of any row becomes a column (rows without it hold null there)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist([_encode(r) for r in rows])
+    encoded = [_encode(r) for r in rows]
+    # Table.from_pylist takes its columns from the first row alone; take them from every row.
+    keys = list(dict.fromkeys(k for r in encoded for k in r))
+    columns = {}
+    for key in keys:
+        try:
+            columns[key] = pa.array([r.get(key) for r in encoded])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise DataError(f"column {key}: {exc} (its values must share one type across rows)", file=str(path)) from exc
+    table = pa.table(columns)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, row_group_size=row_group_size)
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f, row_group_size=row_group_size)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
 
 
-def count_rows(path: str | Path) -> int:
+def open_parquet(path: str | Path) -> pq.ParquetFile:
+    """Open a parquet file, or raise a DataError naming it."""
     try:
-        return pq.ParquetFile(path).metadata.num_rows
+        return pq.ParquetFile(path)
     except FileNotFoundError:
         raise DataError("file not found", file=str(path)) from None
+    except IsADirectoryError:
+        raise DataError("is a directory, not a parquet file", file=str(path)) from None
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataError(f"not a readable parquet file: {exc}", file=str(path)) from exc
+
+
+def count_rows(path: str | Path) -> int:
+    return open_parquet(path).metadata.num_rows
 
 
 def iter_raw_rows(path: str | Path, *, batch_size: int = 1024, columns: list[str] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """(row index, decoded row dict) for every row, reading one record batch at a time."""
-    try:
-        parquet = pq.ParquetFile(path)
-    except FileNotFoundError:
-        raise DataError("file not found", file=str(path)) from None
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"not a readable parquet file: {exc}", file=str(path)) from exc
+    parquet = open_parquet(path)
+    if columns is not None:
+        missing = [c for c in columns if c not in parquet.schema_arrow.names]
+        if missing:
+            raise DataError(f"missing column(s) {', '.join(missing)} (the file has: {', '.join(parquet.schema_arrow.names)})", file=str(path))
     index = 0
     for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
         for row in batch.to_pylist():

@@ -2,105 +2,282 @@
 
 from __future__ import annotations
 
+import pickle
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from agentrl.data.dataset import RowDataset, rows_from_dicts, validate_files
 from agentrl.data.io import iter_raw_rows, write_rows
 from agentrl.errors import DataError
-from agentrl_data_prep.tasks import generate
+
+LOOPS = {"single_turn", "tool_agent", "single_turn_agent"}
 
 
-def rows(n, **overrides):
-    out = generate("arith", n, seed=0)
-    for r in out:
-        r.update(overrides)
-    return out
+def make_rows(n, *, source="test/arith", start=0, **overrides):
+    rows = []
+    for i in range(start, start + n):
+        rows.append({
+            "data_source": source,
+            "prompt": [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": f"What is {i} + 1?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+            "extra_info": {"index": i, "split": "train", "tools_kwargs": {"calculator": {"create_kwargs": {}}}},
+            "agent_name": "tool_agent",
+            **overrides,
+        })
+    return rows
+
+
+def uids(batch):
+    return [uid for uid, _ in batch]
 
 
 @pytest.fixture
 def data_file(tmp_path):
-    return write_rows(rows(40), tmp_path / "train.parquet", row_group_size=8)
+    return write_rows(make_rows(40), tmp_path / "train.parquet", row_group_size=8)
 
 
-def test_round_trip_keeps_tools_and_interaction_kwargs(tmp_path):
-    source = generate("arith_retry", 3, seed=1)
-    source[0]["extra_info"]["tools_kwargs"] = {"check_answer": {"create_kwargs": {"ground_truth": "7"}}}
+# ---------------------------------------------------------------- the file format
+
+
+def test_rows_with_different_tools_kwargs_keys_round_trip(tmp_path):
+    source = make_rows(3)
+    source[0]["extra_info"]["tools_kwargs"] = {"check_answer": {"create_kwargs": {"ground_truth": "7", "tolerance": 0.5}}}
+    source[1]["extra_info"]["tools_kwargs"] = {"calculator": {"create_kwargs": {}}, "search": {"create_kwargs": {"top_k": [1, 2]}}}
+    source[2]["extra_info"]["interaction_kwargs"] = {"name": "gsm8k", "query": "q", "ground_truth": "3"}
     path = write_rows(source, tmp_path / "r.parquet")
     back = [raw for _, raw in iter_raw_rows(path)]
-    assert back[0]["extra_info"]["tools_kwargs"] == {"check_answer": {"create_kwargs": {"ground_truth": "7"}}}
-    assert back[1]["extra_info"]["interaction_kwargs"] == source[1]["extra_info"]["interaction_kwargs"]
-    [(uid, row)] = rows_from_dicts(back[:1])
-    assert uid == "agentrl/arith_retry:0"
-    assert row.extra_info.tools_kwargs["check_answer"].create_kwargs == {"ground_truth": "7"}
+    assert [r["extra_info"].get("tools_kwargs") for r in back] == [r["extra_info"]["tools_kwargs"] for r in source]
+    assert back[2]["extra_info"]["interaction_kwargs"] == {"name": "gsm8k", "query": "q", "ground_truth": "3"}
+    assert "interaction_kwargs" not in back[0]["extra_info"]  # absent where the source had none
+    [(uid, row), *_] = rows_from_dicts(back)
+    assert uid == "test/arith:0"
+    assert row.extra_info.tools_kwargs["check_answer"].create_kwargs == {"ground_truth": "7", "tolerance": 0.5}
+
+
+def test_a_column_only_later_rows_have_is_kept(tmp_path):
+    source = make_rows(2)
+    del source[0]["agent_name"]
+    source[1]["prompt"][1]["name"] = "alice"
+    path = write_rows(source, tmp_path / "r.parquet")
+    back = [raw for _, raw in iter_raw_rows(path)]
+    assert [r["agent_name"] for r in back] == [None, "tool_agent"]
+    assert back[0]["prompt"][1] == {"role": "user", "content": "What is 0 + 1?"}
+    assert back[1]["prompt"][1] == {"role": "user", "content": "What is 1 + 1?", "name": "alice"}
+
+
+def test_verl_struct_kwargs_are_read_like_json_ones(tmp_path):
+    # how verl's preprocessing stores them: nested structs, merged across rows by Arrow
+    table = pa.Table.from_pylist([
+        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "q0"}],
+         "reward_model": {"style": "rule", "ground_truth": "72"},
+         "extra_info": {"index": 0, "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}},
+        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "q1"}],
+         "reward_model": {"style": "rule", "ground_truth": "5"},
+         "extra_info": {"index": 1, "interaction_kwargs": {"name": "gsm8k", "query": "q1", "ground_truth": "5"}}},
+    ])
+    path = tmp_path / "verl.parquet"
+    pq.write_table(table, path)
+    assert validate_files([path]) == []
+    dataset = RowDataset([path], batch_size=2, shuffle=False)
+    (_, first), (_, second) = dataset.next_batch()
+    assert first.extra_info.tools_kwargs["calc_gsm8k_reward"].create_kwargs == {"ground_truth": "72"}
+    assert first.extra_info.interaction_kwargs is None
+    assert second.extra_info.tools_kwargs == {} and second.extra_info.interaction_kwargs.name == "gsm8k"
+
+
+def test_a_column_arrow_cannot_store_is_named(tmp_path):
+    rows = make_rows(2)
+    rows[1]["reward_model"]["ground_truth"] = ["7"]
+    with pytest.raises(DataError, match=r"column reward_model: cannot mix list and non-list"):
+        write_rows(rows, tmp_path / "mixed.parquet")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- validation
 
 
 def test_invalid_row_names_file_row_and_field(tmp_path):
-    bad = rows(5)
+    bad = make_rows(5)
     bad[3]["prompt"][1]["role"] = "robot"
     path = write_rows(bad, tmp_path / "bad.parquet")
     [problem] = validate_files([path])
     assert (problem.file, problem.row, problem.field) == (str(path), 3, "prompt.1.role")
-    assert str(problem).startswith(f"file {path}, row 3, field prompt.1.role: Input should be")
+    assert str(problem).startswith(f"file {path}, row 3, field prompt.1.role: Input should be 'system', 'user'")
+
+
+def test_reading_an_invalid_row_raises_naming_file_row_and_field(tmp_path):
+    bad = make_rows(6)
+    bad[5]["prompt"][0]["role"] = "narrator"
+    path = write_rows(bad, tmp_path / "bad.parquet", row_group_size=4)
+    dataset = RowDataset([path], batch_size=3, shuffle=False)
+    assert len(dataset.next_batch()) == 3
+    with pytest.raises(DataError) as caught:
+        dataset.next_batch()
+    assert (caught.value.file, caught.value.row, caught.value.field) == (str(path), 5, "prompt.0.role")
 
 
 def test_every_bad_row_is_reported_at_once(tmp_path):
-    bad = rows(6)
+    bad = make_rows(6)
     bad[1]["data_source"] = None
     bad[4]["prompt"] = []
     path = write_rows(bad, tmp_path / "bad.parquet")
-    problems = validate_files([path, tmp_path / "missing.parquet"])
-    assert [(p.row, p.field) for p in problems[:2]] == [(1, "data_source"), (4, "prompt")]
-    assert str(problems[2]) == f"file {tmp_path / 'missing.parquet'}: file not found"
+    missing = tmp_path / "missing.parquet"
+    problems = validate_files([path, missing])
+    assert [(p.file, p.row, p.field) for p in problems] == [(str(path), 1, "data_source"), (str(path), 4, "prompt"), (str(missing), None, None)]
+    assert str(problems[2]) == f"file {missing}: file not found"
+
+
+def test_the_problem_list_is_capped_and_says_how_many_were_left_out(tmp_path):
+    bad = make_rows(8, agent_name="planner")
+    path = write_rows(bad, tmp_path / "bad.parquet")
+    problems = validate_files([path], known_agent_names=LOOPS, max_reported=3)
+    assert [p.row for p in problems[:3]] == [0, 1, 2]
+    assert str(problems[3]) == "... and 5 more problems (only the first 3 are listed)"
 
 
 def test_unknown_agent_name_is_reported_at_load(tmp_path):
-    from agentrl.agent.runner import check_agent_names
+    rows = make_rows(3)
+    rows[1]["agent_name"] = "planner"
+    path = write_rows(rows, tmp_path / "a.parquet")
+    [problem] = validate_files([path], known_agent_names=LOOPS)
+    assert (problem.row, problem.field) == (1, "agent_name")
+    assert str(problem).endswith("unknown agent_name 'planner' (known: single_turn, single_turn_agent, tool_agent)")
 
-    path = write_rows(rows(3, agent_name="planner"), tmp_path / "a.parquet")
-    [problem] = validate_files([path], check_agent_names=check_agent_names)
-    assert problem.field == "agent_name" and problem.row == 0
-    assert "unknown agent_name 'planner'" in str(problem)
+
+def test_rows_without_agent_name_are_checked_against_the_default_agent(tmp_path):
+    rows = make_rows(4)
+    for r in rows[1:]:
+        del r["agent_name"]
+    path = write_rows(rows, tmp_path / "a.parquet")
+    assert validate_files([path], known_agent_names=LOOPS, default_agent="tool_agent") == []
+    [problem] = validate_files([path], known_agent_names=LOOPS, default_agent="planner")
+    assert (problem.row, problem.field) == (1, "agent_name")
+    assert "the default agent 'planner' is unknown" in str(problem) and "3 rows have no agent_name" in str(problem)
+
+
+def test_the_agent_check_uses_the_installed_loops(tmp_path):
+    from agentrl.data.cli import known_agent_names
+
+    names = known_agent_names()
+    assert {"single_turn", "tool_agent", "single_turn_agent"} <= names
+    path = write_rows(make_rows(2, agent_name="single_turn_agent"), tmp_path / "a.parquet")
+    assert validate_files([path], known_agent_names=names) == []
+
+
+def test_a_missing_file_is_named_when_the_dataset_opens(tmp_path):
+    with pytest.raises(DataError, match=f"file {tmp_path / 'nope.parquet'}: file not found"):
+        RowDataset([tmp_path / "nope.parquet"], batch_size=2)
+
+
+# ---------------------------------------------------------------- order and resumption
 
 
 def test_shuffle_is_seeded_and_changes_each_epoch(data_file):
     a = RowDataset([data_file], batch_size=8, seed=3)
     b = RowDataset([data_file], batch_size=8, seed=3)
-    first = [[uid for uid, _ in a.next_batch()] for _ in range(10)]
-    assert first == [[uid for uid, _ in b.next_batch()] for _ in range(10)]
+    first = [uids(a.next_batch()) for _ in range(10)]
+    assert first == [uids(b.next_batch()) for _ in range(10)]
     epoch0, epoch1 = sum(first[:5], []), sum(first[5:], [])
-    assert sorted(epoch0) == sorted(epoch1) and len(set(epoch0)) == 40
+    assert sorted(epoch0) == sorted(epoch1) == sorted(f"test/arith:{i}" for i in range(40))
     assert epoch0 != epoch1
-    c = RowDataset([data_file], batch_size=8, seed=4)
-    assert [uid for uid, _ in c.next_batch()] != first[0]
+    assert uids(RowDataset([data_file], batch_size=8, seed=4).next_batch()) != first[0]
+
+
+def test_unshuffled_batches_follow_the_files_and_keep_a_short_last_batch(tmp_path):
+    a = write_rows(make_rows(5), tmp_path / "a.parquet", row_group_size=2)
+    b = write_rows(make_rows(3, source="test/word"), tmp_path / "b.parquet")
+    dataset = RowDataset([a, b], batch_size=3, shuffle=False, drop_last=False)
+    assert len(dataset) == 3
+    batches = [uids(dataset.next_batch()) for _ in range(4)]
+    assert batches == [
+        ["test/arith:0", "test/arith:1", "test/arith:2"],
+        ["test/arith:3", "test/arith:4", "test/word:0"],
+        ["test/word:1", "test/word:2"],
+        ["test/arith:0", "test/arith:1", "test/arith:2"],
+    ]
+
+
+def test_rows_come_back_as_written(data_file):
+    dataset = RowDataset([data_file], batch_size=8, seed=0)
+    for uid, row in dataset.next_batch():
+        i = int(uid.split(":")[1])
+        assert row.prompt[1].content == f"What is {i} + 1?" and row.ground_truth == str(i + 1)
+
+
+def test_row_uid_falls_back_to_file_stem_and_row_number(tmp_path):
+    rows = make_rows(3)
+    for r in rows:
+        del r["extra_info"]["index"]
+    path = write_rows(rows, tmp_path / "noindex.parquet")
+    assert uids(RowDataset([path], batch_size=3, shuffle=False).next_batch()) == ["noindex:0", "noindex:1", "noindex:2"]
 
 
 def test_resume_gives_the_same_following_batches(data_file):
     straight = RowDataset([data_file], batch_size=8, seed=1)
-    expected = [[uid for uid, _ in straight.next_batch()] for _ in range(9)]
+    expected = [uids(straight.next_batch()) for _ in range(9)]
     first = RowDataset([data_file], batch_size=8, seed=1)
-    for _ in range(6):
+    for _ in range(6):  # into the second epoch
         first.next_batch()
+    state = first.state_dict()
+    assert state == {"epoch": 1, "offset": 8, "seed": 1, "num_rows": 40}
     resumed = RowDataset([data_file], batch_size=8, seed=1)
-    resumed.load_state_dict(first.state_dict())
-    assert [[uid for uid, _ in resumed.next_batch()] for _ in range(3)] == expected[6:]
+    resumed.load_state_dict(state)
+    assert [uids(resumed.next_batch()) for _ in range(3)] == expected[6:]
 
 
 def test_resume_refuses_a_position_from_other_data(data_file, tmp_path):
-    other = write_rows(rows(16), tmp_path / "other.parquet")
+    other = write_rows(make_rows(16), tmp_path / "other.parquet")
     state = RowDataset([data_file], batch_size=8).state_dict()
     with pytest.raises(DataError, match="cannot resume: the saved position is for 40 rows"):
         RowDataset([other], batch_size=8).load_state_dict(state)
 
 
-def test_batches_read_row_groups_not_whole_files(data_file):
-    dataset = RowDataset([data_file], batch_size=4, shuffle=False, cache_row_groups=1)
+def test_a_pickled_dataset_continues_where_it_was(data_file):
+    dataset = RowDataset([data_file], batch_size=8, seed=2)
     dataset.next_batch()
-    assert dataset.reads == 1  # 4 rows from the first of five row groups of 8
+    copy = pickle.loads(pickle.dumps(dataset))
+    assert uids(copy.next_batch()) == uids(dataset.next_batch())
 
 
-def test_rows_across_several_files(tmp_path):
-    a = write_rows(rows(5), tmp_path / "a.parquet")
-    b = write_rows(generate("word", 5, seed=0), tmp_path / "b.parquet")
-    dataset = RowDataset([a, b], batch_size=10, shuffle=False)
-    sources = [row.data_source for _, row in dataset.next_batch()]
-    assert sources == ["agentrl/arith"] * 5 + ["agentrl/word"] * 5
+# ---------------------------------------------------------------- reading in pieces
+
+
+def test_a_shuffled_batch_decodes_only_the_row_groups_it_needs(tmp_path, monkeypatch):
+    path = write_rows(make_rows(2000), tmp_path / "big.parquet", row_group_size=50)  # 40 row groups
+    groups_read = []
+    real = pq.ParquetFile.read_row_group
+
+    def counting(self, i, *args, **kwargs):
+        groups_read.append(i)
+        return real(self, i, *args, **kwargs)
+
+    def whole_file(*args, **kwargs):
+        raise AssertionError("the whole file was read")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    monkeypatch.setattr(pq.ParquetFile, "read", whole_file)
+    monkeypatch.setattr(pq, "read_table", whole_file)
+    dataset = RowDataset([path], batch_size=4, seed=0)
+    batch = dataset.next_batch()
+    expected = sorted({int(uid.split(":")[1]) // 50 for uid in uids(batch)})
+    assert sorted(groups_read) == expected and len(groups_read) <= 4
+    assert dataset.reads == len(groups_read)
+
+
+def test_the_row_group_cache_stays_within_its_byte_budget(tmp_path):
+    path = write_rows(make_rows(400), tmp_path / "big.parquet", row_group_size=20)
+    one_group = pq.ParquetFile(path).read_row_group(0).nbytes
+    dataset = RowDataset([path], batch_size=10, seed=0, cache_bytes=3 * one_group + 100)
+    for _ in range(40):  # a full epoch
+        dataset.next_batch()
+        assert 1 <= len(dataset._cache) <= 3
+    assert dataset.reads > 20  # groups were evicted and read again, not all kept
+
+
+def test_a_row_group_larger_than_the_cache_is_refused_with_a_fix(tmp_path):
+    path = write_rows(make_rows(200), tmp_path / "one_group.parquet", row_group_size=200)
+    with pytest.raises(DataError, match=r"row group 0 holds 200 rows .* rewrite the file with smaller row groups"):
+        RowDataset([path], batch_size=2, cache_bytes=1000)
