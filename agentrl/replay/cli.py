@@ -1,0 +1,380 @@
+"""``agentrl replay``: show, report, re-score, re-train and re-run stored rollouts.
+
+    agentrl replay show    DIR [filters] [--limit N] [--tokenizer PATH]
+    agentrl replay report  DIR --output report.html [filters] [--samples N] [--tokenizer PATH]
+    agentrl replay rescore DIR --reward NAME --output NEWDIR [--format-score F] [filters]
+    agentrl replay train   DIR [--split S] [--step A:B] [--max-ratio 2.0] [--epochs N] [--output OUT] [key=value ...]
+    agentrl replay rerun   DIR [filters] [--limit N] [--config YAML] [--tokenizer PATH] [key=value ...]
+
+``DIR`` is a rollout store, or a run directory holding one in ``rollouts/``. Filters:
+``--split S``, ``--step A:B`` (A <= step < B; ``--step 3`` is step 3 alone; either end may be
+left out), ``--data-source X``, ``--finish-reason F`` (both repeatable), ``--min-reward R``,
+``--max-reward R``.
+
+Text needs the model's tokenizer: ``--tokenizer PATH``, else the one of the run's
+``config.yaml`` (next to the store, or in its parent); without either, token ids are shown.
+``rerun`` and ``train`` take ``key=value`` overrides of the config (for ``rerun``, on top of
+the run's ``config.yaml`` when there is one, else of the ``rollout`` preset). ``rerun`` exits
+with 1 when any trajectory differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from agentrl.errors import AgentrlError, ConfigError, DataError
+from agentrl.replay.store import RolloutStore, StoredTrajectory, TrajectoryFilter
+from agentrl.trajectory import Trajectory
+
+__all__ = ["cli_main", "open_store", "parse_steps", "format_trajectory", "metrics_by_step"]
+
+Decode = Callable[[list[int]], str]
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def open_store(path: str | Path) -> RolloutStore:
+    """The store at ``path``, or in ``path/rollouts`` when ``path`` is a run directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError("not a directory", file=str(path))
+    if not any(path.glob("*.parquet")) and (path / "rollouts").is_dir():
+        path = path / "rollouts"
+    return RolloutStore(path)
+
+
+def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
+    """``"3"`` -> (3, 4); ``"2:5"`` -> (2, 5); ``":5"`` / ``"2:"`` leave an end open."""
+    if text is None:
+        return None
+    try:
+        if ":" not in text:
+            step = int(text)
+            return step, step + 1
+        first, stop = text.split(":", 1)
+        return (int(first) if first else None, int(stop) if stop else None)
+    except ValueError:
+        raise ConfigError([("--step", f"expected A:B, A: , :B or a step number, got {text!r}")]) from None
+
+
+def _filter(args: argparse.Namespace) -> TrajectoryFilter:
+    return TrajectoryFilter(
+        split=args.split, steps=parse_steps(args.step), data_source=args.data_source or None,
+        finish_reason=args.finish_reason or None, min_reward=args.min_reward, max_reward=args.max_reward,
+    )
+
+
+def _add_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--split", help="train, val, ... (default: every split)")
+    p.add_argument("--step", help="A:B (A <= step < B), A:, :B or one step")
+    p.add_argument("--data-source", action="append", help="keep this data source (repeatable)")
+    p.add_argument("--finish-reason", action="append", help="keep this finish reason (repeatable)")
+    p.add_argument("--min-reward", type=float)
+    p.add_argument("--max-reward", type=float)
+
+
+def _run_config_path(store: RolloutStore) -> Path | None:
+    for candidate in (store.root / "config.yaml", store.root.parent / "config.yaml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _config_from(store: RolloutStore, config: str | None, overrides: Sequence[str], preset: str):
+    """The run's config (``config.yaml`` beside the store, or ``config``) with overrides, else the preset."""
+    from agentrl.config import load_config
+    from agentrl.config.loader import validate_config
+
+    path = Path(config) if config else _run_config_path(store)
+    if path is None:
+        return load_config(preset, overrides, check_files=False)
+    from omegaconf import OmegaConf
+
+    bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~"))]
+    if bad:
+        raise ConfigError([(o, f"with a run's config ({path}) overrides must be key=value") for o in bad])
+    raw = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    return validate_config(OmegaConf.to_container(raw, resolve=True), check_files=False)
+
+
+def _tokenizer(store: RolloutStore, explicit: str | None, *, required: bool, cfg=None):
+    from transformers import AutoTokenizer
+
+    if explicit:
+        return AutoTokenizer.from_pretrained(explicit)
+    if cfg is None and _run_config_path(store) is not None:
+        cfg = _config_from(store, None, (), "rollout")
+    if cfg is None and not required:
+        return None
+    from agentrl.trainer.run import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(cfg))
+
+
+# ----------------------------------------------------------------------------- show
+
+
+class _Style:
+    def __init__(self, color: bool):
+        self.color = color
+
+    def __call__(self, text: str, code: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.color and text else text
+
+
+def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool = False) -> str:
+    """A trajectory as terminal text, turn by turn. Sampled text is marked ``│``, observed
+    (masked) text ``┆``; with ``color``, observed text is also dimmed."""
+    style = _Style(color)
+    t = s.trajectory
+    sampled = sum(t.response_mask)
+
+    def text(ids: list[int]) -> str:
+        return decode(ids) if decode is not None else " ".join(map(str, ids))
+
+    lines = [
+        style(f"═ {s.split} step {s.step} · {t.row_id} #{t.sample_index} · reward {t.reward:g} · finish {t.finish_reason}", "1"),
+        f"  group {t.group_id} · {t.data_source} · loop {t.agent_name} · policy version {t.policy_version}"
+        f" · ground truth {t.ground_truth!r}",
+        f"  tokens: prompt {len(t.prompt_ids)}, response {len(t.response_ids)} ({sampled} sampled, "
+        f"{len(t.response_ids) - sampled} observed)",
+    ]
+
+    def block(label: str, ids: list[int], mask: list[int]) -> None:
+        lines.append(label)
+        kinds = set(mask)
+        marker = "│ " if kinds == {1} else "┆ "
+        body = text(ids)
+        for line in body.split("\n"):
+            lines.append("    " + marker + (style(line, "2") if kinds != {1} else line))
+
+    position = 0
+    for k, turn in enumerate(t.turns):
+        if turn.start > position:
+            block(style(f"  ── template [{position}, {turn.start}) observed (masked)", "2"), t.response_ids[position : turn.start],
+                  t.response_mask[position : turn.start])
+        n = turn.end - turn.start
+        reward = f" · turn reward {turn.reward:g}" if turn.reward is not None else ""
+        if turn.role == "assistant":
+            label = style(f"  ── {turn.role} [{turn.start}, {turn.end}) {n} sampled tokens{reward}", "34")
+        else:
+            label = style(f"  ── {turn.role} [{turn.start}, {turn.end}) {n} observed tokens (masked){reward}", "2")
+        block(label, t.response_ids[turn.start : turn.end], t.response_mask[turn.start : turn.end])
+        for c in t.tool_calls:
+            if c.turn == k:
+                error = style(f" [{c.error}]", "31") if c.error else ""
+                call_reward = f" · reward {c.reward:g}" if c.reward is not None else ""
+                lines.append(f"    ⮑ call {c.name}({json.dumps(c.arguments)}){error}{call_reward} → {c.result!r}")
+        position = turn.end
+    if position < len(t.response_ids):
+        block(style(f"  ── template [{position}, {len(t.response_ids)}) observed (masked)", "2"), t.response_ids[position:],
+              t.response_mask[position:])
+    if t.reward_info:
+        lines.append(f"  reward info: {json.dumps(t.reward_info, default=str)}")
+    return "\n".join(lines)
+
+
+def _show(args: argparse.Namespace) -> int:
+    store = open_store(args.dir)
+    tokenizer = _tokenizer(store, args.tokenizer, required=False)
+    decode = tokenizer.decode if tokenizer is not None else None
+    if decode is None:
+        print("(no tokenizer: showing token ids; pass --tokenizer PATH for text)")
+    color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    shown = 0
+    for stored in store.iter_stored(_filter(args), limit=args.limit):
+        print(format_trajectory(stored, decode, color=color))
+        print()
+        shown += 1
+    print(f"{shown} trajectories shown")
+    return 0
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def metrics_by_step(store: RolloutStore, where: TrajectoryFilter | None = None) -> list[dict[str, Any]]:
+    """Per-step metrics computed from the stored trajectories (validation keys prefixed
+    ``val/``), one step in memory at a time."""
+    from agentrl.trainer.run import trajectory_metrics
+
+    where = where or TrajectoryFilter()
+    keys = store.read_table(["split", "step"], where)
+    pairs = sorted(set(zip(keys.column("split").to_pylist(), keys.column("step").to_pylist())), key=lambda p: (p[1], p[0]))
+    rows: dict[int, dict[str, Any]] = {}
+    for split, step in pairs:
+        one = TrajectoryFilter(split=split, steps=(step, step + 1), data_source=where.data_source,
+                               finish_reason=where.finish_reason, min_reward=where.min_reward, max_reward=where.max_reward)
+        trajectories = list(store.iter_trajectories(one))
+        prefix = "" if split == "train" else f"{split}/"
+        rows.setdefault(step, {"step": step}).update(trajectory_metrics(trajectories, prefix=prefix))
+    return [rows[s] for s in sorted(rows)]
+
+
+def _report(args: argparse.Namespace) -> int:
+    from agentrl.replay.report import render_report
+
+    store = open_store(args.dir)
+    where = _filter(args)
+    rows = metrics_by_step(store, where)
+    jsonl = store.root.parent / "metrics.jsonl"
+    if jsonl.is_file():  # a run directory: the trainer's own metrics (losses, KL, mismatch) join in
+        by_step = {r["step"]: r for r in rows}
+        for line in jsonl.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                by_step.setdefault(record["step"], {"step": record["step"]}).update(
+                    {k: v for k, v in record.items() if k not in by_step.get(record["step"], {})})
+        rows = [by_step[s] for s in sorted(by_step)]
+    samples: list[Trajectory] = []
+    if rows and args.samples > 0:
+        last = max(store.read_table(["step"], where).column("step").to_pylist())
+        pick = TrajectoryFilter(split=where.split, steps=(last, last + 1), data_source=where.data_source,
+                                finish_reason=where.finish_reason, min_reward=where.min_reward, max_reward=where.max_reward)
+        samples = list(store.iter_trajectories(pick, limit=args.samples))
+    tokenizer = _tokenizer(store, args.tokenizer, required=False)
+    page = render_report(rows, samples, args.title or f"agentrl rollouts · {store.root}",
+                         decode=tokenizer.decode if tokenizer is not None else None)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    print(f"report: {out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- rescore
+
+
+def _rescore(args: argparse.Namespace) -> int:
+    from agentrl.replay.rescore import rescore_store
+
+    store = open_store(args.dir)
+    summary = rescore_store(store, RolloutStore(args.output), args.reward, format_score=args.format_score, where=_filter(args))
+    print(json.dumps(summary.as_dict(), indent=2))
+    print(f"rescored store: {args.output}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def _train(args: argparse.Namespace) -> int:
+    from agentrl.config import load_config
+    from agentrl.replay.train import train_from_store
+    from agentrl.trainer.run import make_run_dir
+
+    store = open_store(args.dir)
+    cfg = load_config("train", args.overrides)
+    out = Path(args.output) if args.output else make_run_dir(cfg)
+    summary = train_from_store(store, cfg, out, split=args.split, steps=parse_steps(args.step), max_ratio=args.max_ratio,
+                               epochs=args.epochs)
+    print(json.dumps(summary, indent=2))
+    print(f"run directory: {out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- rerun
+
+
+def _rerun(args: argparse.Namespace) -> int:
+    from agentrl.agent.runner import LoopTable, build_context
+    from agentrl.replay.rerun import rerun_trajectories
+
+    store = open_store(args.dir)
+    cfg = _config_from(store, args.config, args.overrides, "rollout")
+    records = list(store.iter_stored(_filter(args), limit=args.limit))
+    tokenizer = _tokenizer(store, args.tokenizer, required=True, cfg=cfg)
+    tool_names = sorted({name for r in records if r.row is not None for name in r.row.extra_info.tools_kwargs} | set(cfg.agent.tool_config))
+    # the engine is ReplayEngine, set per wave by rerun_trajectories()
+    ctx = build_context(None, tokenizer, agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward,  # type: ignore[arg-type]
+                        max_response_tokens=cfg.data.max_response_length, tool_names=tool_names or None)
+    differing: Counter[str] = Counter()
+
+    def report(result) -> None:
+        if result.matches:
+            return
+        s = result.stored
+        print(f"{s.split} step {s.step} · {s.session_id}: {len(result.differences)} differences")
+        for d in result.differences:
+            differing[d.kind] += 1
+            print(f"  [{d.kind}] {d.detail}")
+
+    results = asyncio.run(rerun_trajectories(records, ctx, LoopTable(cfg.agent.default_loop), max_concurrency=cfg.rollout.max_concurrency,
+                                decode=tokenizer.decode, on_result=report))
+    bad = sum(1 for r in results if not r.matches)
+    print(json.dumps({"trajectories": len(results), "matching": len(results) - bad, "differing": bad,
+                      "differences_by_kind": dict(differing)}, indent=2))
+    return 1 if bad else 0
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentrl replay", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("show", help="trajectories turn by turn in the terminal")
+    p.add_argument("dir")
+    _add_filters(p)
+    p.add_argument("--limit", type=int, default=10, help="at most this many trajectories (default 10)")
+    p.add_argument("--tokenizer")
+    p.set_defaults(run=_show)
+
+    p = sub.add_parser("report", help="a static HTML report")
+    p.add_argument("dir")
+    p.add_argument("--output", required=True)
+    _add_filters(p)
+    p.add_argument("--samples", type=int, default=6, help="sample trajectories from the last step (default 6)")
+    p.add_argument("--title")
+    p.add_argument("--tokenizer")
+    p.set_defaults(run=_report)
+
+    p = sub.add_parser("rescore", help="recompute trajectory rewards into a new store")
+    p.add_argument("dir")
+    p.add_argument("--reward", required=True, help="a reward plugin (agentrl.rewards), e.g. gsm8k_flexible")
+    p.add_argument("--output", required=True)
+    p.add_argument("--format-score", type=float, default=0.0)
+    _add_filters(p)
+    p.set_defaults(run=_rescore)
+
+    p = sub.add_parser("train", help="train from stored trajectories (truncated importance ratios)")
+    p.add_argument("dir")
+    p.add_argument("--split", default="train")
+    p.add_argument("--step")
+    p.add_argument("--max-ratio", type=float, default=2.0, help="truncation of the importance ratio (default 2.0)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--output", help="run directory (default: trainer.runs_root/trainer.run_name)")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value (the train preset)")
+    p.set_defaults(run=_train)
+
+    p = sub.add_parser("rerun", help="re-run trajectories through their loops; report differing observations")
+    p.add_argument("dir")
+    _add_filters(p)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--config", help="a config YAML (default: the run's config.yaml, else the rollout preset)")
+    p.add_argument("--tokenizer")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.set_defaults(run=_rerun)
+    return parser
+
+
+def cli_main(argv: list[str]) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    try:
+        return args.run(args)
+    except AgentrlError as exc:
+        print(f"agentrl replay {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(sys.argv[1:]))

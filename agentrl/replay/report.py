@@ -1,0 +1,206 @@
+"""A static HTML report: plots over steps and sample trajectories, turn by turn.
+
+One self-contained page, no network resources and no plotting library: each plot is an inline
+SVG drawn here. Trajectories are shown token by token; a sampled token (trained on, mask 1)
+sits on white, an observed one (prompt, tool results, user turns, template glue: mask 0) on
+grey, and hovering a token shows its id and logprob. ``agentrl replay report`` and the
+quickstart's ``report.html`` both use :func:`render_report`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from agentrl.trajectory import Trajectory
+
+__all__ = ["render_report", "PLOTS", "Plot"]
+
+Decode = Callable[[list[int]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Plot:
+    """One plot: the metric keys drawn together, and key prefixes whose every key is drawn."""
+
+    title: str
+    keys: tuple[str, ...] = ()
+    prefixes: tuple[str, ...] = ()
+
+    def series_keys(self, available: Sequence[str]) -> list[str]:
+        found = [k for k in self.keys if k in available]
+        found += sorted(k for k in available if k.startswith(self.prefixes) and k not in found) if self.prefixes else []
+        return found
+
+
+PLOTS: tuple[Plot, ...] = (
+    Plot("reward (mean)", ("reward/mean", "val/reward/mean")),
+    Plot("success rate", ("success_rate", "val/success_rate")),
+    Plot("assistant turns per trajectory", ("turns/mean", "val/turns/mean")),
+    Plot("tool calls per trajectory", ("tool_calls/mean", "val/tool_calls/mean")),
+    Plot("tool errors by kind (per step)", prefixes=("tool_errors/",)),
+    Plot("response length (tokens)", ("response_length/mean", "val/response_length/mean")),
+    Plot("finish reasons (fraction)", prefixes=("finish/",)),
+    Plot("SFT loss", ("sft/loss",)),
+    Plot("logprob mismatch |Δ| (engine vs trainer)", ("logprob_mismatch/mean", "replay/logprob_mismatch/mean")),
+)
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _series(rows: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    points = []
+    for row in rows:
+        x, y = row.get("step"), row.get(key)
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and math.isfinite(float(y)):
+            points.append((float(x), float(y)))
+    return sorted(points)
+
+
+def _svg(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
+    w, h, left, right, top, bottom = 460, 240, 46, 12, 26, 30
+    points = [p for values in series.values() for p in values]
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(ys + [0.0]), max(ys + [0.0])
+    x1 = x1 if x1 > x0 else x0 + 1
+    y1 = y1 if y1 > y0 else y0 + 1
+
+    def sx(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * (w - left - right)
+
+    def sy(y: float) -> float:
+        return h - bottom - (y - y0) / (y1 - y0) * (h - top - bottom)
+
+    out = [f'<svg class="plot" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="{html.escape(title)}">',
+           f'<text x="{left}" y="15" font-size="13" font-weight="bold">{html.escape(title)}</text>',
+           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="#999"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#999"/>']
+    for y in (y0, (y0 + y1) / 2, y1):
+        out.append(f'<text x="{left - 4}" y="{sy(y) + 3:.1f}" font-size="10" text-anchor="end">{y:.3g}</text>')
+        out.append(f'<line x1="{left}" y1="{sy(y):.1f}" x2="{w - right}" y2="{sy(y):.1f}" stroke="#eee"/>')
+    out.append(f'<text x="{left}" y="{h - 10}" font-size="10">step {x0:g}</text>')
+    out.append(f'<text x="{w - right}" y="{h - 10}" font-size="10" text-anchor="end">step {x1:g}</text>')
+    for i, (name, values) in enumerate(series.items()):
+        color = COLORS[i % len(COLORS)]
+        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
+        out.append(f'<polyline class="series" data-key="{html.escape(name)}" fill="none" stroke="{color}" stroke-width="2" points="{coords}"/>')
+        out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"><title>{html.escape(name)} step {x:g}: {y:.4g}</title></circle>'
+                   for x, y in values)
+        out.append(f'<text x="{w - right - 4}" y="{top + 10 + 12 * i}" font-size="10" text-anchor="end" fill="{color}">{html.escape(name)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _plots(rows: Sequence[dict[str, Any]]) -> list[str]:
+    available = sorted({k for row in rows for k in row})
+    svgs = []
+    for plot in PLOTS:
+        series = {key: values for key in plot.series_keys(available) if (values := _series(rows, key))}
+        if series:
+            svgs.append(_svg(plot.title, series))
+    return svgs
+
+
+# ----------------------------------------------------------------------------- trajectories
+
+
+def _tokens(ids: Sequence[int], mask: Sequence[int], logprobs: Sequence[float], decode: Decode | None) -> str:
+    spans = []
+    for i, token in enumerate(ids):
+        sampled = bool(mask[i])
+        text = decode([token]) if decode is not None else f"{token} "
+        tip = f"id {token} · logprob {logprobs[i]:.4f}" if sampled else f"id {token} · observed (masked)"
+        spans.append(f'<span class="t {"s" if sampled else "m"}" title="{tip}">{html.escape(text)}</span>')
+    return "".join(spans)
+
+
+def _calls_html(t: Trajectory, turn_index: int) -> str:
+    items = []
+    for c in t.tool_calls:
+        if c.turn != turn_index:
+            continue
+        error = f' <b class="err">{html.escape(c.error)}</b>' if c.error else ""
+        reward = f" · reward {c.reward:g}" if c.reward is not None else ""
+        result = c.result if len(c.result) <= 400 else c.result[:400] + "…"
+        items.append(f"<li><code>{html.escape(str(c.name))}({html.escape(str(c.arguments))})</code>{error}{reward}"
+                     f" → <code>{html.escape(result)}</code></li>")
+    return f'<ul class="calls">{"".join(items)}</ul>' if items else ""
+
+
+def _trajectory_html(t: Trajectory, decode: Decode | None) -> str:
+    sampled = sum(t.response_mask)
+    head = (f"<h3>{html.escape(t.row_id)} #{t.sample_index} · reward {t.reward:g} · {html.escape(t.finish_reason)}</h3>"
+            f'<p class="meta">group {html.escape(t.group_id)} · {html.escape(t.data_source)} · loop {html.escape(t.agent_name)}'
+            f" · policy version {t.policy_version} · ground truth {html.escape(str(t.ground_truth))}"
+            f" · {len(t.prompt_ids)} prompt tokens, {sampled} sampled and {len(t.response_ids) - sampled} observed response tokens</p>")
+    prompt = _tokens(t.prompt_ids, [0] * len(t.prompt_ids), [0.0] * len(t.prompt_ids), decode)
+    parts = [f'<details><summary>prompt ({len(t.prompt_ids)} tokens)</summary><div class="turn observed">{prompt}</div></details>']
+    position = 0
+    for k, turn in enumerate(t.turns):
+        if turn.start > position:  # glue between turns (none in practice, but never hidden)
+            parts.append(_glue(t, position, turn.start, decode))
+        ids = t.response_ids[turn.start : turn.end]
+        kind = "sampled" if turn.role == "assistant" else "observed"
+        reward = f" · turn reward {turn.reward:g}" if turn.reward is not None else ""
+        body = _tokens(ids, t.response_mask[turn.start : turn.end], t.logprobs[turn.start : turn.end], decode)
+        parts.append(f'<div class="turn {kind}"><div class="role">{turn.role} · tokens [{turn.start}, {turn.end}){reward}</div>'
+                     f'<div class="toks">{body}</div>{_calls_html(t, k)}</div>')
+        position = turn.end
+    if position < len(t.response_ids):
+        parts.append(_glue(t, position, len(t.response_ids), decode))
+    if t.reward_info:
+        info = ", ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in t.reward_info.items())
+        parts.append(f'<p class="meta">reward info: {info}</p>')
+    return f'<section class="traj">{head}{"".join(parts)}</section>'
+
+
+def _glue(t: Trajectory, start: int, end: int, decode: Decode | None) -> str:
+    body = _tokens(t.response_ids[start:end], t.response_mask[start:end], t.logprobs[start:end], decode)
+    return f'<div class="turn observed"><div class="role">template · tokens [{start}, {end})</div><div class="toks">{body}</div></div>'
+
+
+# ----------------------------------------------------------------------------- the page
+
+
+def render_report(
+    metrics_rows: Sequence[dict[str, Any]],
+    trajectories: Sequence[Trajectory],
+    title: str,
+    *,
+    decode: Decode | None = None,
+    summary: dict[str, Any] | None = None,
+) -> str:
+    """The report page. ``metrics_rows`` are dicts with a ``step`` (as in ``metrics.jsonl``);
+    ``decode(ids) -> str`` renders tokens as text (without it, token ids are shown)."""
+    plots = _plots(metrics_rows)
+    summary_html = ""
+    if summary:
+        cells = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>" for k, v in summary.items())
+        summary_html = f'<table class="summary">{cells}</table>'
+    plots_html = "".join(f'<div class="plotbox">{svg}</div>' for svg in plots) or "<p>No metrics over steps.</p>"
+    samples = "".join(_trajectory_html(t, decode) for t in trajectories) or "<p>No trajectories.</p>"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 24px; color: #222; }}
+.plots {{ display: flex; flex-wrap: wrap; gap: 12px; }} .plotbox {{ border: 1px solid #ddd; padding: 4px; }}
+.traj {{ border-top: 2px solid #ccc; margin-top: 18px; }} .meta {{ color: #555; font-size: 13px; }}
+.turn {{ border-left: 4px solid #1f77b4; padding: 2px 8px; margin: 6px 0; }} .turn.observed {{ border-color: #999; }}
+.role {{ font-size: 12px; font-weight: bold; color: #444; }} .toks {{ font-family: monospace; white-space: pre-wrap; }}
+.t.s {{ background: #fff; }} .t.m {{ background: #e2e2e2; color: #555; }} .t:hover {{ outline: 1px solid #d62728; }}
+.err {{ color: #d62728; }} .calls {{ font-size: 13px; margin: 2px 0; }} .summary td {{ padding: 2px 10px; border-bottom: 1px solid #ddd; }}
+.legend span {{ padding: 0 6px; border: 1px solid #ccc; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>{summary_html}
+<h2>Over steps</h2><div class="plots">{plots_html}</div>
+<h2>Sample trajectories</h2>
+<p class="legend"><span class="t s">sampled (trained on)</span> <span class="t m">observed (masked: prompt, tool results, user turns, template)</span>
+ hover a token for its id and logprob</p>
+{samples}
+</body></html>
+"""

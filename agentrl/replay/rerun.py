@@ -1,0 +1,220 @@
+"""Re-run stored trajectories through their agent loops, and say where observations differ.
+
+``ReplayEngine`` answers each trajectory (``session_id`` = ``"<row_id>#<sample_index>"``) with
+its stored assistant turns, in order, with their stored logprobs: no model runs. The loop, the
+tools and the interactions run again for real, so a re-run trajectory equals the stored one
+token for token exactly when everything outside the policy behaves as it did: a tool that is
+not deterministic, a changed tool or interaction plugin, a changed chat template or changed
+limits all show up as differences, each named by turn.
+
+Serving follows the request as an engine would: tokens up to the first of the request's stop
+tokens, at most ``max_new_tokens`` (finish reason ``length``); the rest of a cut turn is served
+by the next call (loops that sample a turn in pieces, like ReAct). A trajectory that asks for
+more turns than were stored gets an ``EngineError`` (its re-run ends with ``engine_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from agentrl.agent.loop import LoopContext
+from agentrl.agent.runner import LoopTable
+from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
+from agentrl.errors import DataError, EngineError
+from agentrl.replay.store import StoredTrajectory
+from agentrl.trajectory import Trajectory
+
+__all__ = ["ReplayEngine", "Difference", "RerunResult", "compare_trajectories", "rerun_trajectories"]
+
+
+class ReplayEngine:
+    """An engine that returns the stored sampled tokens of each trajectory, turn by turn."""
+
+    def __init__(self, trajectories: Iterable[Trajectory]):
+        self._turns: dict[str, deque[tuple[list[int], list[float]]]] = {}
+        for t in trajectories:
+            session = f"{t.row_id}#{t.sample_index}"
+            if session in self._turns:
+                raise ValueError(f"two trajectories share the session {session!r}; replay them in separate engines")
+            self._turns[session] = deque(
+                (t.response_ids[x.start : x.end], t.logprobs[x.start : x.end]) for x in t.turns if x.role == "assistant"
+            )
+        self._served: dict[str, int] = {}
+        self.weight_version = 0
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        session = request.session_id or ""
+        queue = self._turns.get(session)
+        if queue is None:
+            raise EngineError(f"ReplayEngine has no stored trajectory for session {session!r}")
+        if not queue:
+            raise EngineError(f"trajectory {session}: the re-run asks for assistant turn {self._served.get(session, 0) + 1}, "
+                              f"but only {self._served.get(session, 0)} were stored")
+        ids, logprobs = queue[0]
+        limit = request.sampling.max_new_tokens
+        stops = set(request.sampling.stop_token_ids)
+        cut = next((i + 1 for i, token in enumerate(ids[:limit]) if token in stops), None)
+        if cut is not None:
+            n, reason = cut, FinishReason.STOP
+        else:
+            n, reason = min(len(ids), limit), FinishReason.LENGTH
+        if n < len(ids):
+            queue[0] = (ids[n:], logprobs[n:])  # the next call continues this turn
+        else:
+            queue.popleft()
+            self._served[session] = self._served.get(session, 0) + 1
+        return GenerateResult(
+            output_ids=list(ids[:n]), logprobs=list(logprobs[:n]), finish_reason=reason,
+            matched_stop=ids[n - 1] if reason is FinishReason.STOP else None, prompt_tokens=len(request.input_ids),
+            weight_version=self.weight_version,
+        )
+
+    def unserved(self, session: str) -> int:
+        """Stored assistant turns (or pieces of one) the re-run did not ask for."""
+        return len(self._turns.get(session, ()))
+
+    async def abort(self, rid: str) -> None:
+        return None
+
+    async def update_weights(self, state_dict=None, *, path=None, version=None) -> None:
+        self.weight_version = version if version is not None else self.weight_version + 1
+
+    async def health(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """One way a re-run differs from the stored trajectory."""
+
+    kind: str  # prompt | turns | observation | assistant | template | turn_reward | tool_call | finish_reason | reward | loop_error
+    turn: int | None  # index into the stored turns, when the difference is one turn's
+    detail: str  # what differs, for a person
+    stored_ids: tuple[int, ...] = ()
+    rerun_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class RerunResult:
+    stored: StoredTrajectory
+    rerun: Trajectory | None  # None when the loop raised (a ``loop_error`` difference says why)
+    differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def matches(self) -> bool:
+        return not self.differences
+
+
+def _ids_detail(a: Sequence[int], b: Sequence[int], decode: Callable[[list[int]], str] | None) -> str:
+    if decode is not None:
+        return f"stored {decode(list(a))!r}, re-run {decode(list(b))!r}"
+    return f"stored {list(a)}, re-run {list(b)}"
+
+
+def compare_trajectories(stored: Trajectory, rerun: Trajectory, *, decode: Callable[[list[int]], str] | None = None,
+                         unserved: int = 0) -> list[Difference]:
+    """Every difference between a stored trajectory and its re-run, in stream order."""
+    diffs: list[Difference] = []
+    if stored.prompt_ids != rerun.prompt_ids:
+        diffs.append(Difference("prompt", None, "prompt tokens differ (chat template, tool schemas or the row changed): "
+                                + _ids_detail(stored.prompt_ids, rerun.prompt_ids, decode),
+                                tuple(stored.prompt_ids), tuple(rerun.prompt_ids)))
+    for k, (a, b) in enumerate(zip(stored.turns, rerun.turns)):
+        a_ids, b_ids = stored.response_ids[a.start : a.end], rerun.response_ids[b.start : b.end]
+        if a.role != b.role:
+            diffs.append(Difference("turns", k, f"turn {k} was {a.role}, re-run {b.role}"))
+            break  # the streams no longer line up
+        if a_ids != b_ids:
+            kind = "assistant" if a.role == "assistant" else "observation"
+            diffs.append(Difference(kind, k, f"turn {k} ({a.role}) tokens differ: " + _ids_detail(a_ids, b_ids, decode),
+                                    tuple(a_ids), tuple(b_ids)))
+        elif a.reward != b.reward:
+            diffs.append(Difference("turn_reward", k, f"turn {k} ({a.role}) reward was {a.reward}, re-run {b.reward}"))
+    if len(stored.turns) != len(rerun.turns):
+        diffs.append(Difference("turns", None, f"{len(stored.turns)} turns stored, {len(rerun.turns)} in the re-run"
+                                + (f" ({unserved} stored assistant turns not asked for)" if unserved else "")))
+    elif stored.turns and rerun.turns:
+        a_tail = stored.response_ids[stored.turns[-1].end :]
+        b_tail = rerun.response_ids[rerun.turns[-1].end :]
+        if a_tail != b_tail:
+            diffs.append(Difference("template", None, "tokens after the last turn differ: " + _ids_detail(a_tail, b_tail, decode),
+                                    tuple(a_tail), tuple(b_tail)))
+    for i, (a, b) in enumerate(zip(stored.tool_calls, rerun.tool_calls)):
+        if (a.name, a.arguments, a.result, a.error, a.reward) != (b.name, b.arguments, b.result, b.error, b.reward):
+            diffs.append(Difference("tool_call", a.turn, f"tool call {i} ({a.name}) returned {a.result!r} "
+                                    f"(error {a.error}), re-run {b.result!r} (error {b.error})"))
+    if len(stored.tool_calls) != len(rerun.tool_calls):
+        diffs.append(Difference("tool_call", None, f"{len(stored.tool_calls)} tool calls stored, {len(rerun.tool_calls)} in the re-run"))
+    if stored.finish_reason != rerun.finish_reason:
+        error = rerun.reward_info.get("error")
+        diffs.append(Difference("finish_reason", None, f"finished with {stored.finish_reason}, re-run with {rerun.finish_reason}"
+                                + (f" ({error})" if error else "")))
+    if stored.reward != rerun.reward:
+        diffs.append(Difference("reward", None, f"reward was {stored.reward:g}, re-run {rerun.reward:g}"))
+    return diffs
+
+
+async def rerun_trajectories(
+    records: Sequence[StoredTrajectory],
+    ctx: LoopContext,
+    loops: LoopTable,
+    *,
+    max_concurrency: int = 64,
+    decode: Callable[[list[int]], str] | None = None,
+    on_result: Callable[[RerunResult], Any] | None = None,
+) -> list[RerunResult]:
+    """Run each record's row through the loop that made it (its ``agent_name``), with
+    ``ReplayEngine`` in place of ``ctx.engine``; results come back in the records' order.
+
+    Records of the same session (a row met again at a later step) go in separate waves, so
+    each engine serves one stored trajectory per session."""
+    missing = [r for r in records if r.row is None]
+    if missing:
+        r = missing[0]
+        raise DataError(f"trajectory {r.session_id} (step {r.step}) was stored without its dataset row; a re-run needs "
+                        f"the row (write the store with RolloutStore.write_step(..., rows=...)) "
+                        f"[{len(missing)} of {len(records)} trajectories lack it]", field="row")
+    results: list[RerunResult | None] = [None] * len(records)
+    for wave in _waves(records):
+        engine = ReplayEngine(records[i].trajectory for i in wave)
+        wave_ctx = dataclasses.replace(ctx, engine=engine)
+        semaphore = asyncio.Semaphore(max_concurrency)
+
+        async def one(i: int) -> None:
+            record = records[i]
+            t = record.trajectory
+            try:
+                async with semaphore:
+                    new = await loops.get(t.agent_name).run(
+                        record.row, wave_ctx, row_id=t.row_id, group_id=t.group_id, sample_index=t.sample_index, seed=None,
+                    )
+            except Exception as exc:  # a plugin that now fails is a finding, not a crash of the whole re-run
+                result = RerunResult(record, None, [Difference("loop_error", None, f"the loop raised {type(exc).__name__}: {exc}")])
+            else:
+                new = dataclasses.replace(new, policy_version=t.policy_version)
+                diffs = compare_trajectories(t, new, decode=decode, unserved=engine.unserved(record.session_id))
+                result = RerunResult(record, new, diffs)
+            results[i] = result
+            if on_result is not None:
+                on_result(result)
+
+        await asyncio.gather(*(one(i) for i in wave))
+    return [r for r in results if r is not None]
+
+
+def _waves(records: Sequence[StoredTrajectory]) -> list[list[int]]:
+    waves: list[tuple[set[str], list[int]]] = []
+    for i, record in enumerate(records):
+        key = record.session_id
+        for sessions, members in waves:
+            if key not in sessions:
+                sessions.add(key)
+                members.append(i)
+                break
+        else:
+            waves.append(({key}, [i]))
+    return [members for _, members in waves]

@@ -1,0 +1,75 @@
+"""Fixtures for replay tests: rows, a scripted rollout through the real agent layer, a store."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+
+from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+from agentrl.agent.scripted import ScriptedEngine
+from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+from agentrl.data.row import Row
+
+CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}\n</tool_call>'
+
+
+def make_row(question: str = "What is 12 * 34?", answer: str = "408", *, agent: str = "tool_agent",
+             data_source: str = "agentrl/arith", index: int = 0, **extra: Any) -> Row:
+    extra_info = {"index": index, "tools_kwargs": {"calculator": {"create_kwargs": {}}}, **extra}
+    return Row.model_validate({
+        "data_source": data_source,
+        "prompt": [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": question}],
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": extra_info,
+        "agent_name": agent,
+    })
+
+
+def call(expr: str) -> str:
+    return CALL.format(expr=expr)
+
+
+@pytest.fixture
+def make_ctx(tiny_tokenizer):
+    def build(engine, *, limits: dict | None = None, reward: str = "gsm8k"):
+        ctx = build_context(engine, tiny_tokenizer, agent=AgentConfig(), rollout=RolloutConfig(),
+                            reward=RewardConfig(default=reward), max_response_tokens=512, tool_names=["calculator"])
+        if limits:
+            ctx.limits = dataclasses.replace(ctx.limits, **limits)
+        return ctx
+
+    return build
+
+
+@pytest.fixture
+def rollout(tiny_tokenizer, make_ctx):
+    """rollout(script, rows, n=1) -> trajectories, run by the real loops over ScriptedEngine."""
+
+    def run(script, rows: list[tuple[str, Row]], *, n: int = 1, group_prefix: str = ""):
+        engine = ScriptedEngine(tiny_tokenizer, script)
+        runner = RolloutRunner(make_ctx(engine), LoopTable("tool_agent"))
+        return asyncio.run(runner.run(rows, n=n, group_prefix=group_prefix))
+
+    return run
+
+
+@pytest.fixture
+def sample_rows():
+    """Three rows: a tool call then a right answer; a wrong answer retried through the gsm8k
+    interaction; a ReAct episode."""
+    return [
+        ("r0", make_row(index=0)),
+        ("r1", make_row("What is 7 + 5?", "12", index=1, data_source="other/src",
+                        interaction_kwargs={"name": "gsm8k", "ground_truth": "12"})),
+        ("r2", make_row("What is 2 * 3?", "6", agent="react", index=2)),
+    ]
+
+
+SCRIPT = {
+    "r0": [call("12 * 34"), "#### 408"],
+    "r1": [call("7 + 5"), "#### 13", "#### 12"],
+    "r2": ["Thought: use it\nAction: calculator\nAction Input: 2 * 3\n", "Final Answer: #### 6\n"],
+}
