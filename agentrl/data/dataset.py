@@ -13,7 +13,10 @@ a batch through a small byte-bounded LRU cache of decoded row groups (kept as Ar
 only the rows asked for become Python objects). A random read therefore costs one row group:
 write files with small row groups (``write_rows`` uses 1,024 rows; HF ``datasets`` files, as
 verl's preprocessing writes them, already have about 1,000), and a file whose row group alone
-exceeds the cache budget is refused with a message saying how to rewrite it.
+exceeds the cache budget is refused with a message saying how to rewrite it. Measured with
+``python -m agentrl.data.bench --rows 1000000`` (2 shared cores): a 591 MiB file of 10^6 rows,
+0.25 s per shuffled batch of 256, 164 row groups decoded per batch, the cache at its 256 MiB,
+resident memory 333 MiB above the start.
 
 ``state_dict()`` is the position (epoch, offset into the epoch's order, seed); loading it makes
 the following batches equal an uninterrupted run's.
@@ -37,7 +40,7 @@ from agentrl.errors import DataError
 __all__ = ["MAX_REPORTED", "row_uid", "parse_row", "validate_files", "RowDataset", "rows_from_dicts"]
 
 MAX_REPORTED = 50
-CACHE_BYTES = 1 << 30
+CACHE_BYTES = 256 << 20
 
 
 def row_uid(row: Row, file: str, index: int) -> str:
@@ -176,7 +179,8 @@ class RowDataset:
             raise DataError(f"{self.num_rows} rows cannot fill one batch of {batch_size}", file=", ".join(self.files))
         self._parquet: dict[int, pq.ParquetFile] = {}
         self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
-        self._order_of: tuple[int, list[int]] | None = None
+        self._cached_bytes = 0
+        self._order_of: tuple[int, Any] | None = None  # (epoch, its order: an int64 tensor or a range)
         self.reads = 0  # row groups decoded (for tests and progress)
         self.epoch = 0
         self.offset = 0  # rows of this epoch's order already handed out
@@ -188,20 +192,21 @@ class RowDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         # open files and decoded row groups stay behind when the dataset is pickled
-        return {**self.__dict__, "_parquet": {}, "_cache": OrderedDict(), "_order_of": None}
+        return {**self.__dict__, "_parquet": {}, "_cache": OrderedDict(), "_cached_bytes": 0, "_order_of": None}
 
-    def order(self, epoch: int) -> list[int]:
-        """The global row indices of one epoch, in the order they are handed out."""
+    def order(self, epoch: int, start: int = 0, stop: int | None = None) -> list[int]:
+        """Global row indices ``[start:stop]`` of one epoch's order (the order batches follow)."""
         if self._order_of is None or self._order_of[0] != epoch:
-            import torch  # imported here so that validating data does not import torch
-
             if self.shuffle:
+                import torch  # imported here: reading data in order, or validating it, needs no torch
+
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                order = torch.randperm(self.num_rows, generator=generator).tolist()
+                # kept as a tensor: 8 bytes a row, where a list of Python ints takes ~36
+                self._order_of = (epoch, torch.randperm(self.num_rows, generator=generator))
             else:
-                order = list(range(self.num_rows))
-            self._order_of = (epoch, order)
-        return self._order_of[1]
+                self._order_of = (epoch, range(self.num_rows))
+        window = self._order_of[1][start:stop]
+        return window.tolist() if hasattr(window, "tolist") else list(window)
 
     def _locate(self, global_index: int) -> tuple[int, int, int]:
         """(file, row group, row within the group) of a global row index."""
@@ -220,11 +225,12 @@ class RowDataset:
             return self._cache[key]
         if file_index not in self._parquet:
             self._parquet[file_index] = open_parquet(self.files[file_index])
-        table = self._parquet[file_index].read_row_group(group)
+        table = self._parquet[file_index].read_row_group(group, use_threads=False)  # one small group: threads do not pay
         self.reads += 1
         self._cache[key] = table
-        while len(self._cache) > 1 and sum(t.nbytes for t in self._cache.values()) > self.cache_bytes:
-            self._cache.popitem(last=False)
+        self._cached_bytes += table.nbytes
+        while len(self._cache) > 1 and self._cached_bytes > self.cache_bytes:
+            self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
         return table
 
     def rows(self, indices: Sequence[int]) -> list[tuple[str, Row]]:
@@ -251,7 +257,7 @@ class RowDataset:
         remaining = self.num_rows - self.offset
         if remaining < self.batch_size and (self.drop_last or remaining == 0):
             self.epoch, self.offset = self.epoch + 1, 0
-        indices = self.order(self.epoch)[self.offset : self.offset + self.batch_size]
+        indices = self.order(self.epoch, self.offset, self.offset + self.batch_size)
         self.offset += len(indices)
         return self.rows(indices)
 

@@ -186,6 +186,12 @@ def test_shuffle_is_seeded_and_changes_each_epoch(data_file):
     assert uids(RowDataset([data_file], batch_size=8, seed=4).next_batch()) != first[0]
 
 
+def test_the_order_of_a_seed_is_pinned(data_file):
+    # a changed order would silently change what a resumed run trains on next
+    assert uids(RowDataset([data_file], batch_size=6, seed=0).next_batch()) == [f"test/arith:{i}" for i in (4, 16, 21, 5, 11, 14)]
+    assert uids(RowDataset([data_file], batch_size=6, seed=7).next_batch()) == [f"test/arith:{i}" for i in (13, 28, 14, 18, 12, 0)]
+
+
 def test_unshuffled_batches_follow_the_files_and_keep_a_short_last_batch(tmp_path):
     a = write_rows(make_rows(5), tmp_path / "a.parquet", row_group_size=2)
     b = write_rows(make_rows(3, source="test/word"), tmp_path / "b.parquet")
