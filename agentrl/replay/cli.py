@@ -132,7 +132,7 @@ class _Style:
 
 def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool = False) -> str:
     """A trajectory as terminal text, turn by turn. Sampled text is marked ``│``, observed
-    (masked) text ``┆``; with ``color``, observed text is also dimmed."""
+    (masked) text ``┆``, line breaks ``↵``; with ``color``, observed text is also dimmed."""
     style = _Style(color)
     t = s.trajectory
     sampled = sum(t.response_mask)
@@ -152,8 +152,8 @@ def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool
         lines.append(label)
         kinds = set(mask)
         marker = "│ " if kinds == {1} else "┆ "
-        body = text(ids)
-        for line in body.split("\n"):
+        pieces = text(ids).split("\n")  # line breaks shown as ↵, so whitespace tokens stay visible
+        for line in [p + "↵" for p in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else []):
             lines.append("    " + marker + (style(line, "2") if kinds != {1} else line))
 
     position = 0
@@ -194,7 +194,7 @@ def _show(args: argparse.Namespace) -> int:
         print(format_trajectory(stored, decode, color=color))
         print()
         shown += 1
-    print(f"{shown} trajectories shown")
+    print(f"{shown} {'trajectory' if shown == 1 else 'trajectories'} shown")
     return 0
 
 
@@ -302,7 +302,8 @@ def _rerun(args: argparse.Namespace) -> int:
         if result.matches:
             return
         s = result.stored
-        print(f"{s.split} step {s.step} · {s.session_id}: {len(result.differences)} differences")
+        n = len(result.differences)
+        print(f"{s.split} step {s.step} · {s.session_id}: {n} difference{'' if n == 1 else 's'}")
         for d in result.differences:
             differing[d.kind] += 1
             print(f"  [{d.kind}] {d.detail}")
@@ -368,7 +369,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cli_main(argv: list[str]) -> int:
-    args = _parser().parse_intermixed_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may come before or after options; anything else is a mistake
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     try:
         return args.run(args)
     except AgentrlError as exc:

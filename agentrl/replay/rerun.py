@@ -109,14 +109,15 @@ class RerunResult:
         return not self.differences
 
 
+def _text(ids: Sequence[int], decode: Callable[[list[int]], str] | None) -> str:
+    return repr(decode(list(ids))) if decode is not None else str(list(ids))
+
+
 def _ids_detail(a: Sequence[int], b: Sequence[int], decode: Callable[[list[int]], str] | None) -> str:
-    if decode is not None:
-        return f"stored {decode(list(a))!r}, re-run {decode(list(b))!r}"
-    return f"stored {list(a)}, re-run {list(b)}"
+    return f"stored {_text(a, decode)}, re-run {_text(b, decode)}"
 
 
-def compare_trajectories(stored: Trajectory, rerun: Trajectory, *, decode: Callable[[list[int]], str] | None = None,
-                         unserved: int = 0) -> list[Difference]:
+def compare_trajectories(stored: Trajectory, rerun: Trajectory, *, decode: Callable[[list[int]], str] | None = None) -> list[Difference]:
     """Every difference between a stored trajectory and its re-run, in stream order."""
     diffs: list[Difference] = []
     if stored.prompt_ids != rerun.prompt_ids:
@@ -134,10 +135,16 @@ def compare_trajectories(stored: Trajectory, rerun: Trajectory, *, decode: Calla
                                     tuple(a_ids), tuple(b_ids)))
         elif a.reward != b.reward:
             diffs.append(Difference("turn_reward", k, f"turn {k} ({a.role}) reward was {a.reward}, re-run {b.reward}"))
-    if len(stored.turns) != len(rerun.turns):
-        diffs.append(Difference("turns", None, f"{len(stored.turns)} turns stored, {len(rerun.turns)} in the re-run"
-                                + (f" ({unserved} stored assistant turns not asked for)" if unserved else "")))
-    elif stored.turns and rerun.turns:
+    common = min(len(stored.turns), len(rerun.turns))
+    for k, x in enumerate(stored.turns[common:], start=common):
+        ids = stored.response_ids[x.start : x.end]
+        diffs.append(Difference("turns", k, f"turn {k} ({x.role}) is stored but not in the re-run: {_text(ids, decode)}",
+                                stored_ids=tuple(ids)))
+    for k, x in enumerate(rerun.turns[common:], start=common):
+        ids = rerun.response_ids[x.start : x.end]
+        diffs.append(Difference("turns", k, f"turn {k} ({x.role}) is only in the re-run: {_text(ids, decode)}",
+                                rerun_ids=tuple(ids)))
+    if len(stored.turns) == len(rerun.turns) and stored.turns:
         a_tail = stored.response_ids[stored.turns[-1].end :]
         b_tail = rerun.response_ids[rerun.turns[-1].end :]
         if a_tail != b_tail:
@@ -196,7 +203,7 @@ async def rerun_trajectories(
                 result = RerunResult(record, None, [Difference("loop_error", None, f"the loop raised {type(exc).__name__}: {exc}")])
             else:
                 new = dataclasses.replace(new, policy_version=t.policy_version)
-                diffs = compare_trajectories(t, new, decode=decode, unserved=engine.unserved(record.session_id))
+                diffs = compare_trajectories(t, new, decode=decode)
                 result = RerunResult(record, new, diffs)
             results[i] = result
             if on_result is not None:

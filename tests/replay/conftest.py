@@ -73,3 +73,15 @@ SCRIPT = {
     "r1": [call("7 + 5"), "#### 13", "#### 12"],
     "r2": ["Thought: use it\nAction: calculator\nAction Input: 2 * 3\n", "Final Answer: #### 6\n"],
 }
+
+
+@pytest.fixture
+def scripted_store(rollout, sample_rows, tmp_path):
+    """A store of two training steps and one validation step from SCRIPT's rows (rows stored)."""
+    from agentrl.replay.store import RolloutStore
+
+    store = RolloutStore(tmp_path / "rollouts")
+    for step in range(2):
+        store.write_step(step, rollout(SCRIPT, sample_rows, n=2, group_prefix=f"train{step}/"), rows=sample_rows)
+    store.write_step(2, rollout(SCRIPT, sample_rows[:1]), split="val", rows=sample_rows[:1])
+    return store

@@ -1,0 +1,67 @@
+"""`agentrl replay show` and `agentrl replay rerun` on a store written by the real agent layer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from agentrl.replay.cli import cli_main, parse_steps
+
+
+def test_show_prints_turns_tool_calls_rewards_and_marks_masked_tokens(scripted_store, tiny_model_dir, capsys):
+    code = cli_main(["show", str(scripted_store.root), "--tokenizer", str(tiny_model_dir), "--step", "1",
+                     "--data-source", "other/src", "--limit", "1"])
+    assert code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "═ train step 1 · r1 #0 · reward 1 · finish interaction_done"
+    assert out[1] == "  group train1/1:r1 · other/src · loop tool_agent · policy version 0 · ground truth '12'"
+    assert out[2] == "  tokens: prompt 162, response 77 (33 sampled, 44 observed)"
+    assert out[3:8] == [
+        "  ── assistant [0, 23) 23 sampled tokens",
+        "    │ <tool_call>↵",
+        '    │ {"name": "calculator", "arguments": {"expression": "7 + 5"}}↵',
+        "    │ </tool_call><|im_end|>",
+        """    ⮑ call calculator({"expression": "7 + 5"}) → '12'""",
+    ]
+    assert out[8] == "  ── tool [23, 38) 15 observed tokens (masked)"
+    assert "    ┆ 12↵" in out
+    assert "  ── assistant [38, 43) 5 sampled tokens · turn reward 0" in out
+    assert "    ┆ Your response is incorrect! You need to reflect on your answer and try again.<|im_end|>↵" in out
+    assert "  ── assistant [71, 76) 5 sampled tokens · turn reward 1" in out
+    assert out[-5:] == ["  ── template [76, 77) observed (masked)", "    ┆ ↵", '  reward info: {"interaction_score": 1.0}', "",
+                        "1 trajectory shown"]
+
+
+def test_show_without_a_tokenizer_shows_token_ids(scripted_store, capsys):
+    assert cli_main(["show", str(scripted_store.root), "--split", "val", "--min-reward", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("(no tokenizer: showing token ids; pass --tokenizer PATH for text)\n═ val step 2 · r0 #0")
+    assert out.rstrip().endswith("1 trajectory shown")
+
+
+def test_step_ranges_parse_like_slices():
+    assert parse_steps("3") == (3, 4) and parse_steps("2:5") == (2, 5)
+    assert parse_steps(":5") == (None, 5) and parse_steps("2:") == (2, None) and parse_steps(None) is None
+
+
+def test_a_bad_step_range_is_named(scripted_store, capsys):
+    assert cli_main(["show", str(scripted_store.root), "--step", "a:b"]) == 2
+    assert "--step: expected A:B" in capsys.readouterr().err
+
+
+def test_rerun_command_matches_then_flags_changed_limits_and_exits_1(scripted_store, tiny_model_dir):
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "agentrl.cli", "replay", "rerun", str(scripted_store.root.parent),
+                               "--tokenizer", str(tiny_model_dir), *extra], capture_output=True, text=True, timeout=300)
+
+    same = run("--split", "train")
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert json.loads(same.stdout) == {"trajectories": 12, "matching": 12, "differing": 0, "differences_by_kind": {}}
+    changed = run("--step", "2", "agent.max_tool_response_tokens=1")  # tool results now cut to one token
+    assert changed.returncode == 1, changed.stderr[-2000:]
+    lines = changed.stdout.splitlines()
+    assert lines[0] == "val step 2 · r0#0: 1 difference"
+    assert lines[1].startswith("  [observation] turn 1 (tool) tokens differ: stored '\\n<|im_start|>user\\n<tool_response>\\n408")
+    assert "4...[truncated 2 tokens]" in lines[1]  # "408" is three tokens
+    assert json.loads("\n".join(lines[2:]))["differences_by_kind"] == {"observation": 1}

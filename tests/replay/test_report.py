@@ -1,0 +1,56 @@
+"""The HTML report: inline-SVG plots over steps and trajectories token by token."""
+
+from __future__ import annotations
+
+import re
+
+from agentrl.replay.cli import cli_main
+from agentrl.replay.report import render_report
+
+
+def metric_rows():
+    return [{"step": s, "reward/mean": s / 4, "val/reward/mean": 0.5, "success_rate": s / 8, "turns/mean": 2.0,
+             "tool_calls/mean": 1.0, "tool_errors/bad_json": 3 - s, "tool_errors/timeout": 1.0, "response_length/mean": 40.0,
+             "finish/stop": 0.75, "finish/length": 0.25, "actor/pg_loss": 0.1} for s in range(4)]
+
+
+def test_report_plots_every_metric_family_over_steps_without_network_resources(scripted_store):
+    trajectories = list(scripted_store.iter_trajectories(limit=2))
+    page = render_report(metric_rows(), trajectories, "run <x>")
+    titles = re.findall(r'<svg class="plot"[^>]*aria-label="([^"]*)"', page)
+    assert titles == ["reward (mean)", "success rate", "assistant turns per trajectory", "tool calls per trajectory",
+                      "tool errors by kind (per step)", "response length (tokens)", "finish reasons (fraction)"]
+    keys = re.findall(r'<polyline class="series" data-key="([^"]*)"', page)
+    assert {"reward/mean", "val/reward/mean", "tool_errors/bad_json", "tool_errors/timeout", "finish/stop", "finish/length"} <= set(keys)
+    # reward/mean rises from the bottom left to the top right of its plot (y grows downwards in SVG)
+    points = re.search(r'data-key="reward/mean"[^>]*points="([^"]*)"', page)[1].split()
+    ys = [float(p.split(",")[1]) for p in points]
+    assert len(ys) == 4 and ys == sorted(ys, reverse=True)
+    assert "<title>run &lt;x&gt;</title>" in page
+    assert not re.search(r"(src|href)=\"?(https?:)?//", page) and "<script" not in page
+
+
+def test_report_shows_each_token_as_sampled_or_masked_turn_by_turn(scripted_store, tiny_tokenizer):
+    [t] = scripted_store.iter_trajectories(limit=1)
+    page = render_report([], [t], "r", decode=tiny_tokenizer.decode)
+    section = page[page.index('<section class="traj">'):]
+    assert section.count('class="t s"') == sum(t.response_mask)
+    assert section.count('class="t m"') == len(t.prompt_ids) + len(t.response_mask) - sum(t.response_mask)
+    roles = re.findall(r'<div class="role">(\w+) · tokens \[(\d+), (\d+)\)', section)
+    assert roles == [(x.role, str(x.start), str(x.end)) for x in t.turns] + [("template", str(t.turns[-1].end), str(len(t.response_ids)))]
+    assert f'title="id {t.response_ids[0]} · logprob -0.5000"' in section
+    assert "&lt;tool_call&gt;" in section and "<tool_call>" not in section  # model text is escaped
+    assert "<code>calculator({&#x27;expression&#x27;: &#x27;12 * 34&#x27;})</code> → <code>408</code>" in section
+    assert f"{t.row_id} #0 · reward 1 · stop" in section
+
+
+def test_report_command_plots_the_stored_steps_and_the_runs_metrics(scripted_store, tmp_path, capsys):
+    (scripted_store.root.parent / "metrics.jsonl").write_text('{"step": 1, "actor/pg_loss": 0.5, "logprob_mismatch/mean": 0.001}\n')
+    out = tmp_path / "report.html"
+    assert cli_main(["report", str(scripted_store.root.parent), "--output", str(out), "--samples", "2"]) == 0
+    assert capsys.readouterr().out.strip() == f"report: {out}"
+    page = out.read_text()
+    keys = set(re.findall(r'data-key="([^"]*)"', page))
+    assert {"reward/mean", "val/reward/mean", "finish/stop", "finish/interaction_done", "logprob_mismatch/mean"} <= keys
+    # samples come from the last stored step (the validation step 2 of one row)
+    assert page.count('<section class="traj">') == 1 and "r0 #0" in page
