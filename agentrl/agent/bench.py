@@ -94,7 +94,7 @@ def run_benchmark(*, trajectories: int, tool_turns: int, concurrency: int, infli
     rollout = RolloutConfig()
 
     def setup(hold: int):
-        engine = _TimingEngine(ScriptedEngine(tokenizer, script), hold_until=hold)
+        engine = _TimingEngine(ScriptedEngine(tokenizer, script, record_requests=False), hold_until=hold)
         ctx = build_context(engine, tokenizer, agent=agent, rollout=rollout, reward=RewardConfig(), max_response_tokens=4096)
         return engine, ctx
 

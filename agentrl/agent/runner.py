@@ -161,17 +161,24 @@ class RolloutRunner:
         progress: bool | str = False,
         on_done: Callable[[Trajectory], None] | None = None,
     ) -> list[Trajectory]:
-        """Run every row ``n`` times; returns trajectories in (row, sample) order."""
-        semaphore = asyncio.Semaphore(self.max_concurrency)
-        bar = _progress_bar(len(rows) * n, progress)
-        results: list[Trajectory | None] = [None] * (len(rows) * n)
+        """Run every row ``n`` times; returns trajectories in (row, sample) order.
 
-        async def one(slot: int, row_id: str, row: Row, group_id: str, sample: int) -> None:
-            async with semaphore:
+        ``max_concurrency`` workers pull (row, sample) jobs in order, so memory stays bounded by
+        the trajectories in flight however many rows there are.
+        """
+        total = len(rows) * n
+        bar = _progress_bar(total, progress)
+        results: list[Trajectory | None] = [None] * total
+        jobs = iter(range(total))
+
+        async def worker() -> None:
+            for slot in jobs:  # a shared iterator: each job is taken by exactly one worker
+                i, sample = divmod(slot, n)
+                row_id, row = rows[i]
                 self.inflight += 1
                 self.inflight_max = max(self.inflight_max, self.inflight)
                 try:
-                    results[slot] = await self._run_one(row_id, row, group_id, sample, seed)
+                    results[slot] = await self._run_one(row_id, row, f"{group_prefix}{i}:{row_id}", sample, seed)
                 finally:
                     self.inflight -= 1
                 if on_done is not None:
@@ -179,13 +186,8 @@ class RolloutRunner:
                 if bar is not None:
                     bar.update(1)
 
-        tasks = []
-        for i, (row_id, row) in enumerate(rows):
-            group_id = f"{group_prefix}{i}:{row_id}"
-            for sample in range(n):
-                tasks.append(one(i * n + sample, row_id, row, group_id, sample))
         try:
-            await asyncio.gather(*tasks)
+            await asyncio.gather(*(worker() for _ in range(min(self.max_concurrency, total))))
         finally:
             if bar is not None:
                 bar.close()

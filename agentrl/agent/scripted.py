@@ -11,7 +11,8 @@ Each trajectory (``GenerateRequest.session_id`` = ``"<row_id>#<sample>"``) walks
 row's list. An entry is text (encoded with the tokenizer, then the
 stop token appended - as an engine that stopped at end-of-turn returns it) or a list of token
 ids (returned as is). A callable script ``script(row_id, call_index, request) -> str | list[int]``
-may replace the dict. When a stop token (e.g. a line break for ReAct) or ``max_new_tokens``
+may replace the dict. Every request is kept in ``engine.requests`` (``record_requests=False``
+for long runs). When a stop token (e.g. a line break for ReAct) or ``max_new_tokens``
 cuts an entry short, the next generate call of that trajectory continues the same entry, as a
 model would; a new entry starts when the previous one is used up (an entry cut right before
 its final stop token counts as used up, so ReAct scripts can give one entry per step). Every sampled token gets the logprob ``logprob`` (default -0.5);
@@ -32,8 +33,12 @@ Script = Mapping[str, Sequence["str | list[int]"]] | Callable[[str, int, Generat
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer: Any, script: Script, *, logprob: float = -0.5, stop_token: str | None = None):
+    def __init__(
+        self, tokenizer: Any, script: Script, *, logprob: float = -0.5, stop_token: str | None = None,
+        record_requests: bool = True,
+    ):
         self.tokenizer = tokenizer
+        self.record_requests = record_requests  # keep every request in ``requests`` (tests read them)
         self.script = script
         self.logprob = logprob
         self.stop_id = tokenizer.convert_tokens_to_ids(stop_token or tokenizer.eos_token)
@@ -54,7 +59,8 @@ class ScriptedEngine:
         return answers[index]
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        self.requests.append(request)
+        if self.record_requests:
+            self.requests.append(request)
         session = request.session_id or ""
         ids = self._pending.pop(session, None)
         if not ids:

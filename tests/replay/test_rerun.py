@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import SCRIPT, call, make_row
+from replay_data import SCRIPT, call, make_row
 
 from agentrl.agent.runner import LoopTable
 from agentrl.agent.tool import ToolResult

@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 import pytest
-from conftest import call, make_row
+from replay_data import call, make_row
 
 from agentrl.errors import DataError
 from agentrl.replay.cli import cli_main

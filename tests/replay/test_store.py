@@ -13,7 +13,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import SCRIPT
+from replay_data import SCRIPT
 
 from agentrl.errors import DataError
 from agentrl.replay.store import SCHEMA_VERSION, RolloutStore, TrajectoryFilter
