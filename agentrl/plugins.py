@@ -104,6 +104,12 @@ class PluginRegistry:
     def names(self, group: str) -> list[str]:
         return sorted({s.name for s in discover(group)})
 
+    def accepted_names(self, group: str) -> set[str]:
+        """The installed names of ``group`` and the aliases (e.g. verl's) that resolve to them."""
+        installed = set(self.names(group))
+        aliases = ALIASES.get(_group_name(group), {})
+        return installed | {alias for alias, name in aliases.items() if name in installed}
+
     def canonical(self, group: str, name: str) -> str:
         full = _group_name(group)
         return ALIASES.get(full, {}).get(name, name)

@@ -29,7 +29,7 @@ def cli_main(argv: list[str]) -> int:
     from agentrl.data.dataset import RowDataset
     from agentrl.engines.builtin import BuiltinEngine
     from agentrl.trainer.run import make_run_dir, prepare_data, require_builtin_engine, resolve_model
-    from agentrl.trajectory_io import write_trajectories
+    from agentrl.replay.store import RolloutStore
 
     cfg = load_config("rollout", argv)
     require_builtin_engine(cfg)
@@ -48,7 +48,7 @@ def cli_main(argv: list[str]) -> int:
         trajectories = asyncio.run(runner.run(rows, n=cfg.rollout.n, seed=cfg.trainer.seed, progress=cfg.logging.progress and "rollout"))
     finally:
         engine.close()
-    path = write_trajectories(trajectories, run_dir / "rollouts" / "rollout-00000.parquet", step=0)
+    path = RolloutStore(run_dir / "rollouts").write_step(0, trajectories, rows=rows)
     finishes = Counter(t.finish_reason for t in trajectories)
     summary = {
         "trajectories": len(trajectories),

@@ -10,7 +10,7 @@ Layout: ``<root>/<split>-step<step:06d>-w<writer:03d>.parquet``. One row per tra
   agent_name), so a trajectory can be re-run through its agent loop without the dataset.
 
 The schema version sits in each file's metadata (``agentrl_schema_version``). Version 1 (the
-files of ``agentrl.trajectory_io``: no ``writer_id`` and no ``row``) is read too.
+files agentrl 0.1 wrote, one per step: no ``writer_id`` and no ``row``) is read too.
 
 A shard is written to a hidden temporary file in the same directory in row groups, fsynced,
 then renamed over its final name (and the directory fsynced), so a reader sees a whole shard

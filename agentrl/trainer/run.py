@@ -238,7 +238,7 @@ class Trainer:
             reasons = sorted({f"{t.finish_reason}: {t.reward_info.get('error', '')}" for t in trajectories})
             raise DataError(f"step {step}: no trajectory produced tokens to train on ({'; '.join(reasons)[:500]})")
         if self.store is not None:
-            self.store.write_step(step, trajectories)
+            self.store.write_step(step, trajectories, rows=rows)
         batch = collate(usable, pad_token_id=self.pad_id, max_prompt_length=cfg.data.max_prompt_length,
                         max_response_length=cfg.data.max_response_length)
         micro = cfg.actor.ppo_micro_batch_size_per_gpu
@@ -324,7 +324,7 @@ class Trainer:
         trajectories = self.rollout(self.val_rows, step=step, validation=True)
         self.last_validation = trajectories
         if self.store is not None:
-            self.store.write_step(step, trajectories, split="val")
+            self.store.write_step(step, trajectories, split="val", rows=self.val_rows)
         return trajectory_metrics(trajectories, prefix="val/")
 
     def warm_start_sft(self) -> None:
@@ -406,7 +406,6 @@ def resolve_model(cfg: TrainConfig) -> Path:
 
 def prepare_data(cfg: TrainConfig, run_dir: Path):
     """Training files (validated before any compute) and validation rows."""
-    from agentrl.agent.runner import check_agent_names
     from agentrl.data.dataset import parse_row, row_uid, validate_files
     from agentrl.data.io import iter_raw_rows, write_rows
 
@@ -421,7 +420,10 @@ def prepare_data(cfg: TrainConfig, run_dir: Path):
         from agentrl_data_prep.tasks import generate
 
         val_files = [str(write_rows(generate(cfg.data.task, cfg.data.task_val_size, cfg.data.seed, "test"), run_dir / "data" / "val.parquet"))]
-    problems = validate_files(files + val_files, check_agent_names=check_agent_names)
+    from agentrl.plugins import PluginRegistry
+
+    known = PluginRegistry(cfg.plugins.prefer).accepted_names("agent_loops")
+    problems = validate_files(files + val_files, known_agent_names=known, default_agent=cfg.agent.default_loop)
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
         raise DataError(f"invalid data ({len(problems)} problems):\n{lines}")
@@ -434,9 +436,10 @@ def prepare_data(cfg: TrainConfig, run_dir: Path):
 
 
 def open_store(run_dir: Path):
-    from agentrl.trajectory_io import StepFiles
+    """The run's rollout store: every training and validation step, with its dataset rows."""
+    from agentrl.replay.store import RolloutStore
 
-    return StepFiles(run_dir / "rollouts")
+    return RolloutStore(run_dir / "rollouts")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -1,4 +1,4 @@
-"""`agentrl rollout` stores exact trajectories; the rollout file format round-trips."""
+"""`agentrl rollout` stores exact trajectories, with their rows, in a rollout store."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import sys
 
 from agent_helpers import CALL_12x34, make_row
 
-from agentrl.trajectory_io import SCHEMA_VERSION, read_trajectories, write_trajectories
+from agentrl.replay.store import RolloutStore
 
 
-def test_trajectories_round_trip_exactly(run_rows, tmp_path):
+def test_trajectories_round_trip_exactly_through_the_store(run_rows, tmp_path):
     row = make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"})
     trajectories, *_ = run_rows({"r0": [CALL_12x34, "#### 400", "#### 408"]}, [("r0", row)], n=2)
-    path = write_trajectories(trajectories, tmp_path / "t.parquet", step=3)
-    assert list(read_trajectories(path)) == trajectories
-    import pyarrow.parquet as pq
-
-    assert pq.ParquetFile(path).schema_arrow.metadata[b"agentrl_schema_version"] == SCHEMA_VERSION.encode()
+    store = RolloutStore(tmp_path)
+    store.write_step(3, trajectories, rows=[("r0", row)])
+    stored = list(store.iter_stored())
+    assert [s.trajectory for s in stored] == trajectories
+    assert [(s.step, s.split, s.row) for s in stored] == [(3, "train", row)] * 2
 
 
 def test_rollout_command_writes_the_rollouts(tmp_path):
@@ -28,7 +28,8 @@ def test_rollout_command_writes_the_rollouts(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
-    assert last == f"rollouts: {tmp_path / 'r' / 'rollouts' / 'rollout-00000.parquet'}"
-    trajectories = list(read_trajectories(last.removeprefix("rollouts: ")))
-    assert len(trajectories) == 12 and {t.sample_index for t in trajectories} == {0, 1}
-    assert all(len(t.response_ids) == len(t.response_mask) == len(t.logprobs) > 0 for t in trajectories)
+    assert last == f"rollouts: {tmp_path / 'r' / 'rollouts' / 'train-step000000-w000.parquet'}"
+    stored = list(RolloutStore(tmp_path / "r" / "rollouts").iter_stored())
+    assert len(stored) == 12 and {s.trajectory.sample_index for s in stored} == {0, 1}
+    assert all(len(t.response_ids) == len(t.response_mask) == len(t.logprobs) > 0 for t in (s.trajectory for s in stored))
+    assert all(s.row is not None and s.row.agent_name == "tool_agent" for s in stored)  # re-runnable without the dataset

@@ -14,11 +14,11 @@ import time
 import pyarrow.parquet as pq
 import pytest
 from replay_data import SCRIPT
+from v1_format import write_trajectories
 
 from agentrl.errors import DataError
 from agentrl.replay.store import SCHEMA_VERSION, RolloutStore, TrajectoryFilter
 from agentrl.trajectory import ToolCallRecord, Trajectory, Turn
-from agentrl.trajectory_io import write_trajectories
 
 
 def odd_trajectory(**changes) -> Trajectory:

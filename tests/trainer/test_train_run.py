@@ -60,6 +60,22 @@ def test_shortened_quickstart_writes_the_run_directory(short_run):
     assert '<div class="turn sampled"><b>assistant</b>' in report
 
 
+def test_the_runs_rollout_store_holds_every_step_with_its_rows(short_run):
+    from agentrl.replay.store import RolloutStore, TrajectoryFilter
+
+    store = RolloutStore(short_run / "rollouts")
+    assert store.steps("train") == [0, 1, 2]
+    assert store.steps("val") == [0, 2, 3]  # before training, at test_freq, after the last step
+    train = list(store.iter_stored(TrajectoryFilter(split="train")))
+    assert len(train) == 3 * 4 * 2  # steps x prompts x n
+    assert all(s.row is not None and s.trajectory.policy_version == s.step for s in train)
+    assert {s.trajectory.group_id.split("/")[0] for s in train} == {"train0", "train1", "train2"}
+    shown = subprocess.run([sys.executable, "-m", "agentrl.cli", "replay", "show", str(short_run), "--split", "val", "--limit", "1"],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "tool_call" in shown.stdout or "assistant" in shown.stdout
+
+
 def test_every_step_reports_the_metrics_that_matter(short_run):
     for row in metrics_by_step(short_run).values():
         for key in ("reward/mean", "reward/std", "success_rate", "turns/mean", "tool_calls/mean", "entropy/mean",

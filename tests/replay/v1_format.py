@@ -1,9 +1,6 @@
-"""Trajectories to and from parquet, exactly (the rollout file format).
-
-One row per trajectory. Token ids, masks and logprobs are list columns; turns are a list of
-structs; free-form values (messages, tool-call arguments, reward info, metrics) are JSON text.
-The schema version is stored in the file metadata. Writes are atomic (a temporary file in the
-same directory, fsynced, then renamed), so a crash never leaves a partial file behind.
+"""The version-1 rollout file format (what agentrl 0.1's ``agentrl train`` and ``agentrl
+rollout`` wrote, one parquet file per step), kept only to produce such files for the
+compatibility test: ``RolloutStore`` (version 2) still reads them.
 """
 
 from __future__ import annotations
@@ -11,14 +8,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from agentrl.trajectory import ToolCallRecord, Trajectory, Turn
+from agentrl.trajectory import Trajectory
 
-__all__ = ["SCHEMA_VERSION", "trajectories_to_table", "write_trajectories", "read_trajectories", "StepFiles"]
+__all__ = ["SCHEMA_VERSION", "write_trajectories"]
 
 SCHEMA_VERSION = "1"
 
@@ -67,36 +64,3 @@ def write_trajectories(trajectories: Sequence[Trajectory], path: str | Path, *, 
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
-
-
-def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
-        for r in batch.to_pylist():
-            yield Trajectory(
-                row_id=r["row_id"], group_id=r["group_id"], sample_index=r["sample_index"], data_source=r["data_source"],
-                agent_name=r["agent_name"], prompt_ids=r["prompt_ids"], response_ids=r["response_ids"],
-                response_mask=r["response_mask"], logprobs=r["logprobs"],
-                turns=[Turn(x["role"], x["start"], x["end"], x["reward"]) for x in r["turns"]],
-                messages=json.loads(r["messages"]), finish_reason=r["finish_reason"], reward=r["reward"],
-                reward_info=json.loads(r["reward_info"]),
-                tool_calls=[
-                    ToolCallRecord(turn=c["turn"], name=c["name"], arguments=json.loads(c["arguments"]), raw=c["raw"],
-                                   result=c["result"], error=c["error"], reward=c["reward"], duration_s=c["duration_s"])
-                    for c in r["tool_calls"]
-                ],
-                metrics=json.loads(r["metrics"]), policy_version=r["policy_version"], ground_truth=r["ground_truth"],
-            )
-
-
-class StepFiles:
-    """One parquet file per (split, step) under ``root``: what training and validation write."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-
-    def write_step(self, step: int, trajectories: Sequence[Trajectory], *, split: str = "train") -> Path:
-        return write_trajectories(trajectories, self.root / f"{split}-step{step:06d}.parquet", step=step, split=split)
-
-    def iter_trajectories(self, split: str | None = None) -> Iterator[Trajectory]:
-        for path in sorted(self.root.glob(f"{split or '*'}-step*.parquet")):
-            yield from read_trajectories(path)
