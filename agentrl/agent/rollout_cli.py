@@ -28,12 +28,13 @@ def cli_main(argv: list[str]) -> int:
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.data.dataset import RowDataset
     from agentrl.engines.builtin import BuiltinEngine
-    from agentrl.trainer.run import make_run_dir, prepare_data, require_builtin_engine, resolve_model
+    from agentrl.trainer.run import _to_yaml, make_run_dir, prepare_data, require_builtin_engine, resolve_model
     from agentrl.replay.store import RolloutStore
 
     cfg = load_config("rollout", argv)
     require_builtin_engine(cfg)
     run_dir = make_run_dir(cfg)
+    (run_dir / "config.yaml").write_text(_to_yaml(cfg))  # replay finds the tokenizer and loops here
     files, _ = prepare_data(cfg, run_dir)  # validated before any generation
     dataset = RowDataset(files, batch_size=1, shuffle=False, seed=cfg.data.seed, drop_last=False)
     rows = [dataset.row(i) for i in range(dataset.num_rows)]

@@ -505,7 +505,7 @@ def train(cfg: TrainConfig) -> RunResult:
 
 def write_report(run_dir: Path, samples: Sequence[Trajectory], summary: dict[str, Any], *, decode=None) -> Path:
     """``report.html``: metrics over steps and a few held-out trajectories, turn by turn."""
-    from agentrl.report import render_report
+    from agentrl.replay.report import render_report
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     path = run_dir / "report.html"

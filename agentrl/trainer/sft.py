@@ -8,6 +8,10 @@ same FSDP2 actor workers as RL. The quickstart uses the same code for its warm s
 
 Data: ``sft.train_files`` (parquet with a ``messages`` column, e.g. ``data_prep.gsm8k
 --variant sft``), else ``sft.num_demos`` generated demonstrations of ``data.task``.
+
+``agentrl sft`` writes ``metrics.jsonl``, ``checkpoints/final`` (model, optimizer, scheduler),
+the policy as a transformers checkpoint in ``policy/``, and with ``trainer.save_freq=N`` one
+every N steps in ``policies/step_N`` (each loadable with ``model.path=``).
 """
 
 from __future__ import annotations
@@ -86,8 +90,12 @@ def _conversations(cfg: TrainConfig) -> list[list[dict[str, Any]]]:
     return sft_conversations(cfg.data.task, cfg.sft.num_demos, seed=cfg.data.seed + 17)
 
 
-def run_sft_on_actor(actor, cfg: TrainConfig, model_path: str, tokenizer: Any, pad_id: int, log, run_dir: Path) -> dict[str, float]:
-    """SFT epochs on an actor worker group; returns the last metrics."""
+def run_sft_on_actor(
+    actor, cfg: TrainConfig, model_path: str, tokenizer: Any, pad_id: int, log, run_dir: Path, *, export_every: int = 0
+) -> dict[str, float]:
+    """SFT epochs on an actor worker group; returns the last metrics. With ``export_every`` the
+    policy is exported as a transformers checkpoint every that many steps, to
+    ``run_dir/policies/step_N`` (loadable with ``model.path=``)."""
     from tqdm.auto import tqdm
 
     from agentrl.trainer.run import _shards
@@ -109,6 +117,8 @@ def run_sft_on_actor(actor, cfg: TrainConfig, model_path: str, tokenizer: Any, p
             "sft/step": float(i + 1),
         }
         log.log(-(len(batches) - i), metrics)  # SFT steps are logged before RL step 0
+        if export_every and (i + 1) % export_every == 0 and i + 1 < len(batches):
+            actor.call_all("export_hf", str(run_dir / "policies" / f"step_{i + 1}"))
     return metrics
 
 
@@ -138,7 +148,7 @@ def cli_main(argv: list[str]) -> int:
             name="actor", model_path=model_path, config=cfg.actor, total_steps=1, rollout_setup=None,
             device=cfg.trainer.device, seed=cfg.trainer.seed,
         )
-        metrics = run_sft_on_actor(actor, cfg, model_path, tokenizer, pad_id, log, run_dir)
+        metrics = run_sft_on_actor(actor, cfg, model_path, tokenizer, pad_id, log, run_dir, export_every=cfg.trainer.save_freq)
         checkpoint = run_dir / "checkpoints" / "final"
         actor.call_all("save", str(checkpoint))
         actor.call_all("export_hf", str(run_dir / "policy"))

@@ -33,3 +33,7 @@ def test_rollout_command_writes_the_rollouts(tmp_path):
     assert len(stored) == 12 and {s.trajectory.sample_index for s in stored} == {0, 1}
     assert all(len(t.response_ids) == len(t.response_mask) == len(t.logprobs) > 0 for t in (s.trajectory for s in stored))
     assert all(s.row is not None and s.row.agent_name == "tool_agent" for s in stored)  # re-runnable without the dataset
+    shown = subprocess.run([sys.executable, "-m", "agentrl.cli", "replay", "show", str(tmp_path / "r"), "--limit", "1"],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "no tokenizer" not in shown.stdout  # config.yaml names the model
+    assert "<|im_start|>" in shown.stdout or "assistant" in shown.stdout

@@ -57,7 +57,7 @@ def test_shortened_quickstart_writes_the_run_directory(short_run):
     AutoTokenizer.from_pretrained(short_run / "policy")
     report = (short_run / "report.html").read_text()
     assert "<svg" in report and "success rate" in report and "Sample trajectories" in report
-    assert '<div class="turn sampled"><b>assistant</b>' in report
+    assert '<div class="turn sampled"><div class="role">assistant · tokens [0, ' in report  # the replay report's renderer
 
 
 def test_the_runs_rollout_store_holds_every_step_with_its_rows(short_run):
