@@ -14,7 +14,9 @@ from agentrl.config.schema import LoggingConfig
 __all__ = ["MetricsLogger"]
 
 CONSOLE_KEYS = ("reward/mean", "success_rate", "val/success_rate", "turns/mean", "tool_calls/mean", "kl/policy_ref",
-                "entropy/mean", "actor/pg_loss", "critic/vf_loss", "logprob_mismatch/mean", "timing/step_s", "sft/loss")
+                "entropy/mean", "actor/pg_loss", "critic/vf_loss", "logprob_mismatch/mean", "timing/step_s", "sft/loss",
+                "sft/heldout_greedy_success")
+SFT_CONSOLE_EVERY = 25  # SFT steps are many and quick: the console shows one in 25 (and each held-out check)
 
 
 class MetricsLogger:
@@ -55,8 +57,10 @@ class MetricsLogger:
         record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
-        self.console(f"[step {step}] {shown}")
+        sft_step = metrics.get("sft/step")
+        if sft_step is None or int(sft_step) % SFT_CONSOLE_EVERY == 0 or "sft/heldout_greedy_success" in metrics:
+            shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+            self.console(f"[step {step}] {shown}")
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:
             for key, value in numeric.items():

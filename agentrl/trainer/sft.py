@@ -71,7 +71,12 @@ def sft_batches(examples: Sequence[tuple[list[int], list[int]]], *, batch_size: 
     return batches
 
 
-def _conversations(cfg: TrainConfig) -> list[list[dict[str, Any]]]:
+def _conversations(cfg: TrainConfig) -> tuple[list[list[dict[str, Any]]], list[list[dict[str, Any]]]]:
+    """(training conversations, held-out ones for ``sft.stop_at_success``; empty when it is off).
+
+    Generated demonstrations hold out the task's test split; from ``sft.train_files`` the last
+    ``sft.eval_demos`` conversations are held out (never trained on)."""
+    want_heldout = cfg.sft.stop_at_success is not None
     if cfg.sft.train_files:
         from agentrl.data.io import iter_raw_rows
 
@@ -82,12 +87,19 @@ def _conversations(cfg: TrainConfig) -> list[list[dict[str, Any]]]:
                 if not isinstance(messages, list):
                     raise DataError("missing 'messages' column (a list of chat messages)", file=path, row=index, field="messages")
                 conversations.append(messages)
-        return conversations
+        if not want_heldout:
+            return conversations, []
+        if len(conversations) <= cfg.sft.eval_demos:
+            raise DataError(f"{len(conversations)} conversations leave none to train on after holding out "
+                            f"sft.eval_demos = {cfg.sft.eval_demos} for sft.stop_at_success", field="sft.eval_demos")
+        return conversations[: -cfg.sft.eval_demos], conversations[-cfg.sft.eval_demos :]
     if cfg.data.task is None:
         raise DataError("SFT needs sft.train_files or a built-in data.task to generate demonstrations")
     from agentrl_data_prep.tasks import sft_conversations
 
-    return sft_conversations(cfg.data.task, cfg.sft.num_demos, seed=cfg.data.seed + 17)
+    seed = cfg.data.seed + 17
+    heldout = sft_conversations(cfg.data.task, cfg.sft.eval_demos, seed=seed, split="test") if want_heldout else []
+    return sft_conversations(cfg.data.task, cfg.sft.num_demos, seed=seed), heldout
 
 
 def run_sft_on_actor(
@@ -100,14 +112,21 @@ def run_sft_on_actor(
 
     from agentrl.trainer.run import _shards
 
-    examples = tokenize_conversations(tokenizer, _conversations(cfg), tools=tool_schemas(cfg), max_length=cfg.sft.max_length)
+    train, heldout = _conversations(cfg)
+    tools = tool_schemas(cfg)
+    examples = tokenize_conversations(tokenizer, train, tools=tools, max_length=cfg.sft.max_length)
     batches = sft_batches(examples, batch_size=cfg.sft.batch_size, pad_token_id=pad_id, epochs=cfg.sft.epochs, seed=cfg.trainer.seed)
     if not batches:
         raise DataError(f"{len(examples)} demonstrations cannot fill one SFT batch of {cfg.sft.batch_size}")
+    check = None
+    if heldout:
+        check = sft_batches(tokenize_conversations(tokenizer, heldout, tools=tools, max_length=cfg.sft.max_length),
+                            batch_size=len(heldout), pad_token_id=pad_id, epochs=1, seed=0)[0]
     actor.call_all("reset_optimizer", cfg.sft.optim, len(batches))
     W = cfg.actor.world_size
     metrics: dict[str, float] = {}
-    for i, batch in enumerate(tqdm(batches, desc="SFT", unit="step", disable=not cfg.logging.progress)):
+    bar = tqdm(batches, desc="SFT", unit="step", disable=not cfg.logging.progress)
+    for i, batch in enumerate(bar):
         tokens = float(batch.response_mask.sum())
         results = actor.call_sharded("sft_step", _shards(batch, W), tokens, cfg.sft.micro_batch_size)
         metrics = {
@@ -116,9 +135,19 @@ def run_sft_on_actor(
             "sft/lr": results[0]["sft/lr"],
             "sft/step": float(i + 1),
         }
+        stop = False
+        if check is not None and (i + 1) % cfg.sft.eval_every == 0:
+            matches = torch.cat(actor.call_sharded("greedy_matches", _shards(check, W), cfg.sft.micro_batch_size))[: len(check)]
+            metrics["sft/heldout_greedy_success"] = float(matches.mean())
+            bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}", heldout=f"{metrics['sft/heldout_greedy_success']:.2f}")
+            stop = metrics["sft/heldout_greedy_success"] >= cfg.sft.stop_at_success
         log.log(-(len(batches) - i), metrics)  # SFT steps are logged before RL step 0
         if export_every and (i + 1) % export_every == 0 and i + 1 < len(batches):
             actor.call_all("export_hf", str(run_dir / "policies" / f"step_{i + 1}"))
+        if stop:
+            print(f"SFT: stopped at step {i + 1} of {len(batches)}: held-out greedy success "
+                  f"{metrics['sft/heldout_greedy_success']:.2f} >= sft.stop_at_success = {cfg.sft.stop_at_success}", flush=True)
+            break
     return metrics
 
 

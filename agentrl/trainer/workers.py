@@ -198,6 +198,21 @@ class ActorWorker(_Worker):
             entropies.append(_pad_right(ent.cpu(), R))
         return torch.cat(logprobs), torch.cat(entropies)
 
+    @torch.no_grad()
+    def greedy_matches(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        """(B,) 1.0 where every response-mask token is the model's argmax given the tokens before
+        it: greedy decoding would write that sequence's trained tokens exactly."""
+        self.model.eval()
+        out = []
+        for micro in batch.split(micro_batch_size):
+            m = micro.trim().to(self.device)
+            R = m.response_length
+            logits = self.model(input_ids=m.input_ids, attention_mask=m.attention_mask, position_ids=m.position_ids,
+                                use_cache=False, logits_to_keep=R + 1).logits[:, :R]  # (b, R, V)
+            hit = (logits.argmax(-1) == m.input_ids[:, -R:]) | (m.response_mask == 0)  # (b, R)
+            out.append(hit.all(-1).float().cpu())
+        return torch.cat(out)
+
     def update(self, mini_batches: Sequence[TrainBatch], denominators: Sequence[float], *, use_kl_loss: bool,
                _seen: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, float]:
         """PPO: one optimizer step per mini-batch (this rank's share), micro-batches accumulated.
