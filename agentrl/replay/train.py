@@ -202,7 +202,7 @@ def train_from_store(
     from agentrl.replay.store import TrajectoryFilter
     from agentrl.trainer.logging import MetricsLogger
     from agentrl.trainer.run import resolve_model
-    from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, worker_env
+    from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, worker_env
 
     where = TrajectoryFilter(split=split, steps=steps)
     stored_steps = sorted(set(store.read_table(["step"], where).column("step").to_pylist()))
@@ -212,9 +212,7 @@ def train_from_store(
     model_path = str(resolve_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
+    started_ray = init_local_ray()
     cpus = os.cpu_count() or 2
     env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
     dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)

@@ -152,10 +152,8 @@ def _seed_for(seed: int, step: int, purpose: str) -> int:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, log: MetricsLogger):
-        import ray
-
         from agentrl.data.dataset import RowDataset
-        from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, worker_env
+        from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, worker_env
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         self.model_path = str(resolve_model(cfg))
@@ -169,8 +167,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
-        if not ray.is_initialized():
-            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
+        init_local_ray()
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)

@@ -156,7 +156,7 @@ def cli_main(argv: list[str]) -> int:
 
     from agentrl.trainer.logging import MetricsLogger
     from agentrl.trainer.run import _to_yaml, make_run_dir, resolve_model
-    from agentrl.trainer.workers import ActorWorker, WorkerGroup, worker_env
+    from agentrl.trainer.workers import ActorWorker, WorkerGroup, init_local_ray, worker_env
 
     cfg = load_config("sft", argv)
     started = time.perf_counter()
@@ -170,7 +170,7 @@ def cli_main(argv: list[str]) -> int:
 
     import ray
 
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, logging_level="ERROR")
+    init_local_ray()
     try:
         actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.5, env=worker_env(max(1, (os.cpu_count() or 2) // cfg.actor.world_size)),

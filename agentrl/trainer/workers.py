@@ -503,6 +503,23 @@ class WorkerDied(RuntimeError):
 
 
 def worker_env(threads: int) -> dict[str, str]:
-    keep = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "AGENTRL_CACHE", "HF_HOME")}
-    return {**keep, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
+    # RAY_AUTH_MODE must match the cluster's: workers take the driver's (see init_local_ray)
+    keep = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "AGENTRL_CACHE", "HF_HOME", "RAY_AUTH_MODE")}
+    return {**keep, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def init_local_ray() -> bool:
+    """Start Ray for this job unless it is already up; returns whether it was started here.
+
+    Without ``RAY_ADDRESS`` this is a private local cluster, started with token authentication
+    off (``RAY_AUTH_MODE=disabled``, unless the environment says otherwise): Ray 2.5x's default
+    would refuse our own worker processes, and nothing outside this machine can reach it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
+    return True
 

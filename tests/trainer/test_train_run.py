@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,10 @@ TIMING = ("timing/", "tokens/per_s")
 
 
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    # the environment of a user's shell: no RAY_AUTH_MODE (agentrl starts its local Ray without auth itself)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env=env)
 
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict]:
