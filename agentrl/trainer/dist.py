@@ -30,6 +30,7 @@ __all__ = [
     "resolve_device",
     "init_distributed",
     "shard_model",
+    "reshard",
     "gather_model_state",
     "load_model_state",
     "gather_optimizer_state",
@@ -87,6 +88,18 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, param_dtype: torch.
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Put every FSDP2 unit back in its sharded state. FSDP2 keeps the root's parameters
+    unsharded after a forward until the backward; after a forward without backward (scoring,
+    the SFT stop check) they would stay so, and ``model.parameters()`` would then hand out the
+    unsharded copies: an optimizer built from those updates tensors the module no longer uses."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

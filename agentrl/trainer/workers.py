@@ -30,6 +30,7 @@ from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.dist import (
     drop_tied_duplicates,
+    reshard,
     gather_model_state,
     gather_optimizer_state,
     init_distributed,
@@ -196,6 +197,7 @@ class ActorWorker(_Worker):
             lp, ent = response_logprobs(self.model, trimmed, temperature=self.temperature, with_entropy=True)
             logprobs.append(_pad_right(lp.cpu(), R))
             entropies.append(_pad_right(ent.cpu(), R))
+        reshard(self.model)
         return torch.cat(logprobs), torch.cat(entropies)
 
     @torch.no_grad()
@@ -211,6 +213,7 @@ class ActorWorker(_Worker):
                                 use_cache=False, logits_to_keep=R + 1).logits[:, :R]  # (b, R, V)
             hit = (logits.argmax(-1) == m.input_ids[:, -R:]) | (m.response_mask == 0)  # (b, R)
             out.append(hit.all(-1).float().cpu())
+        reshard(self.model)
         return torch.cat(out)
 
     def update(self, mini_batches: Sequence[TrainBatch], denominators: Sequence[float], *, use_kl_loss: bool,
@@ -280,12 +283,14 @@ class ActorWorker(_Worker):
     def reset_optimizer(self, optim: OptimConfig, total_steps: int) -> None:
         """A fresh optimizer and schedule (RL after an SFT warm start)."""
         self.config = self.config.model_copy(update={"optim": optim})
+        reshard(self.model)  # the registered (sharded) parameters, whatever ran before
         self.optimizer = build_optimizer(self.model.parameters(), optim)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str) -> None:
         """Collective: rank 0 writes the full model, optimizer and scheduler state."""
+        reshard(self.model)
         model_state = gather_model_state(self.model)
         optim_state = gather_optimizer_state(self.model, self.optimizer)
         if rank_is_zero(self.rank):
@@ -350,6 +355,7 @@ class ReferenceWorker(_Worker):
             _pad_right(response_logprobs(self.model, micro.trim().to(self.device), temperature=self.temperature)[0].cpu(), R)
             for micro in batch.split(micro_batch_size)
         ]
+        reshard(self.model)
         return torch.cat(parts)
 
 
@@ -388,7 +394,9 @@ class CriticWorker(_Worker):
     def compute_values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         self.model.eval()
         R = batch.response_length
-        return torch.cat([_pad_right(self._values(m.trim().to(self.device)).cpu(), R) for m in batch.split(micro_batch_size)])
+        values = torch.cat([_pad_right(self._values(m.trim().to(self.device)).cpu(), R) for m in batch.split(micro_batch_size)])
+        reshard(self.model)
+        return values
 
     def update(self, mini_batches: Sequence[TrainBatch], denominators: Sequence[float], loss_agg_mode: str) -> dict[str, float]:
         cfg = self.config
@@ -401,6 +409,7 @@ class CriticWorker(_Worker):
                                      mode=loss_agg_mode, prefix="critic", micro_loss=micro_loss)
 
     def save(self, directory: str) -> None:
+        reshard(self.model)
         model_state = gather_model_state(self.model)
         optim_state = gather_optimizer_state(self.model, self.optimizer)
         if rank_is_zero(self.rank):

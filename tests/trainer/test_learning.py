@@ -45,7 +45,10 @@ def test_reward_rises(algorithm, tmp_path):
     sft = write_rows(demos(128), tmp_path / "sft.parquet")
     args = [
         f"algorithm={algorithm}", "data.task=null", f"data.train_files=[{train}]", f"sft.train_files=[{sft}]",
-        "sft.epochs=2", "sft.optim.lr=3e-3",
+        "sft.epochs=2", "sft.optim.lr=3e-3", "sft.batch_size=16", "sft.micro_batch_size=16", "sft.stop_at_success=null",
+        "sft.optim.lr_warmup_steps=0", "sft.optim.lr_scheduler=constant", "sft.optim.betas=[0.9,0.999]",
+        # this test's own RL settings, not the quickstart's
+        "rollout.temperature=1.0", "actor.use_kl_loss=false", "actor.optim.lr_warmup_steps=0",
         "agent.default_loop=single_turn", "reward.default=gsm8k_flexible", "trainer.total_steps=12", "trainer.test_freq=0",
         "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.export_hf=false", "data.train_batch_size=8",
         "rollout.n=8", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=64", "critic.ppo_mini_batch_size=8",

@@ -108,3 +108,21 @@ def test_sft_stops_at_the_first_check_reaching_the_target(tiny_tokenizer, tmp_pa
     assert metrics["sft/step"] == 6.0 and metrics["sft/heldout_greedy_success"] == 0.5
     assert [m.get("sft/heldout_greedy_success") for _, m in log.rows] == [None, 0.0, None, 0.25, None, 0.5]
     assert "stopped at step 6 of 10" in capsys.readouterr().out
+
+
+def test_an_optimizer_reset_after_a_forward_only_pass_trains_the_sharded_parameters_and_saves(actor, tmp_path):
+    """FSDP2 leaves the root's parameters unsharded after a forward without backward; a fresh
+    optimizer must still hold the module's registered (sharded) parameters, or it updates stale
+    copies and a checkpoint cannot name them."""
+    from agentrl.config.schema import OptimConfig
+
+    batch = collate_sequences([[5, 17, 99, 3]] * 2, [[7, 8, 9], [10, 11, 12]], [[1] * 3] * 2, pad_token_id=0)
+    actor.greedy_matches(batch, 2)  # forward only, as the SFT stop check does
+    actor.reset_optimizer(OptimConfig(lr=1e-2), 4)
+    registered = {id(p) for p in actor.model.parameters()}
+    assert all(id(p) in registered for group in actor.optimizer.param_groups for p in group["params"])
+    embed_before = actor.full_state()["model.embed_tokens.weight"].clone()
+    actor.sft_step(batch, float(batch.response_mask.sum()), 2)
+    assert not torch.equal(actor.full_state()["model.embed_tokens.weight"], embed_before)
+    actor.save(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "actor.pt").is_file()
