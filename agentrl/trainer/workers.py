@@ -527,8 +527,10 @@ def init_local_ray() -> bool:
 
     if ray.is_initialized():
         return False
-    if not os.environ.get("RAY_ADDRESS"):
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if os.environ.get("RAY_ADDRESS"):  # an existing cluster: its resources and auth are its own
+        ray.init(log_to_driver=True, logging_level="ERROR")
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
     return True
 
