@@ -30,12 +30,12 @@ from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.dist import (
     drop_tied_duplicates,
-    reshard,
     gather_model_state,
     gather_optimizer_state,
     init_distributed,
     load_model_state,
     load_optimizer_state,
+    reshard,
     resolve_device,
     shard_model,
 )
@@ -520,9 +520,9 @@ def worker_env(threads: int) -> dict[str, str]:
 def init_local_ray() -> bool:
     """Start Ray for this job unless it is already up; returns whether it was started here.
 
-    Without ``RAY_ADDRESS`` this is a private local cluster, started with token authentication
-    off (``RAY_AUTH_MODE=disabled``, unless the environment says otherwise): Ray 2.5x's default
-    would refuse our own worker processes, and nothing outside this machine can reach it."""
+    Without ``RAY_ADDRESS`` this is a private cluster for this job, started with token
+    authentication off (``RAY_AUTH_MODE=disabled``, unless the environment says otherwise):
+    with Ray 2.60's default our own worker processes were refused and the job hung."""
     import ray
 
     if ray.is_initialized():
