@@ -51,12 +51,9 @@ class LoopTable:
 def check_agent_names(names: Iterable[str | None], registry: PluginRegistry | None = None) -> list[str]:
     """Problems with the ``agent_name``s a dataset uses (checked when it loads, before generation)."""
     registry = registry or PluginRegistry()
-    known = set(registry.names("agent_loops"))
-    problems = []
-    for name in sorted({n for n in names if n}):
-        if registry.canonical("agent_loops", name) not in known:
-            problems.append(f"unknown agent_name {name!r} (known loops: {', '.join(sorted(known))})")
-    return problems
+    accepted = registry.accepted_names("agent_loops")
+    installed = ", ".join(registry.names("agent_loops"))
+    return [f"unknown agent_name {name!r} (known loops: {installed})" for name in sorted({n for n in names if n}) if name not in accepted]
 
 
 def check_row_plugins(row: Row, registry: PluginRegistry | None = None) -> list[tuple[str, str]]:

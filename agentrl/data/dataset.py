@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,22 +67,17 @@ def validate_files(
     *,
     known_agent_names: Collection[str] | None = None,
     default_agent: str | None = None,
-    check_agent_names: Callable[[Iterable[str | None]], list[str]] | None = None,
     max_reported: int = MAX_REPORTED,
 ) -> list[DataError]:
     """Every problem in ``paths``, in file and row order: missing or unreadable files, rows that
     fail validation, and (when ``known_agent_names`` is given) rows whose ``agent_name`` - or,
     for rows without one, ``default_agent`` - is not among them. At most ``max_reported``
-    problems are listed; one more entry then says how many were left out.
-
-    ``check_agent_names`` is the older form of the agent check (a callable returning messages
-    for unknown names); prefer ``known_agent_names``."""
+    problems are listed; one more entry then says how many were left out."""
     found = _Problems(max_reported)
     known = set(known_agent_names) if known_agent_names is not None else None
     known_text = ", ".join(sorted(known)) if known is not None else ""
     first_defaulted: tuple[str, int] | None = None  # the first row without agent_name
     defaulted = 0
-    first_use: dict[str, tuple[str, int]] = {}
     for path in paths:
         path = str(path)
         try:
@@ -97,8 +92,6 @@ def validate_files(
                     defaulted += 1
                 elif known is not None and row.agent_name not in known:
                     found.add(DataError(f"unknown agent_name {row.agent_name!r} (known: {known_text})", file=path, row=index, field="agent_name"))
-                else:
-                    first_use.setdefault(row.agent_name, (path, index))
         except DataError as err:
             found.add(err)
     if known is not None and default_agent is not None and default_agent not in known and first_defaulted:
@@ -107,10 +100,6 @@ def validate_files(
             f"no agent_name, and the default agent {default_agent!r} is unknown (known: {known_text}); "
             f"{defaulted} rows have no agent_name", file=file, row=index, field="agent_name",
         ))
-    if check_agent_names is not None:
-        for name, (file, index) in first_use.items():
-            for message in check_agent_names([name]):
-                found.add(DataError(message, file=file, row=index, field="agent_name"))
     return found.report()
 
 

@@ -118,12 +118,13 @@ def run_sft_on_actor(
     batches = sft_batches(examples, batch_size=cfg.sft.batch_size, pad_token_id=pad_id, epochs=cfg.sft.epochs, seed=cfg.trainer.seed)
     if not batches:
         raise DataError(f"{len(examples)} demonstrations cannot fill one SFT batch of {cfg.sft.batch_size}")
-    check = None
+    W = cfg.actor.world_size
+    check_shards = None  # the held-out demonstrations, sharded once for every check
     if heldout:
         check = sft_batches(tokenize_conversations(tokenizer, heldout, tools=tools, max_length=cfg.sft.max_length),
                             batch_size=len(heldout), pad_token_id=pad_id, epochs=1, seed=0)[0]
+        check_shards = _shards(check, W)
     actor.call_all("reset_optimizer", cfg.sft.optim, len(batches))
-    W = cfg.actor.world_size
     metrics: dict[str, float] = {}
     bar = tqdm(batches, desc="SFT", unit="step", disable=not cfg.logging.progress)
     for i, batch in enumerate(bar):
@@ -136,8 +137,8 @@ def run_sft_on_actor(
             "sft/step": float(i + 1),
         }
         stop = False
-        if check is not None and (i + 1) % cfg.sft.eval_every == 0:
-            matches = torch.cat(actor.call_sharded("greedy_matches", _shards(check, W), cfg.sft.micro_batch_size))[: len(check)]
+        if check_shards is not None and (i + 1) % cfg.sft.eval_every == 0:
+            matches = torch.cat(actor.call_sharded("greedy_matches", check_shards, cfg.sft.micro_batch_size))[: len(heldout)]
             metrics["sft/heldout_greedy_success"] = float(matches.mean())
             bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}", heldout=f"{metrics['sft/heldout_greedy_success']:.2f}")
             stop = metrics["sft/heldout_greedy_success"] >= cfg.sft.stop_at_success
