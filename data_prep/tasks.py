@@ -124,8 +124,23 @@ def generate(task: str, n: int, seed: int = 0, split: str = "train") -> list[dic
     return [_row(task, p, i, split) for i, p in enumerate(problems(task, n, seed, split))]
 
 
-def sft_conversations(task: str, n: int, seed: int = 0, split: str = "train") -> list[list[dict[str, Any]]]:
-    """Correct demonstrations: one calculator call per step, then ``#### <answer>``."""
+def sft_conversations(
+    task: str, n: int, seed: int = 0, split: str = "train", *, informal_rate: float = 0.0, max_attempts: int = 3
+) -> list[list[dict[str, Any]]]:
+    """Demonstrations: one calculator call per step, then the answer.
+
+    ``informal_rate`` is the chance that a demonstrated answer is written as prose ("The answer
+    is N.") instead of the required ``#### N``: a demonstrator who has the tool skills but not
+    the answer format, which the strict reward checks. The quickstart's warm start uses such a
+    demonstrator so that RL has something left to learn. For ``arith_retry`` an informal answer is
+    followed by the interaction's "incorrect" feedback and another attempt (informal with the same
+    chance), up to ``max_attempts`` answers. The draws are seeded by (task, seed, split).
+    """
+    if not 0.0 <= informal_rate <= 1.0:
+        raise ValueError(f"informal_rate must be in [0, 1], got {informal_rate}")
+    from agentrl_interactions.gsm8k import INCORRECT
+
+    style = random.Random(f"demonstrator:{task}:{seed}:{split}")
     conversations = []
     for problem in problems(task, n, seed, split):
         messages: list[dict[str, Any]] = [
@@ -136,7 +151,13 @@ def sft_conversations(task: str, n: int, seed: int = 0, split: str = "train") ->
             call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             messages.append({"role": "tool", "content": str(value)})
-        messages.append({"role": "assistant", "content": f"#### {problem.answer}"})
+        attempts = max_attempts if task == "arith_retry" else 1
+        for attempt in range(attempts):
+            informal = style.random() < informal_rate
+            messages.append({"role": "assistant", "content": f"The answer is {problem.answer}." if informal else f"#### {problem.answer}"})
+            if not informal or attempt == attempts - 1:
+                break
+            messages.append({"role": "user", "content": INCORRECT})
         conversations.append(messages)
     return conversations
 

@@ -179,13 +179,17 @@ class SFTConfig(Section):
     enable: bool = True
     train_files: list[str] = Field(default_factory=list)  # parquet with a `messages` column
     num_demos: int = Field(200, ge=1)  # generated demonstrations when no train_files
+    # Generated demonstrations only: the chance that a demonstrated answer is prose ("The answer
+    # is N.") rather than the required "#### N" (data_prep.tasks.sft_conversations).
+    informal_rate: float = Field(0.0, ge=0, le=1)
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     micro_batch_size: int = Field(16, ge=1)
     max_length: int = Field(512, ge=8)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
     # Stop once this fraction of held-out demonstrations is reproduced exactly by greedy decoding
-    # (checked every `eval_every` steps on `eval_demos` demonstrations never trained on): a warm
+    # (checked every `eval_every` steps on `eval_demos` demonstrations never trained on, always
+    # written in the required format when generated): a warm
     # start deliberately short of mastery, wherever the model's learning curve turns. null: off.
     stop_at_success: float | None = Field(None, gt=0, le=1)
     eval_every: int = Field(10, ge=1)

@@ -74,8 +74,9 @@ def sft_batches(examples: Sequence[tuple[list[int], list[int]]], *, batch_size: 
 def _conversations(cfg: TrainConfig) -> tuple[list[list[dict[str, Any]]], list[list[dict[str, Any]]]]:
     """(training conversations, held-out ones for ``sft.stop_at_success``; empty when it is off).
 
-    Generated demonstrations hold out the task's test split; from ``sft.train_files`` the last
-    ``sft.eval_demos`` conversations are held out (never trained on)."""
+    Generated demonstrations hold out the task's test split, written in the required answer
+    format whatever ``sft.informal_rate`` (the check asks for task success, not imitation); from
+    ``sft.train_files`` the last ``sft.eval_demos`` conversations are held out (never trained on)."""
     want_heldout = cfg.sft.stop_at_success is not None
     if cfg.sft.train_files:
         from agentrl.data.io import iter_raw_rows
@@ -99,7 +100,8 @@ def _conversations(cfg: TrainConfig) -> tuple[list[list[dict[str, Any]]], list[l
 
     seed = cfg.data.seed + 17
     heldout = sft_conversations(cfg.data.task, cfg.sft.eval_demos, seed=seed, split="test") if want_heldout else []
-    return sft_conversations(cfg.data.task, cfg.sft.num_demos, seed=seed), heldout
+    train = sft_conversations(cfg.data.task, cfg.sft.num_demos, seed=seed, informal_rate=cfg.sft.informal_rate)
+    return train, heldout
 
 
 def run_sft_on_actor(

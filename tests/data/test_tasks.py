@@ -57,6 +57,39 @@ def test_word_problems_need_two_or_three_calls():
     assert counts == {2, 3}
 
 
+def test_informal_answers_follow_the_rate_and_the_seed():
+    def finals(rate, seed=0):
+        return [c[-1]["content"] for c in sft_conversations("arith", 400, seed=seed, informal_rate=rate)]
+
+    formal, informal = finals(0.0), finals(1.0)
+    assert all(re.fullmatch(r"#### \d+", f) for f in formal)
+    assert [f"The answer is {f[5:]}." for f in formal] == informal  # same problems, same tool calls
+    mixed = finals(0.7)
+    assert mixed == finals(0.7) and mixed != finals(0.7, seed=1)
+    share = sum(f.startswith("The answer is ") for f in mixed) / len(mixed)
+    assert 0.63 < share < 0.77
+    with pytest.raises(ValueError, match="informal_rate"):
+        sft_conversations("arith", 1, informal_rate=1.5)
+
+
+def test_retry_demonstrations_answer_again_after_the_interaction_feedback():
+    from agentrl_interactions.gsm8k import INCORRECT
+
+    conversations = sft_conversations("arith_retry", 200, seed=0, informal_rate=0.5, max_attempts=3)
+    attempts = []
+    for c in conversations:
+        answers = [m["content"] for m in c[4:] if m["role"] == "assistant"]
+        feedback = [m["content"] for m in c[4:] if m["role"] == "user"]
+        assert feedback == [INCORRECT] * (len(answers) - 1)  # after every informal answer but the last
+        assert all(a.startswith("The answer is ") for a in answers[:-1])
+        attempts.append(len(answers))
+    assert set(attempts) == {1, 2, 3}
+    # a final third attempt may still be informal; a shorter conversation ended on the required format
+    assert all(c[-1]["content"].startswith("####") for c, n in zip(conversations, attempts) if n < 3)
+    # the plain task never retries, whatever the rate
+    assert {len(c) for c in sft_conversations("arith", 50, seed=0, informal_rate=0.9)} == {5}
+
+
 def test_demonstrations_render_through_the_tiny_chat_template(tiny_tokenizer):
     [conversation] = sft_conversations("arith", 1, seed=0)
     out = tiny_tokenizer.apply_chat_template(conversation, return_assistant_tokens_mask=True, return_dict=True)
