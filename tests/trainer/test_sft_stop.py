@@ -54,6 +54,13 @@ def test_generated_demonstrations_hold_out_the_test_split_only_when_stopping_is_
     assert not questions & {c[1]["content"] for c in heldout}
 
 
+def test_informal_rate_shapes_the_training_demonstrations_but_not_the_held_out_ones():
+    cfg = TrainConfig.model_validate({"sft": {"num_demos": 8, "informal_rate": 1.0, "stop_at_success": 0.5, "eval_demos": 4}})
+    train, heldout = _conversations(cfg)
+    assert all(c[-1]["content"].startswith("The answer is ") for c in train)
+    assert all(c[-1]["content"].startswith("#### ") for c in heldout)  # the check asks for the required format
+
+
 def test_conversation_files_hold_out_their_last_rows_and_too_few_is_an_error_naming_the_field(tmp_path):
     from agentrl.data.io import write_rows
 
