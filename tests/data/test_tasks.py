@@ -112,3 +112,14 @@ def test_cli_writes_train_and_test_parquet(tmp_path):
     from agentrl.data.io import count_rows
 
     assert count_rows(tmp_path / "train.parquet") == 64 and count_rows(tmp_path / "test.parquet") == 32
+
+
+def test_retry_demonstrations_train_on_both_answers_and_never_on_the_feedback(tiny_tokenizer):
+    from agentrl_interactions.gsm8k import INCORRECT
+
+    retried = next(c for c in sft_conversations("arith_retry", 50, seed=0, informal_rate=0.5) if len(c) == 7)
+    answer = retried[-1]["content"][5:]
+    out = tiny_tokenizer.apply_chat_template(retried, return_assistant_tokens_mask=True, return_dict=True)
+    trained = tiny_tokenizer.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
+    assert trained.endswith(f"The answer is {answer}.<|im_end|>#### {answer}<|im_end|>")
+    assert INCORRECT not in trained and INCORRECT in tiny_tokenizer.decode(out["input_ids"])
