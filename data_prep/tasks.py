@@ -138,6 +138,8 @@ def sft_conversations(
     """
     if not 0.0 <= informal_rate <= 1.0:
         raise ValueError(f"informal_rate must be in [0, 1], got {informal_rate}")
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
     from agentrl_interactions.gsm8k import INCORRECT
 
     style = random.Random(f"demonstrator:{task}:{seed}:{split}")

@@ -188,9 +188,9 @@ class SFTConfig(Section):
     max_length: int = Field(512, ge=8)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
     # Stop once this fraction of held-out demonstrations is reproduced exactly by greedy decoding
-    # (checked every `eval_every` steps on `eval_demos` demonstrations never trained on, always
-    # written in the required format when generated): a warm
-    # start deliberately short of mastery, wherever the model's learning curve turns. null: off.
+    # (checked every `eval_every` steps on `eval_demos` demonstrations never trained on; generated
+    # ones always use the required answer format): a warm start deliberately short of mastery,
+    # wherever the model's learning curve turns. null: off.
     stop_at_success: float | None = Field(None, gt=0, le=1)
     eval_every: int = Field(10, ge=1)
     eval_demos: int = Field(64, ge=1)

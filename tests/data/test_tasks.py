@@ -70,6 +70,8 @@ def test_informal_answers_follow_the_rate_and_the_seed():
     assert 0.63 < share < 0.77
     with pytest.raises(ValueError, match="informal_rate"):
         sft_conversations("arith", 1, informal_rate=1.5)
+    with pytest.raises(ValueError, match="max_attempts"):
+        sft_conversations("arith_retry", 1, max_attempts=0)
 
 
 def test_retry_demonstrations_answer_again_after_the_interaction_feedback():
