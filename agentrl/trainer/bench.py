@@ -153,14 +153,15 @@ def evaluate(model_dir: Path, settings: Settings) -> float:
     return sum(_reward(t) for t in texts) / len(texts)
 
 
-def run_agentrl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
+def agentrl_config(start: Path, train_file: Path, work: Path, settings: Settings):
+    """agentrl's side of the matched settings. ``trainer=default``: the quickstart preset (which
+    `agentrl train` loads otherwise) adds a KL loss against a reference model and LR warmup,
+    neither of which the TRL side has."""
     from agentrl.config import load_config
-    from agentrl.data.io import write_rows
-    from agentrl.trainer.run import train
 
-    train_file = write_rows(_rows(0, settings.prompts * settings.steps), work / "train.parquet")
     overrides = [
-        "algorithm=grpo", f"model.path={start}", "sft.enable=false", "data.task=null", f"data.train_files=[{train_file}]",
+        "trainer=default", "algorithm=grpo", f"model.path={start}", "sft.enable=false", "data.task=null",
+        f"data.train_files=[{train_file}]",
         "agent.default_loop=single_turn", "reward.default=gsm8k_flexible", f"trainer.total_steps={settings.steps}",
         "trainer.test_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.export_hf=true",
         f"trainer.seed={settings.seed}", f"trainer.threads_per_worker={settings.threads}",
@@ -171,8 +172,22 @@ def run_agentrl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
         "actor.optim.grad_clip=1.0", "actor.loss_agg_mode=token-mean", "algorithm.norm_adv_by_std_in_grpo=true",
         "logging.progress=false", "logging.loggers=[jsonl]", f"trainer.runs_root={work}", "trainer.run_name=agentrl",
     ]
+    cfg = load_config("train", overrides)
+    optim = cfg.actor.optim
+    if cfg.use_reference or optim.lr_warmup_steps or optim.lr_scheduler != "constant" or optim.betas != (0.9, 0.999):
+        raise RuntimeError(f"the benchmark's agentrl config drifted from the matched settings: use_reference="
+                           f"{cfg.use_reference}, actor.optim={optim.model_dump()}")
+    return cfg
+
+
+def run_agentrl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
+    from agentrl.data.io import write_rows
+    from agentrl.trainer.run import train
+
+    train_file = write_rows(_rows(0, settings.prompts * settings.steps), work / "train.parquet")
+    cfg = agentrl_config(start, train_file, work, settings)
     started = time.perf_counter()
-    result = train(load_config("train", overrides))
+    result = train(cfg)
     wall = time.perf_counter() - started
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "timing/step_s" in r]

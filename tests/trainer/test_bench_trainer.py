@@ -32,3 +32,15 @@ def test_bench_trainer_prints_one_json_object_with_both_sides():
     if HAVE_TRL:
         assert len(out["trl_train_rewards"]) == 2 and 0.0 <= out["trl_reward"] <= 1.0
         assert out["ratio"] == pytest.approx(out["trl_step_s"] / out["agentrl_step_s"], rel=1e-2)  # the figures are rounded to 4 decimals
+
+
+def test_agentrl_side_has_the_matched_settings_not_the_quickstart_preset(tmp_path, tiny_model_dir):
+    from agentrl.data.io import write_rows
+    from agentrl.trainer.bench import Settings, _rows, agentrl_config
+
+    train_file = write_rows(_rows(0, 8), tmp_path / "train.parquet")
+    cfg = agentrl_config(tiny_model_dir, train_file, tmp_path, Settings())
+    assert not cfg.use_reference and not cfg.actor.use_kl_loss  # TRL's beta=0: no KL, no reference model
+    assert cfg.actor.optim.lr_warmup_steps == 0 and cfg.actor.optim.lr_scheduler == "constant"
+    assert cfg.actor.optim.lr == Settings().lr and cfg.actor.optim.betas == (0.9, 0.999)
+    assert cfg.rollout.temperature == Settings().temperature and cfg.rollout.n == Settings().n
