@@ -56,6 +56,9 @@ class ModelConfig(Section):
     # When set, overrides the tokenizer's chat template (path to a jinja file).
     chat_template: str | None = None
     gradient_checkpointing: bool = False
+    # Rows with the same prompt (the n samples of a group) run it through the trainer's model
+    # once, forward and backward (agentrl/trainer/prefix.py); false: every row in full.
+    share_prompt_forward: bool = True
 
 
 class DataConfig(Section):

@@ -16,8 +16,12 @@ How a step works (one background thread runs the steps; callers only ``await`` f
 Prefix reuse: a finished request leaves its K/V in its slot. A new request whose tokens start
 with a retained slot's tokens (the next turn of a conversation, another sample of the same
 prompt, a shared system prompt) reuses them: it takes the slot over when it extends all of it,
-otherwise it copies the shared prefix, and only the rest is prefilled. The reused count is
-reported as ``cached_tokens`` (as SGLang reports its radix-cache hits).
+otherwise it copies the shared prefix, and only the rest is prefilled. A running request's slot
+lends its prefix the same way (by copy), and a request that shares at least
+``_DEFER_MIN_SHARED`` tokens with one admitted in the same step waits one step so that it can
+copy that prefix instead of computing it again: the n samples of a GRPO group arrive together
+and their prompt is prefilled once, not n times. The reused count is reported as
+``cached_tokens`` (as SGLang reports its radix-cache hits).
 
 Why a hand-written scheduler: transformers 5.23's own continuous batching
 (``model.generate_batch`` / ``init_continuous_batching``) was measured on this CPU with the 1M and
@@ -60,7 +64,10 @@ from agentrl.errors import EngineError, EngineUnavailable
 __all__ = ["BuiltinEngine", "EngineStats", "StepRecord"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PARTIAL_PREFIX_CANDIDATES = 8  # retained slots examined for a partial prefix match per admission
+_PARTIAL_PREFIX_CANDIDATES = 8  # slots examined for a partial prefix match per admission
+# A request sharing this many prompt tokens with one admitted in the same step waits a step and
+# copies them (a copy of a few K/V rows costs far less than recomputing them through every layer).
+_DEFER_MIN_SHARED = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +129,14 @@ class _Slots:
         self.empty = list(range(cache.slots))  # heap: the lowest slot first keeps the decode span short
         self.retained: OrderedDict[int, list[int]] = OrderedDict()  # slot -> its cached tokens, LRU first
 
-    def acquire(self, tokens: list[int]) -> tuple[int, int]:
-        """A slot for ``tokens`` and how many leading tokens already have K/V in it."""
-        donor, shared = self._best_prefix(tokens)
-        if donor is not None and shared >= len(self.retained[donor]):
+    def acquire(self, donor: int | None, shared: int) -> tuple[int, int]:
+        """A slot for a request whose first ``shared`` tokens have K/V in slot ``donor`` (found by
+        ``best_prefix``), and how many leading tokens have K/V in the returned slot. A running
+        request's slot lends its prefix by copy but is never taken over."""
+        if donor in self.retained and shared >= len(self.retained[donor]):
             del self.retained[donor]  # the request extends everything the slot holds: take it over
             return donor, shared
-        slot = self._take_free(avoid=donor)
+        slot = self._take_free(avoid=donor if donor in self.retained else None)
         if donor is None:
             return slot, 0
         if slot != donor:
@@ -156,7 +164,9 @@ class _Slots:
         del self.retained[avoid]
         return avoid
 
-    def _best_prefix(self, tokens: list[int]) -> tuple[int | None, int]:
+    def best_prefix(self, tokens: list[int], live: dict[int, list[int]]) -> tuple[int | None, int]:
+        """The slot holding the longest prefix of ``tokens``, and its length. ``live``: running
+        requests' slots and the tokens whose K/V they hold."""
         limit = len(tokens) - 1  # at least one token must be computed to get next-token logits
         # A retained slot whose whole content starts the request (the next turn of its conversation)
         # is the common case; one C-level list comparison per slot finds it.
@@ -167,14 +177,24 @@ class _Slots:
         if best is not None:
             return best, best_len
         # Otherwise a partial prefix (another sample of the same prompt, a shared system prompt):
-        # measure it on the most recently retained slots that share at least the first tokens.
-        probe = min(4, limit)
-        candidates = [s for s, cached in reversed(self.retained.items()) if probe and cached[:probe] == tokens[:probe]]
-        for slot in candidates[:_PARTIAL_PREFIX_CANDIDATES]:
-            shared = _common_prefix(self.retained[slot], tokens, limit)
-            if shared > best_len:
-                best, best_len = slot, shared
+        # measure it on the most recent slots that share at least the first tokens.
+        return _longest_shared(tokens, [*live.items(), *reversed(self.retained.items())], limit)
+
+
+def _longest_shared(tokens: list[int], holders: list[tuple[int, list[int]]], limit: int) -> tuple[int | None, int]:
+    """Among ``(key, tokens)`` holders that start like ``tokens``, the one sharing the longest
+    prefix (at most ``limit``) and that length; only the first few candidates are measured."""
+    best, best_len = None, 0
+    probe = min(4, limit)
+    if not probe:
         return best, best_len
+    head = tokens[:probe]
+    candidates = [(key, held) for key, held in holders if held[:probe] == head]
+    for key, held in candidates[:_PARTIAL_PREFIX_CANDIDATES]:
+        shared = _common_prefix(held, tokens, limit)
+        if shared > best_len:
+            best, best_len = key, shared
+    return best, best_len
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -444,17 +464,25 @@ class BuiltinEngine:
 
     def _admit(self) -> list[_Sequence]:
         admitted: list[_Sequence] = []
+        deferred: list[_Sequence] = []  # they share a prompt with one admitted now: next step
         budget = self.max_prefill_tokens
+        live = {seq.slot: seq.tokens[: seq.cached] for seq in self._running if seq.prefilled} if self._waiting else {}
         while self._waiting and len(self._running) < self.max_batch_size:
             seq = self._waiting[0]
             if admitted and len(seq.tokens) > budget:
                 break  # a long prompt waits for the next step rather than stretching this one
             self._waiting.popleft()
-            seq.slot, seq.reused = self._slots.acquire(seq.tokens)
+            donor, available = self._slots.best_prefix(seq.tokens, live)
+            _, in_step = _longest_shared(seq.tokens, [(i, s.tokens) for i, s in enumerate(reversed(admitted))], len(seq.tokens) - 1)
+            if in_step - available >= _DEFER_MIN_SHARED:
+                deferred.append(seq)
+                continue
+            seq.slot, seq.reused = self._slots.acquire(donor, available)
             seq.cached = seq.reused
             budget -= len(seq.tokens) - seq.reused
             self._running.append(seq)
             admitted.append(seq)
+        self._waiting.extendleft(reversed(deferred))  # first in line next step, in arrival order
         return admitted
 
     @torch.inference_mode()

@@ -217,11 +217,13 @@ def train_from_store(
     env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
     dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)
     actor = WorkerGroup(ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="actor",
-                        model_path=model_path, config=cfg.actor, total_steps=total, temperature=cfg.rollout.temperature, **dist)
+                        model_path=model_path, config=cfg.actor, total_steps=total, temperature=cfg.rollout.temperature,
+                        share_prompts=cfg.model.share_prompt_forward, **dist)
     groups = ReplayGroups(actor=actor)
     if cfg.use_reference:
         groups.reference = WorkerGroup(ReferenceWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="reference",
-                                       model_path=model_path, temperature=cfg.rollout.temperature, **dist)
+                                       model_path=model_path, temperature=cfg.rollout.temperature,
+                                       share_prompts=cfg.model.share_prompt_forward, **dist)
     if cfg.critic.enable:
         groups.critic = WorkerGroup(CriticWorker, world_size=cfg.critic.world_size, num_cpus=0.01, env=env, name="critic",
                                     model_path=model_path, config=cfg.critic, total_steps=total, **dist)

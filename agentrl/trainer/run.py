@@ -185,7 +185,8 @@ class Trainer:
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
-            gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature, **dist,
+            gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature,
+            share_prompts=cfg.model.share_prompt_forward, **dist,
         )
         self.start_step = 0
         resumed = cfg.trainer.resume is not None and latest_checkpoint(run_dir) is not None
@@ -198,7 +199,7 @@ class Trainer:
         if cfg.use_reference:
             self.reference = WorkerGroup(
                 ReferenceWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="reference",
-                model_path=self.policy_source, temperature=cfg.rollout.temperature, **dist,
+                model_path=self.policy_source, temperature=cfg.rollout.temperature, share_prompts=cfg.model.share_prompt_forward, **dist,
             )
         self.critic = None
         if cfg.critic.enable:

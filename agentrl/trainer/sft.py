@@ -178,7 +178,7 @@ def cli_main(argv: list[str]) -> int:
         actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.5, env=worker_env(max(1, (os.cpu_count() or 2) // cfg.actor.world_size)),
             name="actor", model_path=model_path, config=cfg.actor, total_steps=1, rollout_setup=None,
-            device=cfg.trainer.device, seed=cfg.trainer.seed,
+            share_prompts=cfg.model.share_prompt_forward, device=cfg.trainer.device, seed=cfg.trainer.seed,
         )
         metrics = run_sft_on_actor(actor, cfg, model_path, tokenizer, pad_id, log, run_dir, export_every=cfg.trainer.save_freq)
         checkpoint = run_dir / "checkpoints" / "final"

@@ -40,6 +40,7 @@ from agentrl.trainer.dist import (
     shard_model,
 )
 from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
+from agentrl.trainer.prefix import response_logits
 
 __all__ = [
     "ActorWorker", "ReferenceWorker", "CriticWorker", "ValueModel", "WorkerGroup", "WorkerDied",
@@ -47,20 +48,17 @@ __all__ = [
 ]
 
 
-def response_logprobs(model: torch.nn.Module, batch: TrainBatch, *, temperature: float = 1.0, with_entropy: bool = False):
+def response_logprobs(model: torch.nn.Module, batch: TrainBatch, *, temperature: float = 1.0, with_entropy: bool = False,
+                      share_prompts: bool = True):
     """(B, R) logprobs of the response tokens under ``model`` (and their entropy if asked).
 
     ``temperature`` is the rollout's: engines report ``log_softmax(logits / T)`` of the sampled
     token (``log_softmax(logits)`` when greedy, T = 0), so the trainer scores the same
     distribution, and the PPO ratio is between the policy that sampled and the updated one.
+    ``share_prompts``: rows with the same prompt run it through the model once (``prefix.py``).
     """
     R = batch.response_length
-    # Only the last R + 1 positions' logits are needed (the one before each response token):
-    # the LM head never runs over the prompt, forward or backward.
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False,
-        logits_to_keep=R + 1,
-    ).logits[:, :R].float()  # (B, R, V)
+    logits = response_logits(model, batch, share_prompts=share_prompts).float()  # (B, R, V)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = batch.input_ids[:, -R:]  # (B, R): the response columns
@@ -123,11 +121,13 @@ class ActorWorker(_Worker):
         rollout_setup: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         temperature: float = 1.0,
+        share_prompts: bool = True,
         **dist_kwargs: Any,
     ):
         super().__init__(**dist_kwargs)
         self.config = config
         self.temperature = temperature  # the rollout's sampling temperature (see response_logprobs)
+        self.share_prompts = share_prompts
         self.model_path = model_path
         self.model = self._load_causal_lm(model_path)
         if gradient_checkpointing:
@@ -194,7 +194,8 @@ class ActorWorker(_Worker):
         R = batch.response_length
         for micro in batch.split(micro_batch_size):
             trimmed = micro.trim().to(self.device)
-            lp, ent = response_logprobs(self.model, trimmed, temperature=self.temperature, with_entropy=True)
+            lp, ent = response_logprobs(self.model, trimmed, temperature=self.temperature, with_entropy=True,
+                                        share_prompts=self.share_prompts)
             logprobs.append(_pad_right(lp.cpu(), R))
             entropies.append(_pad_right(ent.cpu(), R))
         reshard(self.model)
@@ -230,7 +231,8 @@ class ActorWorker(_Worker):
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = m.response_mask
             logprobs, entropy = response_logprobs(
-                self.model, m, temperature=self.temperature, with_entropy=cfg.entropy_coeff != 0 or _seen is not None
+                self.model, m, temperature=self.temperature, with_entropy=cfg.entropy_coeff != 0 or _seen is not None,
+                share_prompts=self.share_prompts,
             )
             old = m.old_logprobs
             if _seen is not None:
@@ -272,7 +274,7 @@ class ActorWorker(_Worker):
         """One optimizer step of cross-entropy on the response mask (assistant tokens)."""
 
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, _ = response_logprobs(self.model, m)
+            logprobs, _ = response_logprobs(self.model, m, share_prompts=self.share_prompts)
             return -algo.masked_mean(logprobs, m.response_mask), {"sft/loss_sum": float(-(logprobs.detach() * m.response_mask).sum())}
 
         out = train_on_mini_batches(self, [batch], [denominator], micro_size=micro_batch_size, mode="token-mean",
@@ -342,9 +344,10 @@ class ActorWorker(_Worker):
 
 
 class ReferenceWorker(_Worker):
-    def __init__(self, *, model_path: str, temperature: float = 1.0, **dist_kwargs: Any):
+    def __init__(self, *, model_path: str, temperature: float = 1.0, share_prompts: bool = True, **dist_kwargs: Any):
         super().__init__(**dist_kwargs)
         self.temperature = temperature
+        self.share_prompts = share_prompts
         self.model = self._load_causal_lm(model_path)
         self.model.eval()
 
@@ -352,7 +355,8 @@ class ReferenceWorker(_Worker):
     def compute_logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         R = batch.response_length
         parts = [
-            _pad_right(response_logprobs(self.model, micro.trim().to(self.device), temperature=self.temperature)[0].cpu(), R)
+            _pad_right(response_logprobs(self.model, micro.trim().to(self.device), temperature=self.temperature,
+                                         share_prompts=self.share_prompts)[0].cpu(), R)
             for micro in batch.split(micro_batch_size)
         ]
         reshard(self.model)

@@ -153,6 +153,27 @@ async def test_next_turn_reuses_the_retained_prefix_and_matches_a_full_forward(e
     assert branch.output_ids == reference_greedy(reference, PROMPT + [1, 2], 6)
 
 
+async def test_samples_of_one_prompt_arriving_together_prefill_it_once(engine, reference):
+    """A GRPO group: n samples of the same prompt submitted at once. The first is prefilled; the
+    others wait one step and copy its prompt K/V from the running slot (all but the last prompt
+    token, which must be computed for next-token logits). Outputs keep the exact logprobs."""
+    prompt = list(range(30, 50))  # 20 tokens: above the sharing threshold
+    other = [200, 201, 202]  # unrelated and short: admitted at once, not held back
+    requests = [GenerateRequest(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, seed=s), rid=f"s{s}") for s in range(6)]
+    requests.append(GenerateRequest(other, greedy(4), rid="other"))
+    results = await asyncio.gather(*(engine.generate(r) for r in requests))
+    log = list(engine.step_log)
+    assert set(log[0].prefill_rids) == {"s0", "other"}
+    assert log[0].prefill_tokens == len(prompt) + len(other)
+    assert set(log[1].prefill_rids) == {f"s{s}" for s in range(1, 6)}
+    assert log[1].prefill_tokens == 5 and log[1].reused_tokens == 5 * (len(prompt) - 1)
+    assert [r.cached_tokens for r in results] == [0] + [len(prompt) - 1] * 5 + [0]
+    for request, result in zip(requests, results):
+        expected = reference_logprobs(reference, request.input_ids, result.output_ids, request.sampling.temperature)
+        assert result.logprobs == pytest.approx(expected, abs=1e-5), request.rid
+    assert len({tuple(r.output_ids) for r in results[:6]}) > 1  # different seeds, different samples
+
+
 async def test_state_dict_update_changes_outputs_to_the_new_weights(engine, other_model_dir):
     before = await engine.generate(GenerateRequest(PROMPT, greedy(12)))
     new_model = load_reference(other_model_dir)

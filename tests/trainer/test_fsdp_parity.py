@@ -1,4 +1,9 @@
-"""FSDP2 over 2 ranks (real gloo between Ray actors) matches 1 rank after several PPO steps."""
+"""FSDP2 over 2 ranks (real gloo between Ray actors) matches 1 rank after several PPO steps.
+
+With one rank on the CPU the module runs unwrapped (``shard_model``), so this also checks that
+the two forms train alike. The two samples of each group share their prompt, and each
+micro-batch holds one group, so both forms run the shared-prompt forward (two forward passes
+before one backward, which FSDP2 must reduce correctly)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ pytestmark = pytest.mark.ray
 def synthetic_batch(vocab: int):
     g = torch.Generator().manual_seed(0)
     trajectories = []
+    prompts = [torch.randint(3, vocab, (3 + 2 * k,), generator=g).tolist() for k in range(2)]
     for i in range(4):
         n = 6 + i
         ids = torch.randint(3, vocab, (n,), generator=g).tolist()
@@ -27,7 +33,7 @@ def synthetic_batch(vocab: int):
                 start = k
         trajectories.append(Trajectory(
             row_id=f"r{i}", group_id=f"g{i // 2}", sample_index=i % 2, data_source="d", agent_name="x",
-            prompt_ids=torch.randint(3, vocab, (3 + i,), generator=g).tolist(), response_ids=ids, response_mask=mask,
+            prompt_ids=prompts[i // 2], response_ids=ids, response_mask=mask,
             logprobs=[0.0] * n, turns=turns, messages=[], finish_reason="stop", reward=float(i % 2),
         ))
     batch = collate(trajectories, pad_token_id=0)
@@ -40,7 +46,7 @@ def run_updates(tiny_model_dir, world_size: int, batch) -> dict[str, torch.Tenso
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        config = ActorConfig(optim=OptimConfig(lr=1e-3), ppo_micro_batch_size_per_gpu=1)
+        config = ActorConfig(optim=OptimConfig(lr=1e-3), ppo_micro_batch_size_per_gpu=2)
         group = WorkerGroup(
             ActorWorker, world_size=world_size, num_cpus=1 / world_size, env=worker_env(1), name="actor",
             model_path=str(tiny_model_dir), config=config, total_steps=10, device="cpu", seed=0,
