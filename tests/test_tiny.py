@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from agentrl.tiny import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model, tiny_model_dir
 

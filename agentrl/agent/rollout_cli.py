@@ -15,7 +15,6 @@ import json
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 from agentrl.config import load_config
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import heapq
-import itertools
 import threading
 import time
 import uuid

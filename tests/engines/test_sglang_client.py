@@ -7,7 +7,6 @@ import threading
 
 import httpx
 import pytest
-import torch
 
 from agentrl.engines.base import FinishReason, GenerateRequest, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine

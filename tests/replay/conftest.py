@@ -10,6 +10,7 @@ import pytest
 from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+from agentrl.data.row import Row
 from replay_data import SCRIPT, make_row
 
 
