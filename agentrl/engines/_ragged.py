@@ -30,7 +30,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-__all__ = ["ATTENTION_NAME", "LAYOUT_KWARG", "SlotKVCache", "PrefillSpan", "StepLayout", "attend", "build_layout", "install"]
+__all__ = [
+    "ATTENTION_NAME", "LAYOUT_KWARG", "SHORT_SPAN", "SlotKVCache", "PrefillSpan", "ShortPrefills", "StepLayout", "attend",
+    "build_layout", "install",
+]
 
 ATTENTION_NAME = "agentrl_ragged"
 LAYOUT_KWARG = "agentrl_layout"
@@ -95,6 +98,24 @@ class PrefillSpan:
     offset: int  # index of its first token in the packed step
 
 
+@dataclass(frozen=True, slots=True)
+class ShortPrefills:
+    """Short prefill spans attended in one padded batch (S spans, Tp tokens, at most ``SHORT_SPAN``
+    each): one attention call per layer instead of one per span. This is the common case of a
+    step that admits many requests whose prompts are mostly reused (the samples of a group, the
+    next turns of many conversations): a few new tokens each, where per-span calls cost far more
+    than their arithmetic."""
+
+    rows: torch.Tensor  # [Tp] int64: the tokens' rows in the packed step
+    token_slots: torch.Tensor  # [Tp] int64: where each token's K/V is written ...
+    token_positions: torch.Tensor  # [Tp] int64: ... and at which position
+    span_slots: torch.Tensor  # [S] int64
+    flat_index: torch.Tensor  # [Tp] int64: each token's place in the padded [S * longest] queries
+    longest: int  # the longest span
+    kv_len: int  # keys attended: positions [0, kv_len) of each span's slot
+    mask: torch.Tensor  # [S, 1, longest, kv_len] bool: True where a query sees a key
+
+
 @dataclass(slots=True)
 class StepLayout:
     """Where each packed token of one forward step lives in the cache."""
@@ -106,7 +127,13 @@ class StepLayout:
     decode_span: int  # decode attention runs over slots [:decode_span]
     decode_dense: bool  # decode_slots == arange(decode_span): no scatter/gather needed
     decode_mask: torch.Tensor | None  # [decode_span, 1, 1, kv_len] float: 0 where a row attends, -inf elsewhere
-    prefills: tuple[PrefillSpan, ...]
+    prefills: tuple[PrefillSpan, ...]  # spans attended one by one (the long ones)
+    short: ShortPrefills | None = None  # spans attended together
+
+
+# Spans up to this many tokens are batched (padding a batch to a long span would waste more than
+# separate calls cost); at least two are needed for a batch to pay.
+SHORT_SPAN = 32
 
 
 def build_layout(
@@ -117,8 +144,13 @@ def build_layout(
     device: torch.device,
 ) -> StepLayout:
     """Build the layout for one step; decode rows are attended over ``[:max slot + 1]``."""
+    short_spans = [p for p in prefills if p.length <= SHORT_SPAN]
+    short = None
+    if len(short_spans) >= 2:
+        short = _short_prefills(short_spans, device)
+        prefills = tuple(p for p in prefills if p.length > SHORT_SPAN)
     if not decode_slots:
-        return StepLayout(cache, 0, None, None, 0, True, None, prefills)
+        return StepLayout(cache, 0, None, None, 0, True, None, prefills, short)
     span = max(decode_slots) + 1
     kv_len = max(decode_positions) + 1
     lengths = torch.ones(span, dtype=torch.int64)  # rows of free slots see position 0 only
@@ -136,6 +168,30 @@ def build_layout(
         decode_dense=dense,
         decode_mask=mask[:, None, None, :].to(device),
         prefills=prefills,
+        short=short,
+    )
+
+
+def _short_prefills(spans: list[PrefillSpan], device: torch.device) -> ShortPrefills:
+    longest = max(p.length for p in spans)
+    kv_len = max(p.start + p.length for p in spans)
+    rows, slots, positions, flat = [], [], [], []
+    for s, p in enumerate(spans):
+        rows.extend(range(p.offset, p.offset + p.length))
+        slots.extend([p.slot] * p.length)
+        positions.extend(range(p.start, p.start + p.length))
+        flat.extend(range(s * longest, s * longest + p.length))
+    starts = torch.tensor([p.start for p in spans])[:, None, None]  # [S, 1, 1]
+    query = torch.arange(longest)[None, :, None]  # query i of a span sits at position start + i
+    key = torch.arange(kv_len)[None, None, :]
+    # Padded query rows (i >= length) see the same keys as real ones, so no row is all-masked;
+    # their outputs are dropped.
+    mask = (key <= starts + query)[:, None]  # [S, 1, longest, kv_len]
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    return ShortPrefills(
+        rows=as_tensor(rows), token_slots=as_tensor(slots), token_positions=as_tensor(positions),
+        span_slots=as_tensor([p.slot for p in spans]), flat_index=as_tensor(flat), longest=longest, kv_len=kv_len,
+        mask=mask.to(device),
     )
 
 
@@ -170,6 +226,20 @@ def attend(
         scores.mul_(scaling).add_(layout.decode_mask)
         attended = torch.matmul(scores.softmax(dim=-1), cache_v[:span, :, :kv_len]).view(span, heads, head_dim)
         out[:n] = attended if layout.decode_dense else attended[layout.decode_slots]
+
+    short = layout.short
+    if short is not None:
+        rows = short.rows
+        cache_k[short.token_slots, :, short.token_positions] = key[rows]
+        cache_v[short.token_slots, :, short.token_positions] = value[rows]
+        spans = short.span_slots.shape[0]
+        q = query.new_zeros((spans * short.longest, heads, head_dim))
+        q[short.flat_index] = query[rows]
+        q = q.view(spans, short.longest, heads, head_dim).transpose(1, 2)  # [S, heads, longest, head_dim]
+        k = cache_k[short.span_slots, :, : short.kv_len]  # [S, kv_heads, kv_len, head_dim]
+        v = cache_v[short.span_slots, :, : short.kv_len]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=short.mask, scale=scaling, enable_gqa=True)
+        out[rows] = attended.transpose(1, 2).reshape(spans * short.longest, heads, head_dim)[short.flat_index]
 
     for span in layout.prefills:
         lo, hi = span.offset, span.offset + span.length

@@ -40,7 +40,7 @@ from agentrl.trainer.dist import (
     shard_model,
 )
 from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
-from agentrl.trainer.prefix import response_logits
+from agentrl.trainer.prefix import response_token_logprobs
 
 __all__ = [
     "ActorWorker", "ReferenceWorker", "CriticWorker", "ValueModel", "WorkerGroup", "WorkerDied",
@@ -55,16 +55,10 @@ def response_logprobs(model: torch.nn.Module, batch: TrainBatch, *, temperature:
     ``temperature`` is the rollout's: engines report ``log_softmax(logits / T)`` of the sampled
     token (``log_softmax(logits)`` when greedy, T = 0), so the trainer scores the same
     distribution, and the PPO ratio is between the policy that sampled and the updated one.
-    ``share_prompts``: rows with the same prompt run it through the model once (``prefix.py``).
+    ``share_prompts``: rows with the same prompt run it through the model once; rows are also
+    bucketed by response length so that little padding is computed (``prefix.py``).
     """
-    R = batch.response_length
-    logits = response_logits(model, batch, share_prompts=share_prompts).float()  # (B, R, V)
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    targets = batch.input_ids[:, -R:]  # (B, R): the response columns
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, R)
-    entropy = algo.entropy_from_logits(logits) if with_entropy else None  # (B, R)
-    return logprobs, entropy
+    return response_token_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy, share_prompts=share_prompts)
 
 
 def _loss_scale(mask: torch.Tensor, mode: str, global_denominator: float, world_size: int) -> float:

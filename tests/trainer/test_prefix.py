@@ -1,4 +1,5 @@
-"""The shared-prompt forward: the same logprobs and gradients as a full forward of every row."""
+"""The trainer's response logprobs (shared prompts, length buckets) equal one padded forward of
+the whole batch, in logprobs and in gradients."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentrl.trainer.batch import TrainBatch
-from agentrl.trainer.prefix import distinct_prompts
+from agentrl.trainer.prefix import distinct_prompts, length_buckets
 from agentrl.trainer.workers import response_logprobs
 
 
@@ -49,20 +50,51 @@ GROUP_A = [11, 12, 13, 14, 15, 16, 17]
 GROUP_B = [21, 22, 23, 24]
 
 
-def test_shared_prompt_forward_gives_the_full_forwards_logprobs_and_gradients(model):
+def padded_forward(model, batch: TrainBatch):
+    """The definition: one forward of the whole padded batch, logprobs of the response columns."""
+    R = batch.response_length
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+    logits = logits[:, -R - 1 : -1].float()
+    logprobs = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, -R:, None]).squeeze(-1)
+    probs = torch.softmax(logits, -1)
+    return logprobs, -(probs * torch.log_softmax(logits, -1)).sum(-1)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "own-prompts"])
+@pytest.mark.parametrize("call_cost", [0, 1000], ids=["bucket-per-length", "one-bucket"])
+def test_logprobs_and_gradients_equal_one_padded_forward(model, monkeypatch, share, call_cost):
     # Two groups of three samples (prompts of different lengths, so B's are left-padded), responses
     # of different lengths (right padding) and tool output inside two of them.
+    monkeypatch.setattr("agentrl.trainer.prefix.CALL_COST_TOKENS", call_cost)
     batch = make_batch(
         [GROUP_A] * 3 + [GROUP_B] * 3,
         [[30, 31, 32, 33, 34], [40, 41, 42], [50, 51, 52, 53, 54], [60, 61], [70, 71, 72, 73, 74], [80, 81, 82, 83]],
         observed={2: [2, 3], 4: [1]},
     )
-    full, full_grads = logprobs_and_grads(model, batch, share=False)
-    shared, shared_grads = logprobs_and_grads(model, batch, share=True)
-    torch.testing.assert_close(shared, full, atol=1e-5, rtol=0)
-    assert full_grads.keys() == shared_grads.keys() and len(full_grads) > 0
-    for name in full_grads:
-        torch.testing.assert_close(shared_grads[name], full_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    model.zero_grad(set_to_none=True)
+    weights = torch.linspace(-1.0, 1.0, batch.response_length)
+    lp, ent = padded_forward(model, batch)
+    ((lp + 0.1 * ent) * weights * batch.response_mask).sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    expected = lp.detach() * batch.response_mask
+
+    got, grads = logprobs_and_grads(model, batch, share=share)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 0
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_buckets_minimize_padded_tokens_plus_a_charge_per_call():
+    lengths = torch.tensor([1, 9, 1, 2, 9, 1])
+    as_lists = lambda buckets: [b.tolist() for b in buckets]  # noqa: E731
+    # Free calls: one bucket per distinct length, rows in their original order within a bucket.
+    assert as_lists(length_buckets(lengths, call_cost=0)) == [[0, 2, 5], [3], [1, 4]]
+    # Dear calls: one bucket padded to 9 (54 + 100 = 154) beats two ({1,1,1,2}, {9,9}: 8 + 18 + 200).
+    assert as_lists(length_buckets(lengths, call_cost=100)) == [[0, 2, 5, 3, 1, 4]]
+    # At 5 per call: {1,1,1,2} padded to 2 (8 + 5) and {9,9} (18 + 5) = 36 beats one bucket
+    # (54 + 5), and three buckets (3 + 2 + 18 + 15 = 38).
+    assert as_lists(length_buckets(lengths, call_cost=5)) == [[0, 2, 5, 3], [1, 4]]
 
 
 def test_each_distinct_prompt_goes_through_the_model_once(model):
@@ -83,9 +115,10 @@ def test_each_distinct_prompt_goes_through_the_model_once(model):
 
 def test_one_token_responses_need_only_the_prompt_pass(model):
     batch = make_batch([GROUP_A] * 4, [[30], [31], [32], [33]])
-    full, _ = logprobs_and_grads(model, batch, share=False)
     shared, _ = logprobs_and_grads(model, batch, share=True)
-    torch.testing.assert_close(shared, full, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        expected = padded_forward(model, batch)[0]
+    torch.testing.assert_close(shared, expected, atol=1e-5, rtol=0)
 
 
 def test_rows_share_a_prompt_only_when_tokens_and_padding_agree():
