@@ -224,6 +224,7 @@ class BuiltinEngine:
         max_prefill_tokens: int = 2048,
         seed: int = 0,
         step_log_size: int | None = 1024,
+        idle_exit_s: float = 0.02,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -264,9 +265,15 @@ class BuiltinEngine:
         # Owned by the worker thread.
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        self._worker = threading.Thread(target=self._run, name="agentrl-builtin-engine", daemon=True)
         self._fatal: BaseException | None = None
-        self._worker.start()
+        # The worker thread exits after ``idle_exit_s`` without work and the next call starts it
+        # again. An idle thread that has run torch ops keeps an OpenMP thread team; with more such
+        # threads than cores, libgomp stops spinning between parallel regions, and a colocated
+        # trainer's update (hundreds of small ops) ran about 1.5x slower while the engine idled.
+        self._idle_exit_s = idle_exit_s
+        self._worker: threading.Thread | None = None
+        with self._cv:
+            self._wake()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "BuiltinEngine":
@@ -299,7 +306,7 @@ class BuiltinEngine:
                 resolve=_resolver(loop, future),
             )
             self._inbox.append(sequence)
-            self._cv.notify()
+            self._wake()
         try:
             return await future
         except asyncio.CancelledError:
@@ -310,12 +317,12 @@ class BuiltinEngine:
         """Abort a waiting or running request; it returns with finish reason ABORT. Unknown ids are ignored."""
         with self._cv:
             self._abort_rids.add(rid)
-            self._cv.notify()
+            self._wake()
 
     async def abort_all(self) -> None:
         with self._cv:
             self._abort_all = True
-            self._cv.notify()
+            self._wake()
 
     async def update_weights(
         self,
@@ -338,11 +345,17 @@ class BuiltinEngine:
             if self._closed:
                 raise EngineUnavailable("the built-in engine is closed")
             self._updates.append(_WeightUpdate(state_dict, str(path) if path is not None else None, version, strict, _resolver(loop, future)))
-            self._cv.notify()
+            self._wake()
         await future
 
+    @property
+    def worker_running(self) -> bool:
+        """Whether the worker thread is up (it parks after ``idle_exit_s`` without work)."""
+        with self._cv:
+            return self._worker is not None and not self._closed
+
     async def health(self) -> bool:
-        return self._worker.is_alive() and not self._closed and self._fatal is None
+        return not self._closed and self._fatal is None  # a parked worker is started on demand
 
     # ------------------------------------------------------------------ extras
 
@@ -350,7 +363,7 @@ class BuiltinEngine:
         """Forget retained prefixes (running requests are not affected)."""
         with self._cv:
             self._flush_requested = True
-            self._cv.notify()
+            self._wake()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -368,9 +381,12 @@ class BuiltinEngine:
         """Stop the worker; requests still queued or running fail with EngineUnavailable."""
         with self._cv:
             self._closed = True
+            worker = self._worker
             self._cv.notify()
-        if self._worker is not threading.current_thread():
-            self._worker.join()
+        if worker is None:  # parked: nothing was queued or running
+            self._fail_all(EngineUnavailable("the built-in engine is closed"))
+        elif worker is not threading.current_thread():
+            worker.join()
 
     async def __aenter__(self) -> "BuiltinEngine":
         return self
@@ -395,41 +411,58 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ worker thread
 
+    def _wake(self) -> None:
+        """Signal the worker, starting it if it is parked (the caller holds ``_cv``)."""
+        if self._worker is None and not self._closed:
+            self._worker = threading.Thread(target=self._run, name="agentrl-builtin-engine", daemon=True)
+            self._worker.start()
+        self._cv.notify()
+
     def _run(self) -> None:
         try:
-            while True:
-                with self._cv:
-                    while not self._closed and not self._has_work():
-                        self._cv.wait()
-                    if self._closed:
-                        break
-                    self._waiting.extend(self._inbox)
-                    self._inbox.clear()
-                    aborts, self._abort_rids = self._abort_rids, set()
-                    abort_all, self._abort_all = self._abort_all, False
-                    flush, self._flush_requested = self._flush_requested, False
-                    updates = list(self._updates) if not self._running else []
-                    if updates:
-                        self._updates.clear()
-                if aborts or abort_all:
-                    self._apply_aborts(aborts, abort_all)
-                if flush:
-                    self._slots.drop_retained()
-                for update in updates:
-                    self._apply_update(update)
-                if self._updates_pending():
-                    admitted = []  # drain: running requests finish under the current weights
-                else:
-                    admitted = self._admit()
-                if self._running:
-                    self._step(admitted)
+            parked = self._serve()
         except BaseException as exc:  # a bug or an out-of-memory: fail everyone, keep the cause
             self._fatal = exc
+            self._shut_down()
             raise
-        finally:
+        if not parked:
+            self._shut_down()
+
+    def _serve(self) -> bool:
+        """Run steps until the engine is closed (returns False) or idle for ``idle_exit_s`` (True)."""
+        while True:
             with self._cv:
-                self._closed = True  # later calls fail at once instead of waiting on a dead worker
-            self._fail_all(EngineUnavailable(f"the built-in engine stopped: {self._fatal!r}" if self._fatal else "the built-in engine is closed"))
+                while not self._closed and not self._has_work():
+                    if not self._cv.wait(timeout=self._idle_exit_s) and not self._has_work() and not self._closed:
+                        self._worker = None  # parked: the next call starts a new thread
+                        return True
+                if self._closed:
+                    return False
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                aborts, self._abort_rids = self._abort_rids, set()
+                abort_all, self._abort_all = self._abort_all, False
+                flush, self._flush_requested = self._flush_requested, False
+                updates = list(self._updates) if not self._running else []
+                if updates:
+                    self._updates.clear()
+            if aborts or abort_all:
+                self._apply_aborts(aborts, abort_all)
+            if flush:
+                self._slots.drop_retained()
+            for update in updates:
+                self._apply_update(update)
+            if self._updates_pending():
+                admitted = []  # drain: running requests finish under the current weights
+            else:
+                admitted = self._admit()
+            if self._running:
+                self._step(admitted)
+
+    def _shut_down(self) -> None:
+        with self._cv:
+            self._closed = True  # later calls fail at once instead of waiting on a dead worker
+        self._fail_all(EngineUnavailable(f"the built-in engine stopped: {self._fatal!r}" if self._fatal else "the built-in engine is closed"))
 
     def _has_work(self) -> bool:
         admissible = bool(self._waiting) and not self._updates  # an update holds back admission

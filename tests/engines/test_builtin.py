@@ -9,6 +9,7 @@ import torch
 
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
+from agentrl.errors import EngineUnavailable
 from enginetest import load_reference, reference_greedy, reference_logprobs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -295,3 +296,23 @@ async def test_health_reports_false_after_close(model_dir):
     assert await engine.health()
     engine.close()
     assert not await engine.health()
+
+
+async def test_an_idle_engine_parks_its_thread_and_the_next_request_restarts_it(model_dir, reference):
+    engine = BuiltinEngine(model_dir, idle_exit_s=0.01)
+    try:
+        first = await engine.generate(GenerateRequest(PROMPT, greedy(6)))
+        for _ in range(200):  # the worker exits on its own once idle
+            if not engine.worker_running:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.worker_running
+        assert await engine.health()  # parked is healthy: the next call starts a worker
+        second = await engine.generate(GenerateRequest(PROMPT + first.output_ids, greedy(6)))  # served: restarted
+        assert second.output_ids == reference_greedy(reference, PROMPT, 12)[6:]
+        assert second.cached_tokens == len(PROMPT) + 5  # the parked engine kept its retained K/V
+    finally:
+        engine.close()
+    assert not await engine.health()
+    with pytest.raises(EngineUnavailable):
+        await engine.generate(GenerateRequest(PROMPT, greedy(2)))
