@@ -64,9 +64,12 @@ __all__ = ["BuiltinEngine", "EngineStats", "StepRecord"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PARTIAL_PREFIX_CANDIDATES = 8  # slots examined for a partial prefix match per admission
-# A request sharing this many prompt tokens with one admitted in the same step waits a step and
-# copies them (a copy of a few K/V rows costs far less than recomputing them through every layer).
-_DEFER_MIN_SHARED = 8
+# A request sharing this many more prompt tokens with one admitted in the same step than with any
+# cached slot waits a step and copies them (a copy of a few K/V rows costs far less than computing
+# them through every layer). With 8: the samples of a GRPO group whose prompts differ from cached
+# ones in their last ~7 tokens (a number, then the chat template's closing) were all prefilled;
+# with 4 they are prefilled once, and an 18M rollout of 8 x 8 samples went from ~0.28 s to ~0.2 s.
+_DEFER_MIN_SHARED = 4
 
 
 @dataclass(frozen=True, slots=True)
