@@ -131,7 +131,9 @@ class _PromptCache:
 def _full_logits(model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
     """One forward of ``rows`` (prompt columns trimmed to the longest prompt among them)."""
     P = batch.prompt_length
-    start = min(int(batch.attention_mask[rows, :P].any(dim=0).nonzero()[0]) if P else 0, max(P - 1, 0))
+    real = batch.attention_mask[rows, :P].any(dim=0).nonzero()
+    # Keep at least one prompt column: its logits predict the first response token.
+    start = min(int(real[0]) if len(real) else P - 1, P - 1) if P else 0
     cols = slice(start, P + width)
     return model(
         input_ids=batch.input_ids[rows, cols], attention_mask=batch.attention_mask[rows, cols],
