@@ -18,9 +18,9 @@ with a retained slot's tokens (the next turn of a conversation, another sample o
 prompt, a shared system prompt) reuses them: it takes the slot over when it extends all of it,
 otherwise it copies the shared prefix, and only the rest is prefilled. A running request's slot
 lends its prefix the same way (by copy), and a request that shares at least
-``_DEFER_MIN_SHARED`` tokens with one admitted in the same step waits one step so that it can
-copy that prefix instead of computing it again: the n samples of a GRPO group arrive together
-and their prompt is prefilled once, not n times. The reused count is reported as
+``_DEFER_MIN_SHARED`` more tokens with one admitted in the same step than with any cached slot
+waits one step so that it can copy that prefix instead of computing it again: the n samples of
+a GRPO group arrive together and their prompt is prefilled once, not n times. The reused count is reported as
 ``cached_tokens`` (as SGLang reports its radix-cache hits).
 
 Why a hand-written scheduler: transformers 5.23's own continuous batching
@@ -110,6 +110,7 @@ class _Sequence:
     cached: int = 0  # tokens whose K/V are in the slot
     reused: int = 0  # prompt tokens reused from a retained slot
     prefilled: bool = False
+    leader_slot: int | None = None  # the slot of the request it waited a step for (see _admit)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -270,9 +271,10 @@ class BuiltinEngine:
         self._running: list[_Sequence] = []
         self._fatal: BaseException | None = None
         # The worker thread exits after ``idle_exit_s`` without work and the next call starts it
-        # again. An idle thread that has run torch ops keeps an OpenMP thread team; with more such
-        # threads than cores, libgomp stops spinning between parallel regions, and a colocated
-        # trainer's update (hundreds of small ops) ran about 1.5x slower while the engine idled.
+        # again. Measured: a colocated trainer's update (hundreds of small ops) ran about 1.5x
+        # slower while this thread idled, and as fast as with no engine once it had exited. The
+        # likely cause: an idle thread that has run torch ops keeps an OpenMP thread team, and
+        # libgomp cuts its spin-waiting short when it manages more threads than there are cores.
         self._idle_exit_s = idle_exit_s
         self._worker: threading.Thread | None = None
         with self._cv:
@@ -507,9 +509,18 @@ class BuiltinEngine:
             if admitted and len(seq.tokens) > budget:
                 break  # a long prompt waits for the next step rather than stretching this one
             self._waiting.popleft()
+            limit = len(seq.tokens) - 1
             donor, available = self._slots.best_prefix(seq.tokens, live)
-            _, in_step = _longest_shared(seq.tokens, [(i, s.tokens) for i, s in enumerate(reversed(admitted))], len(seq.tokens) - 1)
+            if seq.leader_slot is not None:
+                # Measure the slot it waited for first: among many running requests that start
+                # alike (one chat template), the candidates best_prefix samples may miss it.
+                held = live.get(seq.leader_slot, self._slots.retained.get(seq.leader_slot, []))
+                shared = _common_prefix(held, seq.tokens, limit) if held else 0
+                if shared > available:
+                    donor, available = seq.leader_slot, shared
+            leader, in_step = _longest_shared(seq.tokens, [(s.slot, s.tokens) for s in reversed(admitted)], limit)
             if in_step - available >= _DEFER_MIN_SHARED:
+                seq.leader_slot = leader
                 deferred.append(seq)
                 continue
             seq.slot, seq.reused = self._slots.acquire(donor, available)

@@ -316,3 +316,30 @@ async def test_an_idle_engine_parks_its_thread_and_the_next_request_restarts_it(
     assert not await engine.health()
     with pytest.raises(EngineUnavailable):
         await engine.generate(GenerateRequest(PROMPT, greedy(2)))
+
+
+async def test_group_samples_find_their_leader_among_many_running_requests_alike(model_dir, reference):
+    """Twelve running requests start like the group's prompt (one chat template head). The
+    followers still copy the whole prompt from the leader they waited for, not just the head."""
+    engine = BuiltinEngine(model_dir, max_batch_size=32, seed=0)
+    head = [1, 2, 3, 4]
+    try:
+        background = [
+            asyncio.create_task(engine.generate(GenerateRequest(head + [100 + i, 101 + i], greedy(40), rid=f"bg{i}")))
+            for i in range(12)
+        ]
+        await wait_for_steps(engine, 3)
+        prompt = head + list(range(150, 170))
+        group = [GenerateRequest(prompt, SamplingParams(max_new_tokens=4, temperature=1.0, seed=s), rid=f"s{s}") for s in range(4)]
+        results = await asyncio.gather(*(engine.generate(r) for r in group))
+        await asyncio.gather(*background)
+    finally:
+        engine.close()
+    # The leader copies the shared head from a running request; the others the whole prompt but
+    # its last token from the leader.
+    assert [r.cached_tokens for r in results] == [len(head)] + [len(prompt) - 1] * 3
+    admitted = [rec for rec in engine.step_log if any(rid.startswith("s") for rid in rec.prefill_rids)]
+    assert [sorted(rec.prefill_rids) for rec in admitted] == [["s0"], ["s1", "s2", "s3"]]
+    for request, result in zip(group, results):
+        expected = reference_logprobs(reference, request.input_ids, result.output_ids, 1.0)
+        assert result.logprobs == pytest.approx(expected, abs=1e-5), request.rid
