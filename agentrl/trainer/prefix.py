@@ -105,7 +105,11 @@ class _PromptCache:
             input_ids=batch.input_ids[first, :P], attention_mask=batch.attention_mask[first, :P],
             position_ids=batch.position_ids[first, :P], use_cache=True, logits_to_keep=1,
         )
-        self.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # (G, kv_heads, P, head_dim)
+        cache = out.past_key_values
+        if hasattr(cache, "layers"):  # (G, kv_heads, P, head_dim) per layer
+            self.kv = [(layer.keys, layer.values) for layer in cache.layers]
+        else:  # transformers before the per-layer cache objects
+            self.kv = list(zip(cache.key_cache, cache.value_cache))
         self.last_logits = out.logits  # (G, 1, V): the last prompt column predicts response token 0
         self.inverse = inverse.to(batch.input_ids.device)
 
@@ -118,7 +122,7 @@ class _PromptCache:
         first = self.last_logits[prompt_of]
         if width == 1:
             return first
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()
         for index, (keys, values) in enumerate(self.kv):
             cache.update(keys[prompt_of], values[prompt_of], index)
         rest = model(
