@@ -226,7 +226,8 @@ def train_from_store(
                                        share_prompts=cfg.model.share_prompt_forward, **dist)
     if cfg.critic.enable:
         groups.critic = WorkerGroup(CriticWorker, world_size=cfg.critic.world_size, num_cpus=0.01, env=env, name="critic",
-                                    model_path=model_path, config=cfg.critic, total_steps=total, **dist)
+                                    model_path=model_path, config=cfg.critic, total_steps=total,
+                                    share_prompts=cfg.model.share_prompt_forward, **dist)
     kl = cfg.algorithm.kl_ctrl
     kl_ctrl = algo.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else algo.FixedKLController(kl.kl_coef)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import torch
 from agentrl.trainer.algorithms import entropy_from_logits
 from agentrl.trainer.batch import TrainBatch
 
-__all__ = ["response_token_logprobs", "distinct_prompts", "length_buckets"]
+__all__ = ["response_token_logprobs", "response_values", "distinct_prompts", "length_buckets"]
 
 # What one more forward call is worth, in padded tokens, when choosing buckets. Measured on the
 # 2-core CPU: a call costs about what 15 (18M model) to 60 (1M model) tokens of compute cost.
@@ -40,17 +40,9 @@ def response_token_logprobs(
     """(B, R) logprobs of the response tokens (``log_softmax(logits / T)``), and their entropy if
     asked (else None); zeros past each row's last response token."""
     B, P, R = len(batch), batch.prompt_length, batch.response_length
-    lengths = _response_lengths(batch)
-    cache = None
-    if share_prompts and P > 0:
-        first, inverse = distinct_prompts(batch)
-        if len(first) < B:
-            cache = _PromptCache(model, batch, first, inverse)
     logprobs = torch.zeros(B, R, device=batch.input_ids.device)
     entropy = torch.zeros(B, R, device=batch.input_ids.device) if with_entropy else None
-    for rows in length_buckets(lengths):
-        width = int(lengths[rows].max())
-        logits = cache.logits(model, batch, rows, width) if cache is not None else _full_logits(model, batch, rows, width)
+    for rows, width, logits in _bucket_outputs(model, batch, share_prompts):
         logits = logits.float()
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
@@ -59,6 +51,29 @@ def response_token_logprobs(
         if entropy is not None:
             entropy = entropy.index_put((rows,), _pad_to(entropy_from_logits(logits), R))
     return logprobs, entropy
+
+
+def response_values(model: torch.nn.Module, batch: TrainBatch, *, share_prompts: bool = True) -> torch.Tensor:
+    """(B, R) a value head's output at the positions before each response token (``model``
+    returns ``.logits`` of width 1, as ``ValueModel`` does); zeros past each row's last token."""
+    values = torch.zeros(len(batch), batch.response_length, device=batch.input_ids.device)
+    for rows, _, out in _bucket_outputs(model, batch, share_prompts):
+        values = values.index_put((rows,), _pad_to(out[..., 0].float(), batch.response_length))
+    return values
+
+
+def _bucket_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: bool):
+    """For each response-length bucket: (rows, width, the model's (len(rows), width, ·) outputs at
+    the positions that predict response tokens 0..width-1)."""
+    lengths = _response_lengths(batch)
+    cache = None
+    if share_prompts and batch.prompt_length > 0:
+        first, inverse = distinct_prompts(batch)
+        if len(first) < len(batch):
+            cache = _PromptCache(model, batch, first, inverse)
+    for rows in length_buckets(lengths):
+        width = int(lengths[rows].max())
+        yield rows, width, (cache.logits(model, batch, rows, width) if cache is not None else _full_logits(model, batch, rows, width))
 
 
 def distinct_prompts(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -205,7 +205,8 @@ class Trainer:
         if cfg.critic.enable:
             self.critic = WorkerGroup(
                 CriticWorker, world_size=cfg.critic.world_size, num_cpus=0.01, env=env, name="critic",
-                model_path=self.policy_source, config=cfg.critic, total_steps=max(1, self.total_steps), **dist,
+                model_path=self.policy_source, config=cfg.critic, total_steps=max(1, self.total_steps),
+                share_prompts=cfg.model.share_prompt_forward, **dist,
             )
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (

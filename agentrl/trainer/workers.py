@@ -40,7 +40,7 @@ from agentrl.trainer.dist import (
     shard_model,
 )
 from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
-from agentrl.trainer.prefix import response_token_logprobs
+from agentrl.trainer.prefix import response_token_logprobs, response_values
 
 __all__ = [
     "ActorWorker", "ReferenceWorker", "CriticWorker", "ValueModel", "WorkerGroup", "WorkerDied",
@@ -358,35 +358,47 @@ class ReferenceWorker(_Worker):
 
 
 class ValueModel(torch.nn.Module):
-    """The policy's backbone with a scalar head: V(state before each token)."""
+    """The policy's backbone with a scalar head: V(state before each token).
+
+    Called like a causal LM (``past_key_values``, ``use_cache``, ``logits_to_keep``), with the
+    values as ``.logits`` of width 1, so the trainer's shared-prompt and length-bucket forward
+    (``prefix.py``) computes values the same way it computes logprobs."""
 
     def __init__(self, model_path: str):
         super().__init__()
         from transformers import AutoModel
 
         self.backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
+        self.config = self.backbone.config
         self._no_split_modules = self.backbone._no_split_modules
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.head(hidden.float()).squeeze(-1)  # (B, L)
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache: bool = False,
+                logits_to_keep: int = 0):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, use_cache=use_cache)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=self.head(hidden.float()), past_key_values=out.past_key_values)  # (B, L, 1)
 
 
 class CriticWorker(_Worker):
-    def __init__(self, *, model_path: str, config: CriticConfig, total_steps: int, **dist_kwargs: Any):
+    def __init__(self, *, model_path: str, config: CriticConfig, total_steps: int, share_prompts: bool = True, **dist_kwargs: Any):
         super().__init__(**dist_kwargs)
         self.config = config
+        self.share_prompts = share_prompts
         model = ValueModel(model_path).to(self.device)
         self.model = shard_model(model, self.mesh, param_dtype=self.param_dtype)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps)
 
     def _values(self, batch: TrainBatch) -> torch.Tensor:
-        P, R = batch.prompt_length, batch.response_length
-        return self.model(batch.input_ids, batch.attention_mask, batch.position_ids)[:, P - 1 : P + R - 1]  # (B, R)
+        return response_values(self.model, batch, share_prompts=self.share_prompts)  # (B, R)
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:

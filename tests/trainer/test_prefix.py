@@ -129,3 +129,30 @@ def test_rows_share_a_prompt_only_when_tokens_and_padding_agree():
     groups = [int(first[i]) for i in inverse]
     assert groups == [0, 1, 0, 3, 1]
     assert sorted(first.tolist()) == [0, 1, 3]
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "own-prompts"])
+def test_critic_values_and_gradients_equal_one_padded_forward(tiny_model_dir, monkeypatch, share):
+    from agentrl.trainer.prefix import response_values
+    from agentrl.trainer.workers import ValueModel
+
+    monkeypatch.setattr("agentrl.trainer.prefix.CALL_COST_TOKENS", 0)  # a bucket per response length
+    torch.manual_seed(0)
+    critic = ValueModel(str(tiny_model_dir))
+    torch.nn.init.normal_(critic.head.weight, std=0.5)  # a head that is not all zeros
+    batch = make_batch([GROUP_A] * 3 + [GROUP_B] * 3, [[30, 31, 32, 33, 34], [40, 41], [50, 51, 52], [60], [70, 71, 72, 73], [80, 81]])
+    P, R = batch.prompt_length, batch.response_length
+    weights = torch.linspace(-1.0, 1.0, R)
+
+    full = critic(batch.input_ids, batch.attention_mask, batch.position_ids).logits[:, P - 1 : P + R - 1, 0] * batch.response_mask
+    (full * weights).sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in critic.named_parameters() if p.grad is not None}
+    critic.zero_grad(set_to_none=True)
+
+    values = response_values(critic, batch, share_prompts=share) * batch.response_mask
+    (values * weights).sum().backward()
+    torch.testing.assert_close(values.detach(), full.detach(), atol=1e-5, rtol=0)
+    # fp32 sums in another order: one element in 8192 differed by 2e-4 relative with a 1e-4 bound;
+    # a wrong K/V mapping is off by order 1.
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(critic.get_parameter(name).grad, grad, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
