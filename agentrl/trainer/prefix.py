@@ -1,4 +1,5 @@
-"""Logprobs of the response tokens, computing each token once and padding little.
+"""The trainer's per-response-token outputs (policy logprobs, critic values), computing each
+token once and padding little.
 
 Two savings over one forward of the padded ``(B, P + R)`` batch, both exact (same logprobs and
 gradients up to float rounding):
@@ -28,8 +29,8 @@ from agentrl.trainer.batch import TrainBatch
 
 __all__ = ["response_token_logprobs", "response_values", "distinct_prompts", "length_buckets"]
 
-# What one more forward call is worth, in padded tokens, when choosing buckets. Measured on the
-# 2-core CPU: a call costs about what 15 (18M model) to 60 (1M model) tokens of compute cost.
+# What one more forward call is worth, in padded tokens, when choosing buckets. Estimated from
+# this CPU's per-call and per-token times: about 15 tokens' worth (18M model) to 60 (1M model).
 CALL_COST_TOKENS = 32
 
 
