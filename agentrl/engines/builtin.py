@@ -20,8 +20,8 @@ otherwise it copies the shared prefix, and only the rest is prefilled. A running
 lends its prefix the same way (by copy), and a request that shares at least
 ``_DEFER_MIN_SHARED`` more tokens with one admitted in the same step than with any cached slot
 waits one step so that it can copy that prefix instead of computing it again: the n samples of
-a GRPO group arrive together and their prompt is prefilled once, not n times. The reused count is reported as
-``cached_tokens`` (as SGLang reports its radix-cache hits).
+a GRPO group arrive together and their prompt is prefilled once, not n times. The reused count
+is reported as ``cached_tokens`` (as SGLang reports its radix-cache hits).
 
 Why a hand-written scheduler: transformers 5.23's own continuous batching
 (``model.generate_batch`` / ``init_continuous_batching``) was measured on this CPU with the 1M and
@@ -167,9 +167,11 @@ class _Slots:
         del self.retained[avoid]
         return avoid
 
-    def best_prefix(self, tokens: list[int], live: dict[int, list[int]]) -> tuple[int | None, int]:
+    def best_prefix(self, tokens: list[int], live: dict[int, list[int]], prefer: int | None = None) -> tuple[int | None, int]:
         """The slot holding the longest prefix of ``tokens``, and its length. ``live``: running
-        requests' slots and the tokens whose K/V they hold."""
+        requests' slots and the tokens whose K/V they hold. ``prefer``: a slot measured whatever
+        the candidates sampled below (the leader a request waited a step for: among many running
+        requests that start alike, one chat template, the sample may miss it)."""
         limit = len(tokens) - 1  # at least one token must be computed to get next-token logits
         # A retained slot whose whole content starts the request (the next turn of its conversation)
         # is the common case; one C-level list comparison per slot finds it.
@@ -177,11 +179,16 @@ class _Slots:
         for slot, cached in self.retained.items():
             if best_len < len(cached) <= limit and tokens[: len(cached)] == cached:
                 best, best_len = slot, len(cached)
-        if best is not None:
-            return best, best_len
-        # Otherwise a partial prefix (another sample of the same prompt, a shared system prompt):
-        # measure it on the most recent slots that share at least the first tokens.
-        return _longest_shared(tokens, [*live.items(), *reversed(self.retained.items())], limit)
+        if best is None:
+            # Otherwise a partial prefix (another sample of the same prompt, a shared system
+            # prompt): measure it on the most recent slots that share at least the first tokens.
+            best, best_len = _longest_shared(tokens, [*live.items(), *reversed(self.retained.items())], limit)
+        if prefer is not None:
+            held = live.get(prefer, self.retained.get(prefer, []))
+            shared = _common_prefix(held, tokens, limit) if held else 0
+            if shared > best_len:
+                best, best_len = prefer, shared
+        return best, best_len
 
 
 def _longest_shared(tokens: list[int], holders: list[tuple[int, list[int]]], limit: int) -> tuple[int | None, int]:
@@ -509,16 +516,8 @@ class BuiltinEngine:
             if admitted and len(seq.tokens) > budget:
                 break  # a long prompt waits for the next step rather than stretching this one
             self._waiting.popleft()
-            limit = len(seq.tokens) - 1
-            donor, available = self._slots.best_prefix(seq.tokens, live)
-            if seq.leader_slot is not None:
-                # Measure the slot it waited for first: among many running requests that start
-                # alike (one chat template), the candidates best_prefix samples may miss it.
-                held = live.get(seq.leader_slot, self._slots.retained.get(seq.leader_slot, []))
-                shared = _common_prefix(held, seq.tokens, limit) if held else 0
-                if shared > available:
-                    donor, available = seq.leader_slot, shared
-            leader, in_step = _longest_shared(seq.tokens, [(s.slot, s.tokens) for s in reversed(admitted)], limit)
+            donor, available = self._slots.best_prefix(seq.tokens, live, prefer=seq.leader_slot)
+            leader, in_step = _longest_shared(seq.tokens, [(s.slot, s.tokens) for s in reversed(admitted)], len(seq.tokens) - 1)
             if in_step - available >= _DEFER_MIN_SHARED:
                 seq.leader_slot = leader
                 deferred.append(seq)

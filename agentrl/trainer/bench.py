@@ -10,8 +10,9 @@ scored by the same reward function (``gsm8k_flexible``: the last number must be 
 Matched settings: no KL (TRL's ``beta=0``), GRPO group normalization with the std
 (``scale_rewards="group"``), token-mean loss over the whole batch (TRL's ``dapo``), constant
 learning rate, gradient clipping at 1.0, fp32, no reference model. agentrl runs its real
-training path: Ray actors, FSDP2 (world size 1), the built-in engine colocated with the actor,
-the single-turn agent loop; TRL runs in this process with transformers' ``generate``.
+training path: Ray actors, one actor rank (which trains the module unwrapped, see
+``dist.shard_model``), the built-in engine colocated with the actor, the single-turn agent loop;
+TRL runs in this process with transformers' ``generate``.
 
 Per-step time is the mean wall time of the steps after the first (which pays one-time costs),
 each step being generation + scoring + update (+ agentrl's weight sync). Prints one JSON object:

@@ -27,19 +27,24 @@ import torch
 from agentrl.trainer.algorithms import entropy_from_logits
 from agentrl.trainer.batch import TrainBatch
 
-__all__ = ["response_token_logprobs", "response_values", "distinct_prompts", "length_buckets"]
+__all__ = ["response_logprobs", "response_values", "distinct_prompts", "length_buckets"]
 
 # What one more forward call is worth, in padded tokens, when choosing buckets. Estimated from
 # this CPU's per-call and per-token times: about 15 tokens' worth (18M model) to 60 (1M model).
 CALL_COST_TOKENS = 32
 
 
-def response_token_logprobs(
+def response_logprobs(
     model: torch.nn.Module, batch: TrainBatch, *, temperature: float = 1.0, with_entropy: bool = False,
     share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, R) logprobs of the response tokens (``log_softmax(logits / T)``), and their entropy if
-    asked (else None); zeros past each row's last response token."""
+    """(B, R) logprobs of the response tokens under ``model``, and their entropy if asked (else
+    None); zeros past each row's last response token.
+
+    ``temperature`` is the rollout's: engines report ``log_softmax(logits / T)`` of the sampled
+    token (``log_softmax(logits)`` when greedy, T = 0), so the trainer scores the same
+    distribution, and the PPO ratio is between the policy that sampled and the updated one.
+    ``share_prompts=False`` runs every row's prompt in full (buckets still apply)."""
     B, P, R = len(batch), batch.prompt_length, batch.response_length
     logprobs = torch.zeros(B, R, device=batch.input_ids.device)
     entropy = torch.zeros(B, R, device=batch.input_ids.device) if with_entropy else None

@@ -40,25 +40,12 @@ from agentrl.trainer.dist import (
     shard_model,
 )
 from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
-from agentrl.trainer.prefix import response_token_logprobs, response_values
+from agentrl.trainer.prefix import response_logprobs, response_values
 
 __all__ = [
     "ActorWorker", "ReferenceWorker", "CriticWorker", "ValueModel", "WorkerGroup", "WorkerDied",
     "response_logprobs", "mini_batch_denominator", "worker_env", "train_on_mini_batches",
 ]
-
-
-def response_logprobs(model: torch.nn.Module, batch: TrainBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-                      share_prompts: bool = True):
-    """(B, R) logprobs of the response tokens under ``model`` (and their entropy if asked).
-
-    ``temperature`` is the rollout's: engines report ``log_softmax(logits / T)`` of the sampled
-    token (``log_softmax(logits)`` when greedy, T = 0), so the trainer scores the same
-    distribution, and the PPO ratio is between the policy that sampled and the updated one.
-    ``share_prompts``: rows with the same prompt run it through the model once; rows are also
-    bucketed by response length so that little padding is computed (``prefix.py``).
-    """
-    return response_token_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy, share_prompts=share_prompts)
 
 
 def _loss_scale(mask: torch.Tensor, mode: str, global_denominator: float, world_size: int) -> float:
