@@ -2,8 +2,9 @@
 
 * ``ActorWorker``: the policy. Recomputes logprobs (and entropy), runs the PPO update and SFT
   steps, saves/loads checkpoints, exports a transformers checkpoint. Its rank 0 also hosts the
-  built-in inference engine and runs the rollouts (agent loops) in the same process, so a
-  weight sync after an update is an in-memory copy.
+  built-in inference engine and runs the rollouts (agent loops) in the same process and on the
+  same thread, so a weight sync after an update is an in-memory copy, or nothing at all when the
+  engine shares the policy module (one fp32 rank).
 * ``ReferenceWorker``: the frozen initial policy, for KL.
 * ``CriticWorker``: a value head on the same architecture, with its own optimizer.
 
@@ -116,21 +117,34 @@ class ActorWorker(_Worker):
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps)
         self.engine = None
+        self.shares_model = False
         self.rollout_setup = rollout_setup
         if rank_is_zero(self.rank) and rollout_setup is not None:
             self._start_engine(rollout_setup)
 
     # ------------------------------------------------------------------ rollout (rank 0)
     def _start_engine(self, setup: dict[str, Any]) -> None:
+        from torch.distributed.fsdp import FSDPModule
         from transformers import AutoTokenizer
 
         from agentrl.agent.runner import LoopTable, build_context
         from agentrl.engines.builtin import BuiltinEngine
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        engine_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        # An unwrapped policy in the engine's dtype (one fp32 rank, the CPU default) is shared with
+        # the engine: no second copy, and a weight sync copies nothing (``weights_changed``).
+        # Otherwise (FSDP2 shards, bf16 compute) the engine loads its own copy and syncs by copy.
+        self.shares_model = (
+            setup["weight_sync"] == "memory" and not isinstance(self.model, FSDPModule)
+            and all(p.dtype == engine_dtype for p in self.model.parameters())
+        )
         self.engine = BuiltinEngine(
-            self.model_path, device=str(self.device), dtype="float32" if self.device.type == "cpu" else "bfloat16",
+            self.model if self.shares_model else self.model_path, device=str(self.device), dtype=engine_dtype,
             max_batch_size=setup["max_batch_size"], seed=setup["seed"],
+            # the rollout's event loop runs on this process's training thread: one OpenMP team
+            # for both (see "Where the steps run" in builtin.py)
+            steps_on="event_loop",
         )
         self.contexts = {
             validation: build_context(
@@ -152,7 +166,8 @@ class ActorWorker(_Worker):
     def sync_weights(self, version: int) -> None:
         """Collective: copy the updated policy into the colocated engine (rank 0).
 
-        In memory by default; with ``engine.weight_sync=disk`` through a transformers checkpoint
+        In memory by default (nothing to copy when the engine shares the module: it is only told
+        that the weights changed); with ``engine.weight_sync=disk`` through a transformers checkpoint
         that the engine reloads (``update_weights(path=...)``), the path SGLang servers take
         (``/update_weights_from_disk``).
         """
@@ -161,6 +176,9 @@ class ActorWorker(_Worker):
             self.export_hf(directory)
             if self.engine is not None:
                 asyncio.run(self.engine.update_weights(path=directory, version=version))
+            return
+        if self.engine is not None and self.shares_model:
+            asyncio.run(self.engine.weights_changed(version=version))
             return
         state = gather_model_state(self.model)
         if self.engine is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
 
 
-@pytest.fixture
-def engine(model_dir):
-    engine = BuiltinEngine(model_dir, max_batch_size=8, seed=0)
+@pytest.fixture(params=["thread", "event_loop"])
+def engine(model_dir, request):
+    """Every behaviour holds wherever the steps run: a background thread or the caller's loop."""
+    engine = BuiltinEngine(model_dir, max_batch_size=8, seed=0, steps_on=request.param)
     yield engine
     engine.close()
 
@@ -343,3 +345,85 @@ async def test_group_samples_find_their_leader_among_many_running_requests_alike
     for request, result in zip(group, results):
         expected = reference_logprobs(reference, request.input_ids, result.output_ids, 1.0)
         assert result.logprobs == pytest.approx(expected, abs=1e-5), request.rid
+
+
+async def test_event_loop_steps_run_on_the_callers_thread_and_match_the_threaded_engine(model_dir, reference):
+    threaded = BuiltinEngine(model_dir, max_batch_size=8, seed=0)
+    inline = BuiltinEngine(model_dir, max_batch_size=8, seed=0, steps_on="event_loop")
+    forward_threads = []
+    forward = inline._forward
+    inline._forward = lambda *args: forward_threads.append(threading.get_ident()) or forward(*args)
+    requests = [GenerateRequest(PROMPT[: 4 + i], SamplingParams(max_new_tokens=9, temperature=1.0, seed=i)) for i in range(5)]
+    try:
+        assert not inline.worker_running  # nothing runs before the first call
+        ours = await asyncio.gather(*(inline.generate(r) for r in requests))
+        theirs = await asyncio.gather(*(threaded.generate(r) for r in requests))
+    finally:
+        threaded.close()
+        inline.close()
+    assert [r.output_ids for r in ours] == [r.output_ids for r in theirs]
+    assert [r.logprobs for r in ours] == [r.logprobs for r in theirs]
+    assert len(forward_threads) >= 9 and set(forward_threads) == {threading.get_ident()}
+    assert ours[0].logprobs == pytest.approx(reference_logprobs(reference, PROMPT[:4], ours[0].output_ids, 1.0), abs=1e-5)
+
+
+def test_an_event_loop_that_closes_with_work_left_hands_it_to_a_thread(model_dir, reference):
+    """Loop A runs the steps; a request from loop B (another thread) is still decoding when
+    ``asyncio.run`` of A returns and cancels the stepping task: a thread finishes B's request."""
+    engine = BuiltinEngine(model_dir, max_batch_size=8, seed=0, steps_on="event_loop")
+    submitted, results = threading.Event(), []
+
+    def other_loop() -> None:
+        async def ask():
+            submitted.set()
+            return await engine.generate(GenerateRequest(PROMPT, greedy(30)))
+        results.append(asyncio.run(ask()))
+
+    async def loop_a() -> None:
+        own = asyncio.ensure_future(engine.generate(GenerateRequest(PROMPT[:3], greedy(60))))  # A's task steps
+        await wait_for_steps(engine, 1)
+        assert isinstance(engine._worker, asyncio.Task)
+        thread_b.start()
+        submitted.wait(5)
+        while engine.stats().running < 2:  # B's request joins the steps A's loop runs
+            await asyncio.sleep(0)
+        assert not own.done()  # returning cancels it (aborted) and the stepping task
+
+    thread_b = threading.Thread(target=other_loop)
+    try:
+        asyncio.run(loop_a())
+        thread_b.join(30)
+        assert not thread_b.is_alive()
+    finally:
+        engine.close()
+    assert results[0].output_ids == reference_greedy(reference, PROMPT, 30)
+    assert results[0].finish_reason is FinishReason.LENGTH
+
+
+async def test_a_shared_module_changed_in_place_serves_the_new_weights_after_weights_changed(model_dir):
+    """A colocated trainer hands its own module to the engine: nothing is copied at a sync, the
+    next request sees the changed parameters, and prefixes cached under the old ones are gone."""
+    model = load_reference(model_dir)
+    engine = BuiltinEngine(model, max_batch_size=4, seed=0, steps_on="event_loop")
+    try:
+        before = await engine.generate(GenerateRequest(PROMPT, greedy(8)))
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.neg_()  # the owner's optimizer step, in place
+        changed = load_reference(model_dir)
+        changed.load_state_dict(model.state_dict())
+        running = asyncio.ensure_future(engine.generate(GenerateRequest(PROMPT, greedy(200))))
+        await wait_for_steps(engine, engine.stats().steps + 1)
+        with pytest.raises(RuntimeError, match="requests are running"):
+            await engine.weights_changed(version=7)
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await engine.weights_changed(version=7)
+        after = await engine.generate(GenerateRequest(PROMPT + before.output_ids[:3], greedy(8)))
+    finally:
+        engine.close()
+    assert engine.weight_version == 7 and after.weight_version == 7
+    assert after.cached_tokens == 0  # the K/V retained under the old weights was dropped
+    assert after.output_ids == reference_greedy(changed, PROMPT + before.output_ids[:3], 8)
+    expected = reference_logprobs(changed, PROMPT + before.output_ids[:3], after.output_ids, temperature=0.0)
+    assert after.logprobs == pytest.approx(expected, abs=1e-5)

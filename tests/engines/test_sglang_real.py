@@ -21,7 +21,7 @@ from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.tools_runtime import ToolBox
 from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
 from agentrl.data.row import Row
-from agentrl.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.sglang_cpu.env import unavailable_reason
@@ -137,7 +137,9 @@ def test_sglang_logprobs_of_sampled_tokens_equal_a_forward_pass_of_the_same_weig
     with torch.no_grad():
         logits = model(torch.tensor([prompt + sampled.output_ids])).logits[0, len(prompt) - 1 : -1]  # [new, vocab]
     reference = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(sampled.output_ids)[:, None]).squeeze(1)
-    assert len(sampled.output_ids) == NEW_TOKENS
+    # Unseeded sampling may draw EOS early (about 1 run in 100 at this vocabulary): every token
+    # it did sample is scored all the same.
+    assert len(sampled.output_ids) == NEW_TOKENS or sampled.finish_reason is FinishReason.STOP
     assert torch.allclose(torch.tensor(sampled.logprobs), reference, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
