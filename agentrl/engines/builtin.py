@@ -18,11 +18,11 @@ Prefix reuse: a finished request leaves its K/V in its slot. A new request whose
 with a retained slot's tokens (the next turn of a conversation, another sample of the same
 prompt, a shared system prompt) reuses them: it takes the slot over when it extends all of it,
 otherwise it copies the shared prefix, and only the rest is prefilled. A running request's slot
-lends its prefix the same way (by copy), and a request that shares at least
-``_DEFER_MIN_SHARED`` more tokens with one admitted in the same step than with any cached slot
-waits one step so that it can copy that prefix instead of computing it again: the n samples of
-a GRPO group arrive together and their prompt is prefilled once, not n times. The reused count
-is reported as ``cached_tokens`` (as SGLang reports its radix-cache hits).
+lends its prefix the same way (by copy), and so does a request admitted in the same step: a
+request that shares more tokens with one admitted alongside it than with any cached slot copies
+them inside the step, layer by layer, right after they are computed (``_ragged.PrefixCopy``), so
+the n samples of a GRPO group that arrive together compute their prompt once, in one step. The
+reused count is reported as ``cached_tokens`` (as SGLang reports its radix-cache hits).
 
 Why a hand-written scheduler: transformers 5.23's own continuous batching
 (``model.generate_batch`` / ``init_continuous_batching``) was measured on this CPU with the 1M and
@@ -81,12 +81,6 @@ __all__ = ["BuiltinEngine", "EngineStats", "StepRecord"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PARTIAL_PREFIX_CANDIDATES = 8  # slots examined for a partial prefix match per admission
-# A request sharing this many more prompt tokens with one admitted in the same step than with any
-# cached slot waits a step and copies them (a copy of a few K/V rows costs far less than computing
-# them through every layer). With 8: the samples of a GRPO group whose prompts differ from cached
-# ones in their last ~7 tokens (a number, then the chat template's closing) were all prefilled;
-# with 4 they are prefilled once (18M, 8 x 8 samples, 10 rollouts in-process: 0.25-0.27 s -> 0.15-0.17 s).
-_DEFER_MIN_SHARED = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +94,7 @@ class StepRecord:
     prefill_rids: tuple[str, ...]  # requests admitted (prefilled, first token sampled)
     finished_rids: tuple[str, ...]
     prefill_tokens: int  # prompt tokens computed this step
-    reused_tokens: int  # prompt tokens taken from retained K/V instead
+    reused_tokens: int  # prompt tokens whose K/V came from another slot (retained, running or admitted alongside)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +121,6 @@ class _Sequence:
     cached: int = 0  # tokens whose K/V are in the slot
     reused: int = 0  # prompt tokens reused from a retained slot
     prefilled: bool = False
-    leader_slot: int | None = None  # the slot of the request it waited a step for (see _admit)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -184,11 +177,9 @@ class _Slots:
         del self.retained[avoid]
         return avoid
 
-    def best_prefix(self, tokens: list[int], live: dict[int, list[int]], prefer: int | None = None) -> tuple[int | None, int]:
+    def best_prefix(self, tokens: list[int], live: dict[int, list[int]]) -> tuple[int | None, int]:
         """The slot holding the longest prefix of ``tokens``, and its length. ``live``: running
-        requests' slots and the tokens whose K/V they hold. ``prefer``: a slot measured whatever
-        the candidates sampled below (the leader a request waited a step for: among many running
-        requests that start alike, one chat template, the sample may miss it)."""
+        requests' slots and the tokens whose K/V they hold."""
         limit = len(tokens) - 1  # at least one token must be computed to get next-token logits
         # A retained slot whose whole content starts the request (the next turn of its conversation)
         # is the common case; one C-level list comparison per slot finds it.
@@ -200,12 +191,21 @@ class _Slots:
             # Otherwise a partial prefix (another sample of the same prompt, a shared system
             # prompt): measure it on the most recent slots that share at least the first tokens.
             best, best_len = _longest_shared(tokens, [*live.items(), *reversed(self.retained.items())], limit)
-        if prefer is not None:
-            held = live.get(prefer, self.retained.get(prefer, []))
-            shared = _common_prefix(held, tokens, limit) if held else 0
-            if shared > best_len:
-                best, best_len = prefer, shared
         return best, best_len
+
+
+def _resolve_copy(
+    dst: int, src: int, length: int, copied_from: dict[int, tuple[int, int]]
+) -> list[_ragged.PrefixCopy]:
+    """Copies that give ``dst`` the first ``length`` positions of ``src`` inside one step, taking
+    each position from where it is written: a source that itself copied its first positions in
+    this step (from its own leader) passes those on from that leader, since all copies of a step
+    read the cache at once."""
+    if src not in copied_from:
+        return [_ragged.PrefixCopy(dst, src, 0, length)]
+    origin, copied = copied_from[src]
+    head = _resolve_copy(dst, origin, min(length, copied), copied_from)
+    return head + ([_ragged.PrefixCopy(dst, src, copied, length)] if length > copied else [])
 
 
 def _longest_shared(tokens: list[int], holders: list[tuple[int, list[int]]], limit: int) -> tuple[int | None, int]:
@@ -551,11 +551,11 @@ class BuiltinEngine:
         for update in updates:
             self._apply_update(update)
         if self._updates_pending():
-            admitted = []  # drain: running requests finish under the current weights
+            admitted, copies = [], []  # drain: running requests finish under the current weights
         else:
-            admitted = self._admit()
+            admitted, copies = self._admit()
         if self._running:
-            self._step(admitted)
+            self._step(admitted, copies)
 
     def _shut_down(self) -> None:
         with self._cv:
@@ -594,9 +594,11 @@ class BuiltinEngine:
         self.weight_version = update.version if update.version is not None else self.weight_version + 1
         update.resolve(None)
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> tuple[list[_Sequence], list[_ragged.PrefixCopy]]:
+        """Requests that join this step, and the prefixes they copy from others joining with them."""
         admitted: list[_Sequence] = []
-        deferred: list[_Sequence] = []  # they share a prompt with one admitted now: next step
+        copies: list[_ragged.PrefixCopy] = []
+        copied_from: dict[int, tuple[int, int]] = {}  # slot -> (source slot, length) of its in-step copy
         budget = self.max_prefill_tokens
         live = {seq.slot: seq.tokens[: seq.cached] for seq in self._running if seq.prefilled} if self._waiting else {}
         while self._waiting and len(self._running) < self.max_batch_size:
@@ -604,22 +606,23 @@ class BuiltinEngine:
             if admitted and len(seq.tokens) > budget:
                 break  # a long prompt waits for the next step rather than stretching this one
             self._waiting.popleft()
-            donor, available = self._slots.best_prefix(seq.tokens, live, prefer=seq.leader_slot)
+            donor, available = self._slots.best_prefix(seq.tokens, live)
             leader, in_step = _longest_shared(seq.tokens, [(s.slot, s.tokens) for s in reversed(admitted)], len(seq.tokens) - 1)
-            if in_step - available >= _DEFER_MIN_SHARED:
-                seq.leader_slot = leader
-                deferred.append(seq)
-                continue
-            seq.slot, seq.reused = self._slots.acquire(donor, available)
+            if in_step > available:  # K/V computed (or copied) for the leader in this very step
+                seq.slot, _ = self._slots.acquire(None, 0)
+                copied_from[seq.slot] = (leader, in_step)
+                copies.extend(_resolve_copy(seq.slot, leader, in_step, copied_from))
+                seq.reused = in_step
+            else:
+                seq.slot, seq.reused = self._slots.acquire(donor, available)
             seq.cached = seq.reused
             budget -= len(seq.tokens) - seq.reused
             self._running.append(seq)
             admitted.append(seq)
-        self._waiting.extendleft(reversed(deferred))  # first in line next step, in arrival order
-        return admitted
+        return admitted, copies
 
     @torch.inference_mode()
-    def _step(self, admitted: list[_Sequence]) -> None:
+    def _step(self, admitted: list[_Sequence], copies: list[_ragged.PrefixCopy]) -> None:
         started = time.perf_counter()
         decoding = [seq for seq in self._running if seq.prefilled]
         packed: list[int] = [seq.tokens[-1] for seq in decoding]
@@ -634,7 +637,7 @@ class BuiltinEngine:
             logit_rows.append(len(packed) - 1)
         self._cache.ensure_capacity(max(positions) + 1)
         layout = _ragged.build_layout(
-            self._cache, [s.slot for s in decoding], positions[: len(decoding)], tuple(prefills), self.device
+            self._cache, [s.slot for s in decoding], positions[: len(decoding)], tuple(prefills), self.device, tuple(copies)
         )
         stepping = decoding + admitted
         try:
