@@ -146,7 +146,10 @@ def run_builtin(model, sessions: list[Session], concurrency: int) -> tuple[int, 
     from agentrl.engines.base import GenerateRequest, SamplingParams
     from agentrl.engines.builtin import BuiltinEngine
 
-    engine = BuiltinEngine(model, max_batch_size=max(concurrency, 1), step_log_size=None)
+    # Steps on the benchmark's event loop, as the trainer's colocated engine runs them: the model
+    # was loaded (and the static baseline runs) on this thread, and a second thread doing torch
+    # work would get a second OpenMP team (see "Where the steps run" in builtin.py).
+    engine = BuiltinEngine(model, max_batch_size=max(concurrency, 1), step_log_size=None, steps_on="event_loop")
     submitted: dict[str, float] = {}
 
     async def generate(ids, n, seed, rid):

@@ -57,6 +57,7 @@ __all__ = [
     "ppo_policy_loss",
     "value_loss",
     "entropy_from_logits",
+    "entropy_from_logprobs",
 ]
 
 # verl's names; "drgrpo" is grpo without the division by the group's std
@@ -452,5 +453,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:  # (B, T, V) -> (
     the max logit first. (verl's logsumexp(z) - sum(p * z) cancels two numbers of the size of the
     logits: 2e-4 off at logits near 1e4, 7e-6 near 200; this form stays within 1e-7.) Gradients
     stay finite where p underflows to 0, unlike an entr(p) formulation."""
-    logp = torch.log_softmax(logits, dim=-1)
+    return entropy_from_logprobs(torch.log_softmax(logits, dim=-1))
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:  # (..., V) log_softmax output -> (...)
+    """Entropy from log-probabilities already computed (the trainer's logprob gather reuses them)."""
     return -(logp.exp() * logp).sum(-1)

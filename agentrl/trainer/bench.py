@@ -55,7 +55,7 @@ class Settings:
     clip_ratio: float = 0.2
     temperature: float = 1.0
     eval_prompts: int = 64
-    eval_samples: int = 4
+    eval_samples: int = 16  # per held-out prompt: 1,024 scored answers, a standard error near 1 point at 90 %
     seed: int = 0
     threads: int = 2
 
@@ -286,6 +286,7 @@ def _run_both(settings: Settings, work: Path, *, with_trl: bool) -> dict[str, An
     ours = run_agentrl(start, work, settings)
     a = _summary(ours)
     out.update({f"agentrl_{k}": v for k, v in a.items()}, agentrl_reward=evaluate(ours["policy"], settings))
+    out["eval_answers"] = settings.eval_prompts * settings.eval_samples
     out["agentrl_train_rewards"] = ours["train_rewards"]
     if with_trl:
         import trl

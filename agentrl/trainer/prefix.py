@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.trainer.algorithms import entropy_from_logits
+from agentrl.trainer.algorithms import entropy_from_logprobs
 from agentrl.trainer.batch import TrainBatch
 
 __all__ = ["response_logprobs", "response_values", "distinct_prompts", "length_buckets"]
@@ -36,10 +36,11 @@ CALL_COST_TOKENS = 32
 
 def response_logprobs(
     model: torch.nn.Module, batch: TrainBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-    share_prompts: bool = True,
+    share_prompts: bool = True, entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, R) logprobs of the response tokens under ``model``, and their entropy if asked (else
-    None); zeros past each row's last response token.
+    None); zeros past each row's last response token. ``entropy_grad=False``: the entropy is a
+    metric only (no autograd graph behind it).
 
     ``temperature`` is the rollout's: engines report ``log_softmax(logits / T)`` of the sampled
     token (``log_softmax(logits)`` when greedy, T = 0), so the trainer scores the same
@@ -53,9 +54,11 @@ def response_logprobs(
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
         targets = batch.input_ids[rows, P : P + width]
-        logprobs = logprobs.index_put((rows,), _pad_to(_gather(logits, targets), R))
+        logp = torch.log_softmax(logits, dim=-1)  # (rows, width, V), shared by logprobs and entropy
+        logprobs = logprobs.index_put((rows,), _pad_to(logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), R))
         if entropy is not None:
-            entropy = entropy.index_put((rows,), _pad_to(entropy_from_logits(logits), R))
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy.index_put((rows,), _pad_to(entropy_from_logprobs(logp if entropy_grad else logp.detach()), R))
     return logprobs, entropy
 
 
@@ -172,10 +175,6 @@ def _response_lengths(batch: TrainBatch) -> torch.Tensor:
     real = batch.response_attention_mask.bool()
     columns = torch.arange(1, batch.response_length + 1, device=real.device)
     return (real * columns).amax(dim=1).clamp(min=1).cpu()
-
-
-def _gather(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -231,7 +231,7 @@ class ActorWorker(_Worker):
             mask = m.response_mask
             logprobs, entropy = response_logprobs(
                 self.model, m, temperature=self.temperature, with_entropy=cfg.entropy_coeff != 0 or _seen is not None,
-                share_prompts=self.share_prompts,
+                share_prompts=self.share_prompts, entropy_grad=cfg.entropy_coeff != 0,
             )
             old = m.old_logprobs
             if _seen is not None:

@@ -156,3 +156,15 @@ def test_critic_values_and_gradients_equal_one_padded_forward(tiny_model_dir, mo
     # a wrong K/V mapping is off by order 1.
     for name, grad in expected_grads.items():
         torch.testing.assert_close(critic.get_parameter(name).grad, grad, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_metric_only_entropy_equals_the_differentiable_one_and_carries_no_graph(model):
+    batch = make_batch([GROUP_A] * 2 + [GROUP_B], [[30, 31, 32], [40, 41], [50, 51, 52]])
+    logprobs, with_grad = response_logprobs(model, batch, with_entropy=True)
+    logprobs_m, metric = response_logprobs(model, batch, with_entropy=True, entropy_grad=False)
+    assert with_grad.requires_grad and not metric.requires_grad
+    assert logprobs_m.requires_grad  # the logprobs keep their graph either way
+    torch.testing.assert_close(metric, with_grad.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(logprobs_m, logprobs, rtol=0, atol=0)
+    _, expected = padded_forward(model, batch)
+    torch.testing.assert_close(metric * batch.response_mask, expected.detach() * batch.response_mask, rtol=0, atol=1e-5)
