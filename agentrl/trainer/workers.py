@@ -21,6 +21,7 @@ import asyncio
 import math
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -444,6 +445,7 @@ def train_on_mini_batches(worker, mini_batches, denominators, *, micro_size: int
     skipped (and counted) rather than poisoning the weights. The LR schedule moves once per call.
     Returns the micro-batch metrics (means, or sums with ``average=False``), the mean gradient
     norm and the skipped steps."""
+    started = time.perf_counter()
     worker.model.train()
     sums: dict[str, float] = {}
     micro_count, grad_norms, skipped = 0, [], 0
@@ -468,6 +470,7 @@ def train_on_mini_batches(worker, mini_batches, denominators, *, micro_size: int
     out = {k: v / max(micro_count, 1) for k, v in sums.items()} if average else sums
     out[f"{prefix}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
     out[f"{prefix}/skipped_steps"] = float(skipped)
+    out[f"timing/{prefix}_update_in_worker_s"] = time.perf_counter() - started  # the rest of the phase is transport
     return out
 
 
