@@ -21,8 +21,6 @@ metrics equal an uninterrupted run's.
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import json
 import os
 import shutil
@@ -215,11 +213,6 @@ class Trainer:
             algo.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else algo.FixedKLController(kl.kl_coef)
         )
         self.store = open_store(run_dir)
-        # Shards are written on one background thread while the step goes on (parquet + fsync:
-        # ~5 ms a step on the 1M benchmark, otherwise on the critical path); each write waits
-        # for the one before, and a failed write is raised at the next write, save or close.
-        self._store_writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-store")
-        self._store_write: concurrent.futures.Future | None = None
         self.last_validation: list[Trajectory] = []
         if resumed:
             self.resume()
@@ -243,7 +236,8 @@ class Trainer:
         if not usable:
             reasons = sorted({f"{t.finish_reason}: {t.reward_info.get('error', '')}" for t in trajectories})
             raise DataError(f"step {step}: no trajectory produced tokens to train on ({'; '.join(reasons)[:500]})")
-        self._store_step(step, trajectories, rows=rows)
+        if self.store is not None:
+            self.store.write_step(step, trajectories, rows=rows)
         batch = collate(usable, pad_token_id=self.pad_id, max_prompt_length=cfg.data.max_prompt_length,
                         max_response_length=cfg.data.max_response_length)
         micro = cfg.actor.ppo_micro_batch_size_per_gpu
@@ -323,24 +317,13 @@ class Trainer:
         results = group.call_sharded("update", per_rank, denominators, **kwargs)
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
-    def _store_step(self, step: int, trajectories: list[Trajectory], **kwargs: Any) -> None:
-        if self.store is None:
-            return
-        self.wait_for_store()
-        self._store_write = self._store_writer.submit(self.store.write_step, step, trajectories, **kwargs)
-
-    def wait_for_store(self) -> None:
-        """Block until the last rollout shard is on disk (raising its error if it failed)."""
-        write, self._store_write = self._store_write, None
-        if write is not None:
-            write.result()
-
     def validate(self, step: int) -> dict[str, float]:
         if not self.val_rows:
             return {}
         trajectories = self.rollout(self.val_rows, step=step, validation=True)
         self.last_validation = trajectories
-        self._store_step(step, trajectories, split="val", rows=self.val_rows)
+        if self.store is not None:
+            self.store.write_step(step, trajectories, split="val", rows=self.val_rows)
         return trajectory_metrics(trajectories, prefix="val/")
 
     def warm_start_sft(self) -> None:
@@ -353,7 +336,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
-        self.wait_for_store()  # a checkpoint's steps have their rollouts on disk
         directory = self.run_dir / "checkpoints" / f"step_{step}"
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -388,7 +370,6 @@ class Trainer:
     def close(self) -> None:
         import ray
 
-        self._store_writer.shutdown(wait=True)  # the last shard lands (train() checks its result)
         try:
             self.actor.call_all("close")  # stops the engine thread before the process goes
         except Exception:  # closing after a failure must not hide it
@@ -512,7 +493,6 @@ def train(cfg: TrainConfig) -> RunResult:
         summary["heldout_success_after"] = after.get("val/success_rate")
         if cfg.trainer.export_hf:
             trainer.actor.call_all("export_hf", str(run_dir / "policy"))
-        trainer.wait_for_store()
     finally:
         trainer.close()
         log.close()

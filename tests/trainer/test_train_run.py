@@ -125,34 +125,3 @@ def test_weight_sync_through_disk_gives_the_steps_of_the_in_memory_sync(short_ru
         for key in compared:
             assert disk[step][key] == pytest.approx(memory[step][key], rel=1e-4, abs=1e-6), (step, key)
 
-
-def test_rollout_shards_are_written_in_order_off_the_step_and_a_failed_write_is_raised_at_the_next():
-    """The trainer hands each step's shard to a writer thread and goes on; the next write (or a
-    save, or the end of the run) waits for it, so a failed write stops the run one step later at
-    the latest, naming its error, and shards land in step order."""
-    import concurrent.futures
-    import threading
-
-    from agentrl.trainer.run import Trainer
-
-    written, gate = [], threading.Event()
-
-    class Store:
-        def write_step(self, step, trajectories, **kwargs):
-            gate.wait(5)
-            if step == 1:
-                raise OSError("disk full")
-            written.append(step)
-
-    trainer = Trainer.__new__(Trainer)  # only the store plumbing, no workers
-    trainer.store = Store()
-    trainer._store_writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    trainer._store_write = None
-    trainer._store_step(0, [])
-    assert written == []  # the step went on while its shard was being written
-    gate.set()
-    trainer._store_step(1, [])
-    assert written == [0]  # the second write waited for the first
-    with pytest.raises(OSError, match="disk full"):
-        trainer._store_step(2, [])
-    trainer._store_writer.shutdown()
