@@ -323,6 +323,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                           "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size)}[engine]  # fmt: skip
                 generated, wall, requests, ttfts, extra = runner()
                 tps = generated / wall
+                if "prefill_tokens" in extra:
+                    # Diagnostic: the prompt tokens computed (not reused) cost the same 2 x params
+                    # FLOPs each but are not generated tokens; counting them shows where the
+                    # arithmetic went.
+                    computed = generated + extra["prefill_tokens"]
+                    extra["all_tokens_flop_fraction"] = round(computed / wall * 2 * params / (gflops * 1e9), 4)
                 rows.append(
                     Row(
                         engine=engine,
