@@ -73,9 +73,9 @@ from agentrl.engines._packed import make_forward
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.engines.sampling import sample_next_tokens
 from agentrl.engines.weights import copy_weights_into, read_checkpoint
+from agentrl.errors import EngineError, EngineUnavailable
 
 logger = logging.getLogger(__name__)
-from agentrl.errors import EngineError, EngineUnavailable
 
 __all__ = ["BuiltinEngine", "EngineStats", "StepRecord"]
 
@@ -119,7 +119,7 @@ class _Sequence:
     resolve: Callable[[GenerateResult | BaseException], None]
     slot: int = -1
     cached: int = 0  # tokens whose K/V are in the slot
-    reused: int = 0  # prompt tokens reused from a retained slot
+    reused: int = 0  # prompt tokens whose K/V came from another slot (not computed for this request)
     prefilled: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -238,8 +238,8 @@ class BuiltinEngine:
     ``model``: a checkpoint directory or a loaded ``PreTrainedModel``, used as is, not copied (the
     engine sets its attention implementation to the ragged one; plain calls to the model keep
     working through the SDPA fallback): a colocated trainer can hand over its own module and call
-    ``weights_changed`` after each update instead of copying weights. Decoder-only models whose forward accepts a precomputed mask mapping
-    (Qwen2, Qwen3) are supported.
+    ``weights_changed`` after each update instead of copying weights. Decoder-only models whose
+    forward accepts a precomputed mask mapping (Qwen2, Qwen3) are supported.
     """
 
     def __init__(
