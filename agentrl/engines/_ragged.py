@@ -195,8 +195,11 @@ def _flat_copies(copies: tuple[PrefixCopy, ...], device: torch.device) -> tuple[
         dst.extend([c.dst] * (c.end - c.start))
         src.extend([c.src] * (c.end - c.start))
         positions.extend(range(c.start, c.end))
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    return as_tensor(dst), as_tensor(src), as_tensor(positions)
+    return _int64(dst, device), _int64(src, device), _int64(positions, device)
+
+
+def _int64(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _short_prefills(spans: list[PrefillSpan], device: torch.device) -> ShortPrefills:
@@ -215,10 +218,9 @@ def _short_prefills(spans: list[PrefillSpan], device: torch.device) -> ShortPref
     # their outputs are dropped.
     hidden = key > starts + query  # [S, longest, kv_len]
     mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[:, None, None]  # [S, 1, 1, longest, kv_len]
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
     return ShortPrefills(
-        rows=as_tensor(rows), token_slots=as_tensor(slots), token_positions=as_tensor(positions),
-        span_slots=as_tensor([p.slot for p in spans]), flat_index=as_tensor(flat), longest=longest, kv_len=kv_len,
+        rows=_int64(rows, device), token_slots=_int64(slots, device), token_positions=_int64(positions, device),
+        span_slots=_int64([p.slot for p in spans], device), flat_index=_int64(flat, device), longest=longest, kv_len=kv_len,
         mask=mask.to(device),
     )
 

@@ -131,7 +131,7 @@ class _WeightUpdate:
     path: str | None
     version: int | None
     strict: bool
-    resolve: Callable[[object], None] | None
+    resolve: Callable[[object], None]
 
 
 class _Slots:
@@ -187,11 +187,11 @@ class _Slots:
         for slot, cached in self.retained.items():
             if best_len < len(cached) <= limit and tokens[: len(cached)] == cached:
                 best, best_len = slot, len(cached)
-        if best is None:
-            # Otherwise a partial prefix (another sample of the same prompt, a shared system
-            # prompt): measure it on the most recent slots that share at least the first tokens.
-            best, best_len = _longest_shared(tokens, [*live.items(), *reversed(self.retained.items())], limit)
-        return best, best_len
+        if best is not None:
+            return best, best_len
+        # Otherwise a partial prefix (another sample of the same prompt, a shared system prompt):
+        # measure it on the most recent slots that share at least the first tokens.
+        return _longest_shared(tokens, [*live.items(), *reversed(self.retained.items())], limit)
 
 
 def _resolve_copy(
@@ -374,7 +374,7 @@ class BuiltinEngine:
         """
         if (state_dict is None) == (path is None):
             raise ValueError("update_weights needs exactly one of state_dict or path")
-        await self._queue_update(_WeightUpdate(state_dict, str(path) if path is not None else None, version, strict, None))
+        await self._queue_update(state_dict, str(path) if path is not None else None, version, strict)
 
     async def weights_changed(self, *, version: int | None = None) -> None:
         """The model's parameters were changed in place by the module's other owner (a colocated
@@ -384,16 +384,17 @@ class BuiltinEngine:
         two versions, so that is refused."""
         if self.stats().running:
             raise RuntimeError("weights_changed while requests are running: their tokens would mix two weight versions")
-        await self._queue_update(_WeightUpdate(None, None, version, False, None))
+        await self._queue_update(None, None, version, False)
 
-    async def _queue_update(self, update: _WeightUpdate) -> None:
+    async def _queue_update(
+        self, state_dict: Mapping[str, torch.Tensor] | None, path: str | None, version: int | None, strict: bool
+    ) -> None:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[object] = loop.create_future()
-        update.resolve = _resolver(loop, future)
         with self._cv:
             if self._closed:
                 raise EngineUnavailable("the built-in engine is closed")
-            self._updates.append(update)
+            self._updates.append(_WeightUpdate(state_dict, path, version, strict, _resolver(loop, future)))
             self._wake()
         await future
 

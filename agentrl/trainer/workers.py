@@ -132,16 +132,16 @@ class ActorWorker(_Worker):
         from agentrl.engines.builtin import BuiltinEngine
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        engine_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-        # An unwrapped policy in the engine's dtype (one fp32 rank, the CPU default) is shared with
-        # the engine: no second copy, and a weight sync copies nothing (``weights_changed``).
-        # Otherwise (FSDP2 shards, bf16 compute) the engine loads its own copy and syncs by copy.
+        # The engine computes in the trainer's compute dtype. An unwrapped policy already in it (one
+        # fp32 rank, the CPU default) is shared with the engine: no second copy, and a weight sync
+        # copies nothing (``weights_changed``). Otherwise (FSDP2 shards, bf16 compute over fp32
+        # parameters) the engine loads its own copy and syncs by copy.
         self.shares_model = (
             setup["weight_sync"] == "memory" and not isinstance(self.model, FSDPModule)
-            and all(p.dtype == engine_dtype for p in self.model.parameters())
+            and all(p.dtype == self.param_dtype for p in self.model.parameters())
         )
         self.engine = BuiltinEngine(
-            self.model if self.shares_model else self.model_path, device=str(self.device), dtype=engine_dtype,
+            self.model if self.shares_model else self.model_path, device=str(self.device), dtype=self.param_dtype,
             max_batch_size=setup["max_batch_size"], seed=setup["seed"],
             # the rollout's event loop runs on this process's training thread: one OpenMP team
             # for both (see "Where the steps run" in builtin.py)
