@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from agentrl.engines import _ragged
 
-__all__ = ["make_forward", "PackedDecoderForward", "ModuleForward"]
+__all__ = ["make_forward", "fast_decoder_supported", "PackedDecoderForward", "ModuleForward", "rms_norm", "rotate_half"]
 
 _FAST_TYPES = {"qwen2", "qwen3", "llama"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn", "longrope"}  # inv_freq does not depend on the sequence
@@ -32,17 +32,22 @@ _STATIC_ROPE = {"default", "linear", "llama3", "yarn", "longrope"}  # inv_freq d
 
 def make_forward(model: torch.nn.Module, max_len: int):
     """The fast path when the architecture is one it knows, else transformers' module forward."""
-    config = model.config
-    rotary = getattr(model.base_model, "rotary_emb", None)
-    if (
+    return PackedDecoderForward(model, max_len) if fast_decoder_supported(model.base_model) else ModuleForward(model)
+
+
+def fast_decoder_supported(decoder: torch.nn.Module) -> bool:
+    """Whether a decoder stack (a causal LM's ``base_model``) is one the functional layer code
+    computes exactly: RMSNorm, static rotary, grouped-query attention, SwiGLU, no sliding window.
+    The trainer's packed forward (``trainer/packed.py``) calls the layers the same way."""
+    config = decoder.config
+    rotary = getattr(decoder, "rotary_emb", None)
+    return (
         config.model_type in _FAST_TYPES
         and getattr(config, "hidden_act", None) == "silu"
         and rotary is not None
         and getattr(rotary, "rope_type", "default") in _STATIC_ROPE
         and not getattr(config, "use_sliding_window", False)
-    ):
-        return PackedDecoderForward(model, max_len)
-    return ModuleForward(model)
+    )
 
 
 class ModuleForward:
@@ -91,27 +96,27 @@ class PackedDecoderForward:
         width = hidden.shape[-1]
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(hidden, layer.input_layernorm, width, self.eps)
+            x = rms_norm(hidden, layer.input_layernorm, width, self.eps)
             q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(total, self.heads, self.head_dim)
             k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(total, self.kv_heads, self.head_dim)
             v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(total, self.kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
-                q = _rms_norm(q, attn.q_norm, self.head_dim, self.eps)
-                k = _rms_norm(k, attn.k_norm, self.head_dim, self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q = rms_norm(q, attn.q_norm, self.head_dim, self.eps)
+                k = rms_norm(k, attn.k_norm, self.head_dim, self.eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             attended = _ragged.attend(index, q, k, v, layout, self.scaling)  # [T, heads, head_dim]
             hidden = hidden + F.linear(attended.view(total, -1), attn.o_proj.weight, attn.o_proj.bias)
-            x = _rms_norm(hidden, layer.post_attention_layernorm, width, self.eps)
+            x = rms_norm(hidden, layer.post_attention_layernorm, width, self.eps)
             gate = F.linear(x, mlp.gate_proj.weight)
             hidden = hidden + F.linear(F.silu(gate).mul_(F.linear(x, mlp.up_proj.weight)), mlp.down_proj.weight)
         if rows is not None:
             hidden = hidden[rows]
-        hidden = _rms_norm(hidden, self.norm, width, self.eps)
+        hidden = rms_norm(hidden, self.norm, width, self.eps)
         return F.linear(hidden, self.lm_head.weight).float()  # [n, vocab]
 
 
-def _rms_norm(x: torch.Tensor, norm: torch.nn.Module, width: int, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module, width: int, eps: float) -> torch.Tensor:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", eps))
     if x.dtype == torch.float32:
         return F.rms_norm(x, (width,), norm.weight, eps)
@@ -119,6 +124,6 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module, width: int, eps: float) ->
     return norm.weight * F.rms_norm(x.float(), (width,), None, eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -178,14 +178,10 @@ def collate(
     )
     B, R = batch.response_mask.shape
     K = max(1, max(len(r) for r in turn_rewards))
-    token_rewards = torch.zeros(B, R)
-    turn_ids = torch.full((B, R), -1, dtype=torch.long)
-    turn_reward_t = torch.zeros(B, K)
-    for i in range(B):
-        n = len(token_reward_rows[i])
-        token_rewards[i, :n] = torch.tensor(token_reward_rows[i], dtype=torch.float32)
-        turn_ids[i, :n] = torch.tensor(turn_ids_rows[i], dtype=torch.long)
-        turn_reward_t[i, : len(turn_rewards[i])] = torch.tensor(turn_rewards[i], dtype=torch.float32)
+    # Rows padded as Python lists, then one tensor per field: per-row tensor writes cost more.
+    token_rewards = torch.tensor([r + [0.0] * (R - len(r)) for r in token_reward_rows], dtype=torch.float32)
+    turn_ids = torch.tensor([t + [-1] * (R - len(t)) for t in turn_ids_rows], dtype=torch.long)
+    turn_reward_t = torch.tensor([r + [0.0] * (K - len(r)) for r in turn_rewards], dtype=torch.float32)
     return batch.replace(
         token_rewards=token_rewards,
         turn_ids=turn_ids,
@@ -214,23 +210,23 @@ def collate_sequences(
         raise TrajectoryError("prompts, responses, masks (and logprobs) must have one entry per row")
     P = max(1, max(len(p) for p in prompts))
     R = max(1, max(len(r) for r in responses))
-    input_ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, P + R, dtype=torch.long)
-    response_mask = torch.zeros(B, R)
-    engine_logprobs = torch.zeros(B, R)
+    ids_rows, attention_rows, mask_rows, logprob_rows = [], [], [], []
     for i, (prompt, response, mask) in enumerate(zip(prompts, responses, response_masks)):
         if len(prompt) == 0:
             raise TrajectoryError(f"row {i}: empty prompt (the first response token needs a context)")
         if len(mask) != len(response):
             raise TrajectoryError(f"row {i}: response ({len(response)}) and mask ({len(mask)}) lengths differ")
-        input_ids[i, P - len(prompt) : P] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[i, P - len(prompt) : P] = 1
-        if response:
-            input_ids[i, P : P + len(response)] = torch.tensor(response, dtype=torch.long)
-            attention_mask[i, P : P + len(response)] = 1
-            response_mask[i, : len(response)] = torch.tensor(mask, dtype=torch.float32)
-            if logprobs is not None:
-                engine_logprobs[i, : len(response)] = torch.tensor(logprobs[i], dtype=torch.float32) * response_mask[i, : len(response)]
+        left, right = P - len(prompt), R - len(response)
+        ids_rows.append([pad_token_id] * left + list(prompt) + list(response) + [pad_token_id] * right)
+        attention_rows.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
+        mask_rows.append(list(mask) + [0] * right)
+        if logprobs is not None:  # kept on sampled tokens only
+            logprob_rows.append([lp if m else 0.0 for lp, m in zip(logprobs[i], mask)] + [0.0] * right)
+    # Rows padded as Python lists, then one tensor per field: per-row tensor writes cost more.
+    input_ids = torch.tensor(ids_rows, dtype=torch.long)
+    attention_mask = torch.tensor(attention_rows, dtype=torch.long)
+    response_mask = torch.tensor(mask_rows, dtype=torch.float32)
+    engine_logprobs = torch.tensor(logprob_rows, dtype=torch.float32) if logprobs is not None else torch.zeros(B, R)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return TrainBatch(
         input_ids=input_ids,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from agentrl.trainer import packed
 from agentrl.trainer.algorithms import entropy_from_logprobs
 from agentrl.trainer.batch import TrainBatch
 
@@ -45,20 +46,20 @@ def response_logprobs(
     ``temperature`` is the rollout's: engines report ``log_softmax(logits / T)`` of the sampled
     token (``log_softmax(logits)`` when greedy, T = 0), so the trainer scores the same
     distribution, and the PPO ratio is between the policy that sampled and the updated one.
-    ``share_prompts=False`` runs every row's prompt in full (buckets still apply)."""
+    ``share_prompts=False`` runs every row's prompt in full (no padding is computed either way)."""
     B, P, R = len(batch), batch.prompt_length, batch.response_length
     logprobs = torch.zeros(B, R, device=batch.input_ids.device)
     entropy = torch.zeros(B, R, device=batch.input_ids.device) if with_entropy else None
-    for rows, width, logits in _bucket_outputs(model, batch, share_prompts):
-        logits = logits.float()
+    for rows, cols, logits in _token_outputs(model, batch, share_prompts):
+        logits = logits.float()  # (n, V)
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
-        targets = batch.input_ids[rows, P : P + width]
-        logp = torch.log_softmax(logits, dim=-1)  # (rows, width, V), shared by logprobs and entropy
-        logprobs = logprobs.index_put((rows,), _pad_to(logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), R))
+        logp = torch.log_softmax(logits, dim=-1)  # shared by logprobs and entropy
+        targets = batch.input_ids[rows, P + cols]
+        logprobs = logprobs.index_put((rows, cols), logp.gather(-1, targets[:, None])[:, 0])
         if entropy is not None:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = entropy.index_put((rows,), _pad_to(entropy_from_logprobs(logp if entropy_grad else logp.detach()), R))
+                entropy = entropy.index_put((rows, cols), entropy_from_logprobs(logp if entropy_grad else logp.detach()))
     return logprobs, entropy
 
 
@@ -66,23 +67,36 @@ def response_values(model: torch.nn.Module, batch: TrainBatch, *, share_prompts:
     """(B, R) a value head's output at the positions before each response token (``model``
     returns ``.logits`` of width 1, as ``ValueModel`` does); zeros past each row's last token."""
     values = torch.zeros(len(batch), batch.response_length, device=batch.input_ids.device)
-    for rows, _, out in _bucket_outputs(model, batch, share_prompts):
-        values = values.index_put((rows,), _pad_to(out[..., 0].float(), batch.response_length))
+    for rows, cols, out in _token_outputs(model, batch, share_prompts):
+        values = values.index_put((rows, cols), out[:, 0].float())
     return values
 
 
-def _bucket_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: bool):
-    """For each response-length bucket: (rows, width, the model's (len(rows), width, ·) outputs at
-    the positions that predict response tokens 0..width-1)."""
+def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: bool):
+    """Yields ``(rows, cols, outputs)``: the model's (n, ·) outputs at the positions that predict
+    response column ``cols[i]`` of batch row ``rows[i]``, every column up to each row's last real
+    token exactly once, over one or more calls. The packed forward when the model allows it
+    (``packed.py``), else the distinct prompts once and one call per response-length bucket."""
     lengths = _response_lengths(batch)
-    cache = None
     if share_prompts and batch.prompt_length > 0:
         first, inverse = distinct_prompts(batch)
-        if len(first) < len(batch):
-            cache = _PromptCache(model, batch, first, inverse)
+    else:
+        first, inverse = torch.arange(len(batch)), torch.arange(len(batch))
+    if packed.packed_supported(model, batch):
+        segments = packed.pack_segments(batch, lengths, inverse)
+        for bucket in length_buckets(packed.segment_lengths(batch, lengths, segments)):
+            layout = packed.layout(batch, lengths, [segments[i] for i in bucket.tolist()])
+            yield layout.rows, layout.cols, model.get_output_embeddings()(packed.packed_hidden(model, layout))
+        return
+    cache = _PromptCache(model, batch, first, inverse) if len(first) < len(batch) else None
     for rows in length_buckets(lengths):
         width = int(lengths[rows].max())
-        yield rows, width, (cache.logits(model, batch, rows, width) if cache is not None else _full_logits(model, batch, rows, width))
+        out = cache.logits(model, batch, rows, width) if cache is not None else _full_logits(model, batch, rows, width)
+        # keep each row's own columns (the bucket is as wide as its longest row)
+        keep = torch.arange(width)[None, :] < lengths[rows][:, None]  # (n, width)
+        flat_rows = rows[:, None].expand(-1, width)[keep].to(out.device)
+        flat_cols = torch.arange(width, device=out.device)[None, :].expand(len(rows), -1)[keep.to(out.device)]
+        yield flat_rows, flat_cols, out[keep.to(out.device)]
 
 
 def distinct_prompts(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +189,3 @@ def _response_lengths(batch: TrainBatch) -> torch.Tensor:
     real = batch.response_attention_mask.bool()
     columns = torch.arange(1, batch.response_length + 1, device=real.device)
     return (real * columns).amax(dim=1).clamp(min=1).cpu()
-
-
-def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x

@@ -367,8 +367,9 @@ class ValueModel(torch.nn.Module):
     """The policy's backbone with a scalar head: V(state before each token).
 
     Called like a causal LM (``past_key_values``, ``use_cache``, ``logits_to_keep``), with the
-    values as ``.logits`` of width 1, so the trainer's shared-prompt and length-bucket forward
-    (``prefix.py``) computes values the same way it computes logprobs."""
+    values as ``.logits`` of width 1, and with a causal LM's ``base_model`` (the decoder stack)
+    and ``get_output_embeddings()`` (the head), so the trainer's forwards (``prefix.py``,
+    ``packed.py``) compute values the same way they compute logprobs."""
 
     def __init__(self, model_path: str):
         super().__init__()
@@ -380,6 +381,13 @@ class ValueModel(torch.nn.Module):
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        return self.backbone
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
 
     def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache: bool = False,
                 logits_to_keep: int = 0):

@@ -1,9 +1,12 @@
 """FSDP2 over 2 ranks (real gloo between Ray actors) matches 1 rank after several PPO steps.
 
-With one rank on the CPU the module runs unwrapped (``shard_model``), so this also checks that
-the two forms train alike. The two samples of each group share their prompt, and each
-micro-batch holds one group, so both forms run the shared-prompt forward (two forward passes
-before one backward, which FSDP2 must reduce correctly)."""
+With one rank on the CPU the module runs unwrapped (``shard_model``) and trains through the
+packed forward (``packed.py``), while the FSDP2 ranks run the module forward with shared prompts
+(two forward passes before one backward, which FSDP2 must reduce correctly): this also checks
+that the two forms train alike. They compute the same function with sums in another order, and
+Adam turns such rounding into parameter differences of up to ~1e-4 after three steps at lr 1e-3
+(3e-5 measured here, 8e-5 between the two forwards in one process); a rank's gradient lost or
+counted twice moves them by order lr."""
 
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ def test_two_ranks_match_one_rank_after_three_steps(tiny_model_dir):
     two = run_updates(tiny_model_dir, 2, batch)
     assert one.keys() == two.keys()
     worst = max(float((one[k] - two[k]).abs().max()) for k in one)
-    assert worst < 1e-5
+    assert worst < 2e-4
     from transformers import AutoModelForCausalLM
 
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()

@@ -1,5 +1,7 @@
-"""The trainer's response logprobs (shared prompts, length buckets) equal one padded forward of
-the whole batch, in logprobs and in gradients."""
+"""The trainer's response logprobs equal one padded forward of the whole batch, in logprobs and
+in gradients, on both of its paths: the packed forward (``packed.py``: prompts once, responses
+packed after them, one call) and the module forward with shared prompts and length buckets
+(``prefix.py``; what FSDP2 and gradient checkpointing use)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agentrl.trainer import packed
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.prefix import distinct_prompts, length_buckets
 from agentrl.trainer.workers import response_logprobs
+
+PATHS = ["packed", "buckets"]
+
+
+@pytest.fixture(params=PATHS)
+def forward_path(request, monkeypatch):
+    """Runs a test on each path; ``buckets`` is what a model the packed forward cannot take gets."""
+    if request.param == "buckets":
+        monkeypatch.setattr(packed, "packed_supported", lambda model, batch: False)
+    return request.param
 
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]], observed: dict[int, list[int]] | None = None) -> TrainBatch:
@@ -62,7 +75,7 @@ def padded_forward(model, batch: TrainBatch):
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "own-prompts"])
 @pytest.mark.parametrize("call_cost", [0, 1000], ids=["bucket-per-length", "one-bucket"])
-def test_logprobs_and_gradients_equal_one_padded_forward(model, monkeypatch, share, call_cost):
+def test_logprobs_and_gradients_equal_one_padded_forward(model, monkeypatch, forward_path, share, call_cost):
     # Two groups of three samples (prompts of different lengths, so B's are left-padded), responses
     # of different lengths (right padding) and tool output inside two of them.
     monkeypatch.setattr("agentrl.trainer.prefix.CALL_COST_TOKENS", call_cost)
@@ -97,7 +110,8 @@ def test_buckets_minimize_padded_tokens_plus_a_charge_per_call():
     assert as_lists(length_buckets(lengths, call_cost=5)) == [[0, 2, 5, 3], [1, 4]]
 
 
-def test_each_distinct_prompt_goes_through_the_model_once(model):
+def test_each_distinct_prompt_goes_through_the_model_once_on_the_bucket_path(model, monkeypatch):
+    monkeypatch.setattr(packed, "packed_supported", lambda model, batch: False)
     batch = make_batch([GROUP_A] * 3 + [GROUP_B] * 3, [[30, 31, 32]] * 6)
     seen: list[tuple[int, ...]] = []
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
@@ -113,7 +127,59 @@ def test_each_distinct_prompt_goes_through_the_model_once(model):
     assert seen == [(6, P + R)]
 
 
-def test_one_token_responses_need_only_the_prompt_pass(model):
+def test_the_packed_path_feeds_each_prompt_once_then_its_responses_without_padding(model, monkeypatch):
+    batch = make_batch([GROUP_A] * 3 + [GROUP_B] * 3, [[30, 31, 32], [40], [50, 51], [60, 61, 62], [70, 71, 72], [80]])
+    layouts: list[packed.PackedSegments] = []
+    real_hidden = packed.packed_hidden
+    monkeypatch.setattr(packed, "packed_hidden", lambda m, layout: layouts.append(layout) or real_hidden(m, layout))
+    monkeypatch.setattr("agentrl.trainer.prefix.CALL_COST_TOKENS", 1000)  # both segments in one call
+    response_logprobs(model, batch, share_prompts=True)
+    (layout,) = layouts
+    # A response's last token is predicted, never fed: rows add 2, 0, 1 and 2, 2, 0 tokens.
+    # Segments are ordered by length (length_buckets): B's (8 tokens) before A's (10).
+    assert layout.ids.tolist() == [
+        GROUP_B + [60, 61] + [70, 71] + [0, 0],  # padded to the longer segment
+        GROUP_A + [30, 31] + [50],
+    ]
+    assert layout.owner.tolist() == [[-1] * 4 + [3, 3, 4, 4, -2, -2], [-1] * 7 + [0, 0, 2]]
+    assert layout.positions.tolist() == [[0, 1, 2, 3, 4, 5, 4, 5, 0, 0], list(range(9)) + [7]]
+    # Row 0's three columns are predicted by the last prompt token and its own two fed tokens.
+    L = layout.ids.shape[1]
+    assert [int(s) - L for s, r in zip(layout.source, layout.rows) if r == 0] == [6, 7, 8]
+    assert [int(s) for s, r in zip(layout.source, layout.rows) if r == 3] == [3, 4, 5]
+    assert layout.cols[layout.rows == 1].tolist() == [0]  # a one-token response: the prompt predicts it
+
+    visible = layout.attention_mask(torch.float32)[0, 0] == 0  # segment 0, [query, key]
+    assert visible[7].tolist() == [True] * 4 + [False, False, True, True, False, False]  # row 4's 2nd token
+    assert visible[5].tolist() == [True] * 6 + [False] * 4  # row 3's 2nd token: its prompt and itself
+
+
+def test_a_group_longer_than_a_segment_is_cut_and_each_part_gets_its_prompt(model, monkeypatch):
+    monkeypatch.setattr(packed, "MAX_SEGMENT_TOKENS", 10)
+    batch = make_batch([GROUP_A] * 3 + [GROUP_B], [[30, 31, 32], [40, 41, 42], [50, 51], [60, 61, 62, 63, 64, 65, 66, 67, 68]])
+    lengths = torch.tensor([3, 3, 2, 9])
+    _, inverse = distinct_prompts(batch)
+    # Group A: 7 + 2 + 2 > 10, so row 1 starts a second segment; row 3 alone is longer than 10.
+    assert packed.pack_segments(batch, lengths, inverse) == [(0, [0]), (1, [1, 2]), (3, [3])]
+    assert packed.segment_lengths(batch, lengths, packed.pack_segments(batch, lengths, inverse)).tolist() == [9, 10, 12]
+    got, _ = logprobs_and_grads(model, batch, share=True)
+    with torch.no_grad():
+        expected = padded_forward(model, batch)[0] * batch.response_mask
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_and_a_missing_prompt_take_the_module_path(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = make_batch([GROUP_A, GROUP_B], [[30], [40, 41]])
+    assert packed.packed_supported(model, batch)
+    no_prompt = batch.replace(attention_mask=batch.attention_mask.clone())
+    no_prompt.attention_mask[1, : batch.prompt_length] = 0
+    assert not packed.packed_supported(model, no_prompt)  # nothing would predict its first token
+    model.gradient_checkpointing_enable()
+    assert not packed.packed_supported(model, batch)  # checkpointing lives in the module forward
+
+
+def test_one_token_responses_need_only_the_prompt_pass(model, forward_path):
     batch = make_batch([GROUP_A] * 4, [[30], [31], [32], [33]])
     shared, _ = logprobs_and_grads(model, batch, share=True)
     with torch.no_grad():
@@ -132,7 +198,7 @@ def test_rows_share_a_prompt_only_when_tokens_and_padding_agree():
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "own-prompts"])
-def test_critic_values_and_gradients_equal_one_padded_forward(tiny_model_dir, monkeypatch, share):
+def test_critic_values_and_gradients_equal_one_padded_forward(tiny_model_dir, monkeypatch, forward_path, share):
     from agentrl.trainer.prefix import response_values
     from agentrl.trainer.workers import ValueModel
 
@@ -158,7 +224,7 @@ def test_critic_values_and_gradients_equal_one_padded_forward(tiny_model_dir, mo
         torch.testing.assert_close(critic.get_parameter(name).grad, grad, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
 
 
-def test_a_metric_only_entropy_equals_the_differentiable_one_and_carries_no_graph(model):
+def test_a_metric_only_entropy_equals_the_differentiable_one_and_carries_no_graph(model, forward_path):
     batch = make_batch([GROUP_A] * 2 + [GROUP_B], [[30, 31, 32], [40, 41], [50, 51, 52]])
     logprobs, with_grad = response_logprobs(model, batch, with_entropy=True)
     logprobs_m, metric = response_logprobs(model, batch, with_entropy=True, entropy_grad=False)
