@@ -216,6 +216,9 @@ class TrainerConfig(Section):
     resume: str | None = None  # a run directory to continue
     export_hf: bool = True  # save the final policy as a transformers checkpoint
     max_checkpoints: int = Field(2, ge=1)
+    # every step's trajectories (train and validation) in rollouts/, the replay format; off:
+    # nothing is kept for replay (a 64-trajectory step's shard costs ~8 ms: encoding, parquet, fsync)
+    save_rollouts: bool = True
 
 
 class LoggingConfig(Section):

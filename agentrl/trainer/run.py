@@ -212,7 +212,7 @@ class Trainer:
         self.kl_ctrl = (
             algo.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else algo.FixedKLController(kl.kl_coef)
         )
-        self.store = open_store(run_dir)
+        self.store = open_store(run_dir) if cfg.trainer.save_rollouts else None
         self.last_validation: list[Trajectory] = []
         if resumed:
             self.resume()

@@ -44,3 +44,4 @@ def test_agentrl_side_has_the_matched_settings_not_the_quickstart_preset(tmp_pat
     assert cfg.actor.optim.lr_warmup_steps == 0 and cfg.actor.optim.lr_scheduler == "constant"
     assert cfg.actor.optim.lr == Settings().lr and cfg.actor.optim.betas == (0.9, 0.999)
     assert cfg.rollout.temperature == Settings().temperature and cfg.rollout.n == Settings().n
+    assert not cfg.trainer.save_rollouts  # TRL keeps no rollouts: the same work on both sides

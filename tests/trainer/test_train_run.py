@@ -112,12 +112,15 @@ def test_resume_continues_with_the_same_metrics(short_run, tmp_path):
 
 
 def test_weight_sync_through_disk_gives_the_steps_of_the_in_memory_sync(short_run, tmp_path):
-    """engine.weight_sync=disk: the engine reloads a transformers checkpoint (SGLang's path)."""
+    """engine.weight_sync=disk: the engine reloads a transformers checkpoint (SGLang's path).
+    The run also keeps no rollouts (trainer.save_rollouts=false), which changes nothing else."""
     changed = {"trainer.total_steps": "2", "trainer.save_freq": "0", "trainer.export_hf": "false"}
     args = [a for a in SHORT if a.split("=")[0] not in changed] + [f"{k}={v}" for k, v in changed.items()]
-    done = run_cli(args + ["engine.weight_sync=disk", f"trainer.runs_root={tmp_path}", "trainer.run_name=disk"], cwd=tmp_path)
+    done = run_cli(args + ["engine.weight_sync=disk", "trainer.save_rollouts=false", f"trainer.runs_root={tmp_path}",
+                           "trainer.run_name=disk"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "disk" / "engine_weights" / "config.json").is_file()
+    assert not (tmp_path / "disk" / "rollouts").exists() and (short_run / "rollouts").is_dir()
     memory, disk = metrics_by_step(short_run), metrics_by_step(tmp_path / "disk")
     assert sorted(disk) == [1, 2]
     for step in (1, 2):
