@@ -30,10 +30,14 @@ import torch.nn.functional as F
 from agentrl.engines._packed import fast_decoder_supported, rms_norm, rotate_half
 from agentrl.trainer.batch import TrainBatch
 
-__all__ = ["PackedSegments", "packed_supported", "pack_segments", "packed_hidden", "MAX_SEGMENT_TOKENS"]
+__all__ = ["PackedSegments", "packed_supported", "pack_segments", "attention_pair_cost", "segment_lengths", "layout",
+           "packed_hidden", "MAX_SEGMENT_TOKENS"]
 
 # Longest segment: the block mask and the attention scores grow with its square.
 MAX_SEGMENT_TOKENS = 1024
+# How much slower per FLOP the masked attention runs than the layers' matrix products (CPU, an
+# estimate that errs towards separate segments).
+MASKED_ATTENTION_SLOWDOWN = 4.0
 
 
 def packed_supported(model: torch.nn.Module, batch: TrainBatch) -> bool:
@@ -76,27 +80,47 @@ class PackedSegments:
         return torch.zeros(S, 1, L, L, dtype=dtype, device=self.owner.device).masked_fill_(~visible[:, None], float("-inf"))
 
 
-def pack_segments(batch: TrainBatch, lengths: torch.Tensor, prompt_of: torch.Tensor,
-                  *, max_tokens: int | None = None) -> list[tuple[int, list[int]]]:
-    """Cut the rows into segments: ``(prompt row, rows)`` with one prompt each, in row order,
-    each at most ``max_tokens`` long (a single row longer than that gets a segment of its own).
+def pack_segments(batch: TrainBatch, lengths: torch.Tensor, prompt_of: torch.Tensor, *, pair_cost: float = 0.0,
+                  max_tokens: int | None = None) -> list[tuple[int, list[int]]]:
+    """Cut the rows into segments: ``(prompt row, rows)`` with one prompt each, in row order.
     ``lengths[b]``: response columns of row b up to its last real token (>= 1); the last one is
-    predicted, never fed, so a row adds ``lengths[b] - 1`` tokens after its prompt."""
+    predicted, never fed, so a row adds ``lengths[b] - 1`` tokens after its prompt.
+
+    A row joins its prompt's open segment when that costs less than a segment of its own, in
+    token-equivalents: joining adds its tokens and attention over a longer segment (the block
+    mask is computed densely, so ``pair_cost`` per query-key pair, ``attention_pair_cost``),
+    a segment of its own adds its prompt again. Short prompts before long responses (SFT, where
+    the "prompt" is one token) so get a segment per row, GRPO groups share theirs. No segment
+    grows past ``max_tokens`` (a single longer row gets a segment of its own)."""
     max_tokens = MAX_SEGMENT_TOKENS if max_tokens is None else max_tokens
     P = batch.prompt_length
     prompt_tokens = batch.attention_mask[:, :P].sum(dim=1).tolist()
-    open_segment: dict[int, tuple[int, list[int], int]] = {}  # prompt id -> (segment index, rows, tokens)
+    open_segment: dict[int, tuple[list[int], int]] = {}  # prompt id -> (its rows, tokens)
     segments: list[tuple[int, list[int]]] = []
-    for b in range(len(batch)):
-        g = int(prompt_of[b])
-        added = int(lengths[b]) - 1
+    for b, (g, length) in enumerate(zip(prompt_of.tolist(), lengths.tolist())):
+        added, alone = length - 1, prompt_tokens[b] + length - 1
         current = open_segment.get(g)
-        if current is None or current[2] + added > max_tokens:
-            segments.append((b, []))
-            current = (len(segments) - 1, segments[-1][1], int(prompt_tokens[b]))
-        current[1].append(b)
-        open_segment[g] = (current[0], current[1], current[2] + added)
+        joins = current is not None and current[1] + added <= max_tokens and (
+            added + pair_cost * ((current[1] + added) ** 2 - current[1] ** 2) <= alone + pair_cost * alone**2
+        )
+        if joins:
+            current[0].append(b)
+            open_segment[g] = (current[0], current[1] + added)
+        else:
+            segments.append((b, [b]))
+            open_segment[g] = (segments[-1][1], alone)
     return segments
+
+
+def attention_pair_cost(config) -> float:
+    """What one query-key pair of the packed attention costs, in tokens' worth of the layers'
+    matrix products: 4·heads·head_dim FLOPs (scores and weighted sum) against 2 per weight, times
+    ``MASKED_ATTENTION_SLOWDOWN`` (a masked attention kernel runs further below the machine's
+    rate than a large matrix product)."""
+    heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    weights = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size
+    return MASKED_ATTENTION_SLOWDOWN * 4 * heads * head_dim / (2 * weights)
 
 
 def segment_lengths(batch: TrainBatch, lengths: torch.Tensor, segments: list[tuple[int, list[int]]]) -> torch.Tensor:

@@ -168,6 +168,20 @@ def test_a_group_longer_than_a_segment_is_cut_and_each_part_gets_its_prompt(mode
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+def test_rows_share_a_segment_only_when_that_costs_less_than_their_own():
+    # Join: the row's tokens plus pair_cost * (new length^2 - old length^2); alone: prompt +
+    # tokens plus pair_cost * length^2 (token-equivalents).
+    grpo = make_batch([GROUP_A] * 2, [[30, 31, 32]] * 2)  # rows add 2 tokens after a 7-token prompt
+    lengths = torch.tensor([3, 3])
+    # join 2 + 0.01 * (11^2 - 9^2) = 2.4 < alone 9 + 0.01 * 9^2 = 9.81
+    assert packed.pack_segments(grpo, lengths, torch.tensor([0, 0]), pair_cost=0.01) == [(0, [0, 1])]
+    sft = make_batch([[5]] * 2, [list(range(40, 80))] * 2)  # a one-token "prompt" before 40 tokens
+    lengths = torch.tensor([40, 40])
+    # join 39 + 0.01 * (79^2 - 40^2) = 85.4 > alone 40 + 0.01 * 40^2 = 56
+    assert packed.pack_segments(sft, lengths, torch.tensor([0, 0]), pair_cost=0.01) == [(0, [0]), (1, [1])]
+    assert packed.pack_segments(sft, lengths, torch.tensor([0, 0]), pair_cost=0.0) == [(0, [0, 1])]  # attention free
+
+
 def test_gradient_checkpointing_and_a_missing_prompt_take_the_module_path(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     batch = make_batch([GROUP_A, GROUP_B], [[30], [40, 41]])
