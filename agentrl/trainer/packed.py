@@ -1,4 +1,4 @@
-"""The trainer's forward over packed sequences: no padding, each prompt once, one call.
+"""The trainer's forward over packed sequences: each prompt once, little padding, one call.
 
 For the decoder families the engine's fast path knows (Qwen2, Qwen3, Llama), a micro-batch is
 rearranged into *segments*: a distinct prompt's real tokens followed by the response tokens of
@@ -11,9 +11,10 @@ small-op overhead costs more than the matrix products, forward and backward.
 
 Against ``prefix.py``'s shared-prompt + length-bucket forward this computes the same tokens
 (prompts once, responses without padding) in one model call instead of a prompt call plus one
-per bucket, with a few dozen ops per layer. A segment holds at most ``max_tokens`` tokens (a
-group with more response tokens is cut into several segments, each with its prompt); segments
-of similar length are batched together by ``length_buckets``.
+per bucket, with a few dozen ops per layer. A row joins its prompt's segment while that costs
+less than a segment of its own (the attention is computed densely over a segment, so long
+responses after a short prompt, as in SFT, get a segment each), and no segment grows past
+``MAX_SEGMENT_TOKENS``; segments of similar length are batched together by ``length_buckets``.
 
 Used when the module is the plain model (one unwrapped rank, the CPU default): FSDP2 gathers its
 sharded parameters in the module forward's hooks, which a functional call would skip, and
