@@ -92,11 +92,10 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
     for rows in length_buckets(lengths):
         width = int(lengths[rows].max())
         out = cache.logits(model, batch, rows, width) if cache is not None else _full_logits(model, batch, rows, width)
-        # keep each row's own columns (the bucket is as wide as its longest row)
-        keep = torch.arange(width)[None, :] < lengths[rows][:, None]  # (n, width)
-        flat_rows = rows[:, None].expand(-1, width)[keep].to(out.device)
-        flat_cols = torch.arange(width, device=out.device)[None, :].expand(len(rows), -1)[keep.to(out.device)]
-        yield flat_rows, flat_cols, out[keep.to(out.device)]
+        # each row's own columns only (the bucket is as wide as its longest row)
+        keep = (torch.arange(width)[None, :] < lengths[rows][:, None]).to(out.device)  # (n, width)
+        cols = torch.arange(width, device=out.device).expand(len(rows), -1)
+        yield rows.to(out.device)[:, None].expand(-1, width)[keep], cols[keep], out[keep]
 
 
 def distinct_prompts(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:

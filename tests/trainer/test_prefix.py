@@ -98,6 +98,16 @@ def test_logprobs_and_gradients_equal_one_padded_forward(model, monkeypatch, for
         torch.testing.assert_close(grads[name], expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_columns_past_a_rows_last_token_are_zero(model, forward_path, monkeypatch):
+    monkeypatch.setattr("agentrl.trainer.prefix.CALL_COST_TOKENS", 1000)  # one bucket as wide as its longest row
+    batch = make_batch([GROUP_A] * 2 + [GROUP_B], [[30, 31, 32, 33], [40], [50, 51]])
+    with torch.no_grad():
+        logprobs, entropy = response_logprobs(model, batch, with_entropy=True)
+    real = batch.response_attention_mask.bool()
+    assert bool((logprobs[~real] == 0).all() and (entropy[~real] == 0).all())
+    assert bool((logprobs[real] < 0).all() and (entropy[real] > 0).all())
+
+
 def test_buckets_minimize_padded_tokens_plus_a_charge_per_call():
     lengths = torch.tensor([1, 9, 1, 2, 9, 1])
     as_lists = lambda buckets: [b.tolist() for b in buckets]  # noqa: E731
