@@ -47,6 +47,7 @@ def fast_decoder_supported(decoder: torch.nn.Module) -> bool:
         and rotary is not None
         and getattr(rotary, "rope_type", "default") in _STATIC_ROPE
         and not getattr(config, "use_sliding_window", False)
+        and not getattr(config, "mlp_bias", False)  # the SwiGLU here has no biases (Llama can have them)
     )
 
 

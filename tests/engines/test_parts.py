@@ -146,3 +146,16 @@ def test_engines_package_exports_what_it_documents():
     )
     for name in engines.__all__:
         assert getattr(engines, name).__name__ == name
+
+
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_a_llama_with_mlp_biases_takes_the_module_forward(mlp_bias):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agentrl.engines._packed import ModuleForward, PackedDecoderForward, make_forward
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, mlp_bias=mlp_bias)
+    forward = make_forward(LlamaForCausalLM(config), max_len=16)
+    # the functional layers have no MLP biases: such a model must not run through them
+    assert isinstance(forward, ModuleForward if mlp_bias else PackedDecoderForward)
