@@ -23,7 +23,7 @@ gradient checkpointing lives in the modules too. Everything else takes ``prefix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from agentrl.engines._packed import fast_decoder_supported, rms_norm, rotate_half
 from agentrl.trainer.batch import TrainBatch
 
-__all__ = ["PackedSegments", "packed_supported", "pack_segments", "attention_pair_cost", "segment_lengths", "layout",
+__all__ = ["Segment", "PackedSegments", "packed_supported", "pack_segments", "attention_pair_cost", "layout",
            "packed_hidden", "MAX_SEGMENT_TOKENS"]
 
 # Longest segment: the block mask and the attention scores grow with its square.
@@ -81,9 +81,18 @@ class PackedSegments:
         return torch.zeros(S, 1, L, L, dtype=dtype, device=self.owner.device).masked_fill_(~visible[:, None], float("-inf"))
 
 
+@dataclass
+class Segment:
+    """One prompt (``first``: a row holding it) and the rows packed after it; ``tokens``: its length."""
+
+    first: int
+    tokens: int
+    rows: list[int] = field(default_factory=list)
+
+
 def pack_segments(batch: TrainBatch, lengths: torch.Tensor, prompt_of: torch.Tensor, *, pair_cost: float = 0.0,
-                  max_tokens: int | None = None) -> list[tuple[int, list[int]]]:
-    """Cut the rows into segments: ``(prompt row, rows)`` with one prompt each, in row order.
+                  max_tokens: int | None = None) -> list[Segment]:
+    """Cut the rows into segments with one prompt each, in row order.
     ``lengths[b]``: response columns of row b up to its last real token (>= 1); the last one is
     predicted, never fed, so a row adds ``lengths[b] - 1`` tokens after its prompt.
 
@@ -94,22 +103,20 @@ def pack_segments(batch: TrainBatch, lengths: torch.Tensor, prompt_of: torch.Ten
     the "prompt" is one token) so get a segment per row, GRPO groups share theirs. No segment
     grows past ``max_tokens`` (a single longer row gets a segment of its own)."""
     max_tokens = MAX_SEGMENT_TOKENS if max_tokens is None else max_tokens
-    P = batch.prompt_length
-    prompt_tokens = batch.attention_mask[:, :P].sum(dim=1).tolist()
-    open_segment: dict[int, tuple[list[int], int]] = {}  # prompt id -> (its rows, tokens)
-    segments: list[tuple[int, list[int]]] = []
+    prompt_tokens = batch.attention_mask[:, : batch.prompt_length].sum(dim=1).tolist()
+    open_segment: dict[int, Segment] = {}  # prompt id -> its latest segment
+    segments: list[Segment] = []
     for b, (g, length) in enumerate(zip(prompt_of.tolist(), lengths.tolist())):
         added, alone = length - 1, prompt_tokens[b] + length - 1
         current = open_segment.get(g)
-        joins = current is not None and current[1] + added <= max_tokens and (
-            added + pair_cost * ((current[1] + added) ** 2 - current[1] ** 2) <= alone + pair_cost * alone**2
+        joins = current is not None and current.tokens + added <= max_tokens and (
+            added + pair_cost * ((current.tokens + added) ** 2 - current.tokens**2) <= alone + pair_cost * alone**2
         )
-        if joins:
-            current[0].append(b)
-            open_segment[g] = (current[0], current[1] + added)
-        else:
-            segments.append((b, [b]))
-            open_segment[g] = (segments[-1][1], alone)
+        if not joins:
+            current = open_segment[g] = Segment(first=b, tokens=prompt_tokens[b])
+            segments.append(current)
+        current.rows.append(b)
+        current.tokens += added
     return segments
 
 
@@ -124,26 +131,21 @@ def attention_pair_cost(config) -> float:
     return MASKED_ATTENTION_SLOWDOWN * 4 * heads * head_dim / (2 * weights)
 
 
-def segment_lengths(batch: TrainBatch, lengths: torch.Tensor, segments: list[tuple[int, list[int]]]) -> torch.Tensor:
-    prompt_tokens = batch.attention_mask[:, : batch.prompt_length].sum(dim=1)
-    return torch.tensor([int(prompt_tokens[first]) + sum(int(lengths[b]) - 1 for b in rows) for first, rows in segments])
-
-
-def layout(batch: TrainBatch, lengths: torch.Tensor, segments: list[tuple[int, list[int]]]) -> PackedSegments:
+def layout(batch: TrainBatch, lengths: torch.Tensor, segments: list[Segment]) -> PackedSegments:
     """The (S, L) tensors of ``segments`` (right-padded to the longest) and the prediction index.
     Built with Python lists from one ``tolist`` per field: per-row tensor slicing costs more."""
     P = batch.prompt_length
     input_ids, positions, attention = batch.input_ids.tolist(), batch.position_ids.tolist(), batch.attention_mask.tolist()
     lengths = lengths.tolist()
-    width = max(sum(attention[first][:P]) + sum(lengths[b] - 1 for b in rows) for first, rows in segments)
+    width = max(segment.tokens for segment in segments)
     ids, pos, owner, source, out_rows, out_cols = [], [], [], [], [], []
-    for s, (first, rows) in enumerate(segments):
-        real = [c for c in range(P) if attention[first][c]]
-        ids += [input_ids[first][c] for c in real]
-        pos += [positions[first][c] for c in real]
+    for s, segment in enumerate(segments):
+        real = [c for c in range(P) if attention[segment.first][c]]
+        ids += [input_ids[segment.first][c] for c in real]
+        pos += [positions[segment.first][c] for c in real]
         owner += [-1] * len(real)
         last_prompt = s * width + len(real) - 1
-        for b in rows:
+        for b in segment.rows:
             n = lengths[b] - 1
             # column 0 is predicted by the last prompt token, column t by response token t - 1
             source.append(last_prompt)

@@ -84,7 +84,7 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
         first, inverse = torch.arange(len(batch)), torch.arange(len(batch))
     if packed.packed_supported(model, batch):
         segments = packed.pack_segments(batch, lengths, inverse, pair_cost=packed.attention_pair_cost(model.config))
-        for bucket in length_buckets(packed.segment_lengths(batch, lengths, segments)):
+        for bucket in length_buckets(torch.tensor([segment.tokens for segment in segments])):
             layout = packed.layout(batch, lengths, [segments[i] for i in bucket.tolist()])
             yield layout.rows, layout.cols, model.get_output_embeddings()(packed.packed_hidden(model, layout))
         return

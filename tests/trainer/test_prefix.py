@@ -170,8 +170,8 @@ def test_a_group_longer_than_a_segment_is_cut_and_each_part_gets_its_prompt(mode
     lengths = torch.tensor([3, 3, 2, 9])
     _, inverse = distinct_prompts(batch)
     # Group A: 7 + 2 + 2 > 10, so row 1 starts a second segment; row 3 alone is longer than 10.
-    assert packed.pack_segments(batch, lengths, inverse) == [(0, [0]), (1, [1, 2]), (3, [3])]
-    assert packed.segment_lengths(batch, lengths, packed.pack_segments(batch, lengths, inverse)).tolist() == [9, 10, 12]
+    Segment = packed.Segment
+    assert packed.pack_segments(batch, lengths, inverse) == [Segment(0, 9, [0]), Segment(1, 10, [1, 2]), Segment(3, 12, [3])]
     got, _ = logprobs_and_grads(model, batch, share=True)
     with torch.no_grad():
         expected = padded_forward(model, batch)[0] * batch.response_mask
@@ -184,12 +184,13 @@ def test_rows_share_a_segment_only_when_that_costs_less_than_their_own():
     grpo = make_batch([GROUP_A] * 2, [[30, 31, 32]] * 2)  # rows add 2 tokens after a 7-token prompt
     lengths = torch.tensor([3, 3])
     # join 2 + 0.01 * (11^2 - 9^2) = 2.4 < alone 9 + 0.01 * 9^2 = 9.81
-    assert packed.pack_segments(grpo, lengths, torch.tensor([0, 0]), pair_cost=0.01) == [(0, [0, 1])]
+    assert packed.pack_segments(grpo, lengths, torch.tensor([0, 0]), pair_cost=0.01) == [packed.Segment(0, 11, [0, 1])]
     sft = make_batch([[5]] * 2, [list(range(40, 80))] * 2)  # a one-token "prompt" before 40 tokens
     lengths = torch.tensor([40, 40])
     # join 39 + 0.01 * (79^2 - 40^2) = 85.4 > alone 40 + 0.01 * 40^2 = 56
-    assert packed.pack_segments(sft, lengths, torch.tensor([0, 0]), pair_cost=0.01) == [(0, [0]), (1, [1])]
-    assert packed.pack_segments(sft, lengths, torch.tensor([0, 0]), pair_cost=0.0) == [(0, [0, 1])]  # attention free
+    alone = [packed.Segment(0, 40, [0]), packed.Segment(1, 40, [1])]
+    assert packed.pack_segments(sft, lengths, torch.tensor([0, 0]), pair_cost=0.01) == alone
+    assert packed.pack_segments(sft, lengths, torch.tensor([0, 0]), pair_cost=0.0) == [packed.Segment(0, 79, [0, 1])]  # attention free
 
 
 def test_gradient_checkpointing_and_a_missing_prompt_take_the_module_path(tiny_model_dir):
