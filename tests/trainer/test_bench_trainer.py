@@ -45,3 +45,14 @@ def test_agentrl_side_has_the_matched_settings_not_the_quickstart_preset(tmp_pat
     assert cfg.actor.optim.lr == Settings().lr and cfg.actor.optim.betas == (0.9, 0.999)
     assert cfg.rollout.temperature == Settings().temperature and cfg.rollout.n == Settings().n
     assert not cfg.trainer.save_rollouts  # TRL keeps no rollouts: the same work on both sides
+
+
+def test_bench_forward_times_both_paths_on_both_batch_shapes():
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "bench", "forward", "--json", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["grpo"]["rows"] == 64 and out["sft"]["rows"] == 32
+    for name in ("grpo", "sft"):
+        assert out[name]["packed_s"] > 0 and out[name]["module_s"] > 0
+        assert out[name]["ratio"] == pytest.approx(out[name]["module_s"] / out[name]["packed_s"], rel=1e-2)
