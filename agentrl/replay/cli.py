@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from agentrl.errors import AgentrlError, ConfigError, DataError
-from agentrl.replay.store import RolloutStore, StoredTrajectory, TrajectoryFilter
+from agentrl.rundir import RunDir
+from agentrl.data.rollout_store import RolloutStore, StoredTrajectory, TrajectoryFilter
 from agentrl.trajectory import Trajectory
 
 __all__ = ["cli_main", "open_store", "parse_steps", "format_trajectory", "metrics_by_step"]
@@ -46,8 +47,8 @@ def open_store(path: str | Path) -> RolloutStore:
     path = Path(path)
     if not path.is_dir():
         raise DataError("not a directory", file=str(path))
-    if not any(path.glob("*.parquet")) and (path / "rollouts").is_dir():
-        path = path / "rollouts"
+    if not any(path.glob("*.parquet")) and RunDir(path).rollouts.is_dir():
+        path = RunDir(path).rollouts
     return RolloutStore(path)
 
 
@@ -82,7 +83,7 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
 
 
 def _run_config_path(store: RolloutStore) -> Path | None:
-    for candidate in (store.root / "config.yaml", store.root.parent / "config.yaml"):
+    for candidate in (RunDir(store.root).config, RunDir(store.root.parent).config):
         if candidate.is_file():
             return candidate
     return None
@@ -114,7 +115,7 @@ def _tokenizer(store: RolloutStore, explicit: str | None, *, required: bool, cfg
         cfg = _config_from(store, None, (), "rollout")
     if cfg is None and not required:
         return None
-    from agentrl.trainer.run import resolve_model
+    from agentrl.tiny import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(cfg))
 
@@ -204,7 +205,7 @@ def _show(args: argparse.Namespace) -> int:
 def metrics_by_step(store: RolloutStore, where: TrajectoryFilter | None = None) -> list[dict[str, Any]]:
     """Per-step metrics computed from the stored trajectories (validation keys prefixed
     ``val/``), one step in memory at a time."""
-    from agentrl.trainer.run import trajectory_metrics
+    from agentrl.trainer.step import trajectory_metrics
 
     where = where or TrajectoryFilter()
     keys = store.read_table(["split", "step"], where)
@@ -220,19 +221,17 @@ def metrics_by_step(store: RolloutStore, where: TrajectoryFilter | None = None) 
 
 
 def _report(args: argparse.Namespace) -> int:
-    from agentrl.replay.report import render_report
+    from agentrl.report import render_report
 
     store = open_store(args.dir)
     where = _filter(args)
     rows = metrics_by_step(store, where)
-    jsonl = store.root.parent / "metrics.jsonl"
-    if jsonl.is_file():  # a run directory: the trainer's own metrics (losses, KL, mismatch) join in
+    run = RunDir(store.root.parent)
+    if run.metrics.is_file():  # a run directory: the trainer's own metrics (losses, KL, mismatch) join in
         by_step = {r["step"]: r for r in rows}
-        for line in jsonl.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                by_step.setdefault(record["step"], {"step": record["step"]}).update(
-                    {k: v for k, v in record.items() if k not in by_step.get(record["step"], {})})
+        for record in run.read_metrics():
+            by_step.setdefault(record["step"], {"step": record["step"]}).update(
+                {k: v for k, v in record.items() if k not in by_step.get(record["step"], {})})
         rows = [by_step[s] for s in sorted(by_step)]
     samples: list[Trajectory] = []
     if rows and args.samples > 0:
@@ -269,11 +268,11 @@ def _rescore(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from agentrl.config import load_config
     from agentrl.replay.train import train_from_store
-    from agentrl.trainer.run import make_run_dir
+    from agentrl.rundir import make_run_dir
 
     store = open_store(args.dir)
     cfg = load_config("train", args.overrides)
-    out = Path(args.output) if args.output else make_run_dir(cfg)
+    out = Path(args.output) if args.output else make_run_dir(cfg).path
     summary = train_from_store(store, cfg, out, split=args.split, steps=parse_steps(args.step), max_ratio=args.max_ratio,
                                epochs=args.epochs)
     print(json.dumps(summary, indent=2))

@@ -53,7 +53,7 @@ def sample_rows():
 @pytest.fixture
 def scripted_store(rollout, sample_rows, tmp_path):
     """A store of two training steps and one validation step from SCRIPT's rows (rows stored)."""
-    from agentrl.replay.store import RolloutStore
+    from agentrl.data.rollout_store import RolloutStore
 
     store = RolloutStore(tmp_path / "rollouts")
     for step in range(2):

@@ -17,7 +17,7 @@ from replay_data import SCRIPT
 from v1_format import write_trajectories
 
 from agentrl.errors import DataError
-from agentrl.replay.store import SCHEMA_VERSION, RolloutStore, TrajectoryFilter
+from agentrl.data.rollout_store import SCHEMA_VERSION, RolloutStore, TrajectoryFilter
 from agentrl.trajectory import ToolCallRecord, Trajectory, Turn
 
 
@@ -116,7 +116,7 @@ def test_read_table_returns_only_the_columns_asked_for(tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys
-    from agentrl.replay.store import RolloutStore
+    from agentrl.data.rollout_store import RolloutStore
     from agentrl.trajectory import Trajectory, Turn
     n = 2000
     t = Trajectory(row_id="r", group_id="g", sample_index=0, data_source="d", agent_name="tool_agent", prompt_ids=[1] * 50,

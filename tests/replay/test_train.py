@@ -17,11 +17,11 @@ from replay_data import SCRIPT
 from torch.testing import assert_close
 
 from agentrl.config.schema import TrainConfig
-from agentrl.replay.store import RolloutStore
-from agentrl.replay.train import LocalGroup, ReplayGroups, replay_step, truncated_importance_weights
+from agentrl.data.rollout_store import RolloutStore
+from agentrl.replay.train import replay_step, truncated_importance_weights
 from agentrl.trainer.batch import collate
 from agentrl.trainer.dist import free_port
-from agentrl.trainer.run import compute_advantages
+from agentrl.trainer.step import Groups, LocalGroup, compute_advantages
 from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
 
 
@@ -80,7 +80,7 @@ def test_replay_update_with_the_policys_own_logprobs_equals_the_online_update(ac
     batch, _ = compute_advantages(collate(trajectories, pad_token_id=pad), CFG, None)
     expected, _, _ = online.update_on_policy(batch, mini_batch_denominator(batch.response_mask, "token-mean"), use_kl_loss=False)
 
-    got = replay_step(ReplayGroups(LocalGroup(replay)), stored_with_logprobs(trajectories, own, tmp_path), CFG,
+    got = replay_step(Groups(LocalGroup(replay)), stored_with_logprobs(trajectories, own, tmp_path), CFG,
                       pad_token_id=pad, max_ratio=2.0)
     assert got["replay/ratio_mean"] == 1.0 and got["logprob_mismatch/max"] == 0.0 and got["replay/truncated_fraction"] == 0.0
     assert got["actor/pg_loss"] == pytest.approx(expected["actor/pg_loss"], abs=1e-7)
@@ -89,7 +89,7 @@ def test_replay_update_with_the_policys_own_logprobs_equals_the_online_update(ac
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
 
     # an engine that gave every token 1 nat less: ratio e, truncated to 2, so each token's loss counts twice
-    off = replay_step(ReplayGroups(LocalGroup(truncated)), stored_with_logprobs(trajectories, own, tmp_path, shift=-1.0), CFG,
+    off = replay_step(Groups(LocalGroup(truncated)), stored_with_logprobs(trajectories, own, tmp_path, shift=-1.0), CFG,
                       pad_token_id=pad, max_ratio=2.0)
     assert off["replay/truncated_fraction"] == 1.0
     assert off["logprob_mismatch/mean"] == pytest.approx(1.0, abs=1e-6)

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 from agentrl.config.schema import TrainConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import collate
-from agentrl.trainer.run import _pad_rows, _shards, compute_advantages, trajectory_metrics
+from agentrl.trainer.step import compute_advantages, pad_rows, shards, trajectory_metrics
 from agentrl.trajectory import Trajectory, Turn
 
 
@@ -89,7 +89,7 @@ def test_trajectory_metrics_count_turns_tools_errors_and_finishes():
 def test_rows_padded_for_sharding_carry_no_loss():
     trajectories = [traj("g", i, [("assistant", 2, None)], reward=float(i)) for i in range(3)]
     batch = collate(trajectories, pad_token_id=0)
-    padded = _pad_rows(batch, 2)
+    padded = pad_rows(batch, 2)
     assert len(padded) == 4 and padded.response_mask[3].sum() == 0
-    shards = _shards(batch, 2)
-    assert [len(s) for s in shards] == [2, 2]
+    parts = shards(batch, 2)
+    assert [len(s) for s in parts] == [2, 2]
