@@ -42,7 +42,7 @@ def replay_step(
     """One off-policy corrected update from stored trajectories (the shared training step);
     returns the step's metrics."""
     step = TrainingStep(cfg, groups, pad_token_id=pad_token_id, kl_ctrl=kl_ctrl)
-    return step(trajectories, update_actor=update_actor, max_ratio=max_ratio, where="stored step").metrics
+    return step.replay(trajectories, max_ratio=max_ratio, update_actor=update_actor).metrics
 
 
 # ----------------------------------------------------------------------------- the job
@@ -109,8 +109,8 @@ def train_from_store(
         for _ in range(epochs):
             for source_step in stored_steps:
                 trajectories = list(store.iter_trajectories(TrajectoryFilter(split=split, steps=(source_step, source_step + 1))))
-                last = step(trajectories, update_actor=done >= cfg.trainer.critic_warmup, max_ratio=max_ratio,
-                            where=f"stored {split} step {source_step}").metrics
+                last = step.replay(trajectories, max_ratio=max_ratio, update_actor=done >= cfg.trainer.critic_warmup,
+                                   where=f"stored {split} step {source_step}").metrics
                 last["replay/source_step"] = float(source_step)
                 done += 1
                 log.log(done, last)

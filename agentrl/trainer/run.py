@@ -42,7 +42,7 @@ from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
 from agentrl.tiny import resolve_model
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.logging import MetricsLogger
-from agentrl.trainer.step import Groups, TrainingStep, is_on_policy, timed, trajectory_metrics
+from agentrl.trainer.step import Groups, TrainingStep, timed, trajectory_metrics
 from agentrl.trajectory import Trajectory
 
 __all__ = ["Trainer", "RunResult", "train", "cli_main"]
@@ -88,7 +88,6 @@ class Trainer:
             weight_sync="disk" if cfg.engine.weight_sync == "disk" else "memory", weights_dir=str(run_dir / "engine_weights"),
         )
         self.total_steps = cfg.trainer.total_steps
-        self.on_policy = is_on_policy(cfg)
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
@@ -137,17 +136,14 @@ class Trainer:
 
     def train_step(self, step: int, rows) -> dict[str, float]:
         """Rollout, the training step (``trainer.step``), weight sync; the rollouts go to the store."""
-        cfg = self.cfg
         timings: dict[str, float] = {}
         start = time.perf_counter()
         with timed(timings, "rollout"):  # generation, tools, interactions and rewards
             trajectories = self.rollout(rows, step=step, validation=False)
         if self.store is not None:
             self.store.write_step(step, trajectories, rows=rows)
-        update_actor = step >= cfg.trainer.critic_warmup
-        result = self.step(trajectories, group_size=cfg.rollout.n, on_policy=self.on_policy, update_actor=update_actor,
-                           where=f"step {step}")
-        if update_actor:
+        result = self.step.online(trajectories, step=step)
+        if result.updated_actor:
             with timed(timings, "weight_sync"):
                 self.actor.call_all("sync_weights", step + 1)
         wall = time.perf_counter() - start

@@ -79,6 +79,7 @@ class Groups:
 class StepResult:
     batch: TrainBatch  # the batch as the update saw it (old logprobs, advantages, ... filled in)
     metrics: dict[str, float]
+    updated_actor: bool  # False while only the critic trains (trainer.critic_warmup): no weight sync
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -237,6 +238,18 @@ class TrainingStep:
     def __init__(self, cfg: TrainConfig, groups: Groups, *, pad_token_id: int, kl_ctrl: Any = None):
         self.cfg, self.groups, self.pad_token_id, self.kl_ctrl = cfg, groups, pad_token_id, kl_ctrl
 
+    def online(self, trajectories: Sequence[Trajectory], *, step: int) -> StepResult:
+        """Online training's update of step ``step`` from the trajectories just rolled out."""
+        cfg = self.cfg
+        return self(trajectories, group_size=cfg.rollout.n, on_policy=is_on_policy(cfg),
+                    update_actor=step >= cfg.trainer.critic_warmup, where=f"step {step}")
+
+    def replay(self, trajectories: Sequence[Trajectory], *, max_ratio: float, update_actor: bool = True,
+               where: str = "stored step") -> StepResult:
+        """An update from stored trajectories, each token weighted by its truncated importance
+        ratio against the stored (behaviour) logprobs."""
+        return self(trajectories, max_ratio=max_ratio, update_actor=update_actor, where=where)
+
     def __call__(
         self,
         trajectories: Sequence[Trajectory],
@@ -329,4 +342,4 @@ class TrainingStep:
             metrics["critic/explained_variance"] = explained_variance(batch.returns, batch.values, mask)
             metrics["critic/values_mean"] = float(algo.masked_mean(batch.values, mask))
         metrics["timing/step_s"] = time.perf_counter() - start
-        return StepResult(batch=batch, metrics=metrics)
+        return StepResult(batch=batch, metrics=metrics, updated_actor=update_actor)
