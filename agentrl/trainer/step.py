@@ -38,7 +38,7 @@ from agentrl.trajectory import Trajectory
 
 __all__ = [
     "Group", "LocalGroup", "Groups", "StepResult", "TrainingStep", "usable_trajectories", "is_on_policy",
-    "compute_advantages", "truncated_importance_weights", "trajectory_metrics", "shards", "timed",
+    "compute_advantages", "truncated_importance_weights", "trajectory_metrics", "pad_rows", "shards", "update", "timed",
 ]
 
 

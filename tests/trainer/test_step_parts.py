@@ -93,3 +93,19 @@ def test_rows_padded_for_sharding_carry_no_loss():
     assert len(padded) == 4 and padded.response_mask[3].sum() == 0
     parts = shards(batch, 2)
     assert [len(s) for s in parts] == [2, 2]
+
+
+def test_a_step_without_tokens_to_train_on_is_an_error_naming_the_step_and_the_reasons():
+    import dataclasses
+
+    import pytest
+
+    from agentrl.errors import DataError
+    from agentrl.trainer.step import usable_trajectories
+
+    ok = traj("g", 0, [("assistant", 2, None)], reward=1.0)
+    failed = dataclasses.replace(ok, sample_index=1, finish_reason="loop_error", reward_info={"error": "OSError: no sandbox slot"})
+    empty = dataclasses.replace(ok, sample_index=2, response_ids=[], response_mask=[], logprobs=[], turns=[])
+    assert usable_trajectories([failed, ok, empty], "step 3") == [ok]
+    with pytest.raises(DataError, match=r"step 3: none of the 2 trajectories has tokens to train on \(loop_error: OSError: no sandbox slot; stop: \)"):
+        usable_trajectories([failed, empty], "step 3")
