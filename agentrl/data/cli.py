@@ -40,6 +40,9 @@ def _validate(argv: list[str]) -> int:
 
 
 def cli_main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if not argv or argv[0] not in ("gsm8k", "tasks", "validate"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
