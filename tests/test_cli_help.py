@@ -13,7 +13,7 @@ from agentrl.config.help import command_help, config_keys, schema_docs
 
 
 def agentrl(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
