@@ -312,3 +312,11 @@ def test_data_validate_cli_names_an_uninstalled_tool_and_exits_1(tmp_path, capsy
     assert "row 1" in out and "extra_info.tools_kwargs.telescope" in out and "unknown tool 'telescope'" in out
     rows[1]["extra_info"]["tools_kwargs"] = {"calculator": {"create_kwargs": {}}}
     assert cli_main(["validate", str(write_rows(rows, tmp_path / "b.parquet"))]) == 0
+
+
+def test_interaction_kwargs_without_a_name_mean_verls_default_gsm8k(tmp_path):
+    rows = make_rows(1)
+    rows[0]["extra_info"]["interaction_kwargs"] = {"query": "What is 1 + 1?", "ground_truth": "2"}
+    [(_, row)] = list(RowDataset([write_rows(rows, tmp_path / "a.parquet")], batch_size=1, shuffle=False).next_batch())
+    assert row.extra_info.interaction_kwargs.name == "gsm8k"
+    assert row.extra_info.interaction_kwargs.model_extra == {"query": "What is 1 + 1?", "ground_truth": "2"}
