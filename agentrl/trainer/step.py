@@ -262,10 +262,11 @@ class TrainingStep:
     ) -> StepResult:
         """One update from ``trajectories`` (loop errors and empty responses are left out of the
         loss, counted in ``trajectories/loop_errors``). Mini-batches hold ``ppo_mini_batch_size``
-        prompts × ``group_size`` trajectories (default: the largest group among them). ``on_policy`` takes the old logprobs from the
-        update's own forward (needs ``is_on_policy(cfg)``); ``update_actor=False`` trains the
-        critic only (``trainer.critic_warmup``); ``max_ratio`` weights each token's advantage by
-        its truncated importance ratio against the trajectory's own (engine) logprobs."""
+        prompts × ``group_size`` trajectories (default: the largest group among them).
+        ``on_policy`` takes the old logprobs from the update's own forward (needs
+        ``is_on_policy(cfg)``); ``update_actor=False`` trains the critic only
+        (``trainer.critic_warmup``); ``max_ratio`` weights each token's advantage by its truncated
+        importance ratio against the trajectory's own (engine) logprobs."""
         cfg, groups = self.cfg, self.groups
         if on_policy and max_ratio is not None:
             raise ValueError("the on-policy update takes its old logprobs after the advantages: it cannot weight them")
