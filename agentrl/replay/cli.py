@@ -286,6 +286,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _rerun(args: argparse.Namespace) -> int:
     from agentrl.agent.runner import LoopTable, build_context
+    from agentrl.agent.setup import RolloutSetup
     from agentrl.replay.rerun import rerun_trajectories
 
     store = open_store(args.dir)
@@ -294,8 +295,7 @@ def _rerun(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(store, args.tokenizer, required=True, cfg=cfg)
     tool_names = sorted({name for r in records if r.row is not None for name in r.row.extra_info.tools_kwargs} | set(cfg.agent.tool_config))
     # the engine is ReplayEngine, set per wave by rerun_trajectories()
-    ctx = build_context(None, tokenizer, agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward,  # type: ignore[arg-type]
-                        max_response_tokens=cfg.data.max_response_length, tool_names=tool_names or None)
+    ctx = build_context(None, tokenizer, RolloutSetup.from_config(cfg), tool_names=tool_names or None)  # type: ignore[arg-type]
     differing: Counter[str] = Counter()
 
     def report(result) -> None:
