@@ -119,6 +119,11 @@ class Episode:
     def user_turns(self) -> int:
         return self.counts["user_turns"]
 
+    @property
+    def tokens_left(self) -> int:
+        """What ``max_response_tokens`` leaves for the rest of the response."""
+        return self.ctx.limits.max_response_tokens - len(self.builder)
+
     def check_turn(self, role: TurnRole | None, tokens: int = 1) -> int:
         """The one check of every turn limit, made before anything is added to the episode:
         a new turn of ``role`` (None: more of the current assistant turn) of ``tokens`` tokens
@@ -130,7 +135,7 @@ class Episode:
         # an assistant turn cannot start, and an observation would be read by no turn
         if role is not None and self.assistant_turns >= limits.max_assistant_turns:
             raise EpisodeEnd(TrajectoryFinish.MAX_ASSISTANT_TURNS)
-        left = limits.max_response_tokens - len(self.builder) - tokens
+        left = self.tokens_left - tokens
         if left < 0:
             raise EpisodeEnd(TrajectoryFinish.RESPONSE_BUDGET)
         return left
@@ -297,7 +302,7 @@ class AgentLoop:
                 episode.last_stopped_on_eos
                 and episode.builder.turns
                 and episode.builder.turns[-1].role == "assistant"
-                and len(episode.builder) + len(sep) <= ctx.limits.max_response_tokens
+                and len(sep) <= episode.tokens_left
             ):
                 # the separator the template writes after the final end-of-turn token
                 episode.builder.append_template(sep)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from agentrl.errors import AgentrlError, ConfigError, DataError
 from agentrl.replay.store import RolloutStore, StoredTrajectory, TrajectoryFilter
-from agentrl.trajectory import Trajectory
+from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 __all__ = ["cli_main", "open_store", "parse_steps", "format_trajectory", "metrics_by_step"]
 
@@ -76,7 +76,8 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", help="train, val, ... (default: every split)")
     p.add_argument("--step", help="A:B (A <= step < B), A:, :B or one step")
     p.add_argument("--data-source", action="append", help="keep this data source (repeatable)")
-    p.add_argument("--finish-reason", action="append", help="keep this finish reason (repeatable)")
+    p.add_argument("--finish-reason", action="append", choices=[r.value for r in TrajectoryFinish], metavar="F",
+                   help=f"keep this finish reason (repeatable): {', '.join(r.value for r in TrajectoryFinish)}")
     p.add_argument("--min-reward", type=float)
     p.add_argument("--max-reward", type=float)
 
