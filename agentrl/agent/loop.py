@@ -146,7 +146,8 @@ class Episode:
         """Sample the next assistant turn (or, with ``continue_turn``, more of the current one);
         returns the turn, the engine result and the text of the newly sampled tokens."""
         limits = self.ctx.limits
-        budget = self.check_turn(None if continue_turn else "assistant") + 1  # at least 1 token fits
+        # the tokens this turn may sample: what is left after its first one, plus that one
+        budget = self.check_turn(None if continue_turn else "assistant") + 1
         base = self.ctx.sampling
         sampling = SamplingParams(
             max_new_tokens=min(limits.max_new_tokens, budget),
