@@ -26,9 +26,9 @@ def cli_main(argv: list[str]) -> int:
 
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.setup import RolloutSetup
-    from agentrl.plugins import PluginRegistry
     from agentrl.data.dataset import RowDataset
     from agentrl.engines.builtin import BuiltinEngine
+    from agentrl.plugins import PluginRegistry
     from agentrl.trainer.run import _to_yaml, make_run_dir, prepare_data, require_builtin_engine, resolve_model
     from agentrl.replay.store import RolloutStore
 

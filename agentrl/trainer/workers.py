@@ -27,8 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
 from agentrl.agent.setup import RolloutSetup
+from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.dist import (
