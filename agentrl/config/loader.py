@@ -198,6 +198,8 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
         ("reward.default", "rewards", cfg.reward.default),
     ]
     wanted += [(f"reward.by_data_source.{k}", "rewards", v) for k, v in cfg.reward.by_data_source.items()]
+    wanted += [(f"agent.tool_parser_by_loop.{k}", "agent_loops", k) for k in cfg.agent.tool_parser_by_loop]
+    wanted += [(f"agent.tool_parser_by_loop.{k}", "tool_parsers", v) for k, v in cfg.agent.tool_parser_by_loop.items()]
     wanted += [(f"agent.tool_config.{k}", "tools", k) for k in cfg.agent.tool_config]
     wanted += [(f"agent.interaction_config.{k}", "interactions", k) for k in cfg.agent.interaction_config]
     problems = []

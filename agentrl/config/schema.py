@@ -101,7 +101,9 @@ class RolloutConfig(Section):
 
 class AgentConfig(Section):
     default_loop: str = "tool_agent"  # used when a row has no agent_name
-    tool_parser: str = "hermes"
+    tool_parser: str = "hermes"  # the parser of every loop not in tool_parser_by_loop
+    # Loops that write calls in a format of their own: loop name -> parser name.
+    tool_parser_by_loop: dict[str, str] = Field(default_factory=lambda: {"react": "react"})
     max_assistant_turns: int = Field(8, ge=1)
     max_user_turns: int = Field(4, ge=0)
     max_tool_response_tokens: int = Field(256, ge=1)

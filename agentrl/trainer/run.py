@@ -82,11 +82,9 @@ class Trainer:
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)
-        setup = dict(
-            agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward, max_response_tokens=cfg.data.max_response_length,
-            max_batch_size=cfg.engine.max_batch_size, seed=cfg.trainer.seed, max_concurrency=cfg.rollout.max_concurrency,
-            weight_sync="disk" if cfg.engine.weight_sync == "disk" else "memory", weights_dir=str(run_dir / "engine_weights"),
-        )
+        from agentrl.agent.setup import RolloutSetup
+
+        setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights))
         self.total_steps = cfg.trainer.total_steps
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch
@@ -101,7 +102,7 @@ class ActorWorker(_Worker):
         model_path: str,
         config: ActorConfig,
         total_steps: int,
-        rollout_setup: dict[str, Any] | None = None,
+        rollout_setup: RolloutSetup | None = None,
         gradient_checkpointing: bool = False,
         temperature: float = 1.0,
         share_prompts: bool = True,
@@ -124,12 +125,13 @@ class ActorWorker(_Worker):
             self._start_engine(rollout_setup)
 
     # ------------------------------------------------------------------ rollout (rank 0)
-    def _start_engine(self, setup: dict[str, Any]) -> None:
+    def _start_engine(self, setup: RolloutSetup) -> None:
         from torch.distributed.fsdp import FSDPModule
         from transformers import AutoTokenizer
 
         from agentrl.agent.runner import LoopTable, build_context
         from agentrl.engines.builtin import BuiltinEngine
+        from agentrl.plugins import PluginRegistry
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         # The engine computes in the trainer's compute dtype. An unwrapped policy already in it (one
@@ -137,31 +139,28 @@ class ActorWorker(_Worker):
         # copies nothing (``weights_changed``). Otherwise (FSDP2 shards, bf16 compute over fp32
         # parameters) the engine loads its own copy and syncs by copy.
         self.shares_model = (
-            setup["weight_sync"] == "memory" and not isinstance(self.model, FSDPModule)
+            setup.weight_sync == "memory" and not isinstance(self.model, FSDPModule)
             and all(p.dtype == self.param_dtype for p in self.model.parameters())
         )
         self.engine = BuiltinEngine(
             self.model if self.shares_model else self.model_path, device=str(self.device), dtype=self.param_dtype,
-            max_batch_size=setup["max_batch_size"], seed=setup["seed"],
+            max_batch_size=setup.engine_max_batch_size, seed=setup.seed,
             # the rollout's event loop runs on this process's training thread: one OpenMP team
             # for both (see "Where the steps run" in builtin.py)
             steps_on="event_loop",
         )
         self.contexts = {
-            validation: build_context(
-                self.engine, self.tokenizer, agent=setup["agent"], rollout=setup["rollout"], reward=setup["reward"],
-                max_response_tokens=setup["max_response_tokens"], validation=validation,
-            )
-            for validation in (False, True)
+            validation: build_context(self.engine, self.tokenizer, setup, validation=validation) for validation in (False, True)
         }
-        self.loops = LoopTable(setup["agent"].default_loop)
+        self.loops = LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer))
 
     def rollout(self, rows: Sequence[tuple[str, Any]], *, n: int, seed: int, group_prefix: str, validation: bool, policy_version: int, progress: bool | str = False):
         from agentrl.agent.runner import RolloutRunner
 
         ctx = self.contexts[validation]
         ctx.policy_version = policy_version
-        runner = RolloutRunner(ctx, self.loops, max_concurrency=self.rollout_setup["max_concurrency"])
+        assert self.rollout_setup is not None, "rollout() on an actor built without a rollout_setup"
+        runner = RolloutRunner(ctx, self.loops, max_concurrency=self.rollout_setup.max_concurrency)
         return asyncio.run(runner.run(rows, n=n, seed=seed, group_prefix=group_prefix, progress=progress))
 
     def sync_weights(self, version: int) -> None:
@@ -172,8 +171,9 @@ class ActorWorker(_Worker):
         that the engine reloads (``update_weights(path=...)``), the path SGLang servers take
         (``/update_weights_from_disk``).
         """
-        if self.rollout_setup is not None and self.rollout_setup["weight_sync"] == "disk":
-            directory = self.rollout_setup["weights_dir"]
+        if self.rollout_setup is not None and self.rollout_setup.weight_sync == "disk":
+            directory = self.rollout_setup.weights_dir
+            assert directory is not None, "engine.weight_sync=disk: the rollout setup has no weights_dir"
             self.export_hf(directory)
             if self.engine is not None:
                 asyncio.run(self.engine.update_weights(path=directory, version=version))
