@@ -72,11 +72,11 @@ def test_a_command_whose_module_is_missing_says_so_without_a_traceback(monkeypat
     assert cli.main(["later"]) == 1
 
 
-def test_train_refuses_an_engine_it_does_not_drive_before_any_work(tmp_path):
+def test_train_refuses_an_engine_setting_it_cannot_honour_before_any_work(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "train", "engine=sglang", f"trainer.runs_root={tmp_path}"],
+        [sys.executable, "-m", "agentrl.cli", "train", "engine=sglang", "engine.weight_sync=nccl", f"trainer.runs_root={tmp_path}"],
         capture_output=True, text=True,
     )
     assert out.returncode == 1
-    assert "engine.backend: 'sglang' is not wired into agentrl train/rollout yet" in out.stderr
+    assert "engine.weight_sync: nccl needs GPUs for the trainer and the servers" in out.stderr
     assert list(tmp_path.iterdir()) == []  # nothing was started or written

@@ -103,6 +103,8 @@ class Episode:
         self.tool_calls: list[ToolCallRecord] = []
         self.counts: Counter[str] = Counter()
         self.gen_time = 0.0
+        # the engine weight versions that sampled this episode's tokens (metrics weight_version_min/max)
+        self.weight_versions: list[int] = []
         self.tool_time = 0.0
         self.last_stopped_on_eos = False
         self.own_score: float | None = None  # a loop may score its own trajectory
@@ -171,6 +173,7 @@ class Episode:
             raise EpisodeEnd(TrajectoryFinish.ENGINE_ERROR) from exc
         finally:
             self.gen_time += time.perf_counter() - start
+        self.weight_versions.append(result.weight_version)
         turns_before = len(self.builder.turns)
         turn = self.builder.append_sampled(result.output_ids, result.logprobs, extend=continue_turn)
         if len(self.builder.turns) > turns_before:
@@ -356,6 +359,8 @@ class AgentLoop:
             gen_time_s=ep.gen_time,
             tool_time_s=ep.tool_time,
         )
+        if ep.weight_versions:
+            metrics.update(weight_version_min=float(min(ep.weight_versions)), weight_version_max=float(max(ep.weight_versions)))
         return Trajectory(
             row_id=ep.row_id, group_id=ep.group_id, sample_index=ep.sample_index, data_source=row.data_source,
             agent_name=self.name, prompt_ids=b.prompt_ids, response_ids=b.response_ids, response_mask=b.response_mask,

@@ -1,8 +1,10 @@
 """``agentrl rollout [overrides]``: run the agent loops over a dataset and store the trajectories.
 
 Uses the ``rollout`` config (``configs/rollout.yaml``): rows from ``data.train_files`` (or the
-built-in ``data.task``), the model from ``model.path`` (or the tiny model), the built-in engine,
-``rollout.n`` samples per row. Trajectories are written as parquet in the rollout store format
+built-in ``data.task``), the model from ``model.path`` (or the tiny model), the engine of
+``engine.backend`` (the built-in engine in this process, or SGLang servers: ``engine=sglang``
+starts ``engine.num_servers`` of them for this command and stops them at its end, or uses
+``engine.servers=[url,...]``), ``rollout.n`` samples per row. Trajectories are written as parquet in the rollout store format
 (token ids, masks, logprobs, turn spans, messages, tool calls, rewards, turn rewards, metrics,
 policy version) under ``<runs_root>/<run_name>/rollouts``, with a progress bar; the last
 printed line is ``rollouts: <path>``.
@@ -18,18 +20,7 @@ from collections import Counter
 
 from agentrl.config import TrainConfig, load_config
 
-__all__ = ["cli_main", "require_builtin_engine"]
-
-
-def require_builtin_engine(cfg: TrainConfig) -> None:
-    """``train`` and ``rollout`` drive the built-in engine; say so instead of ignoring the setting."""
-    from agentrl.errors import ConfigError
-
-    if cfg.engine.backend != "builtin":
-        raise ConfigError([("engine.backend", f"{cfg.engine.backend!r} is not wired into agentrl train/rollout yet; "
-                            "use engine=builtin (SGLang servers work through agentrl.engines.SGLangEngine in the agent layer)")])
-    if cfg.engine.weight_sync == "nccl":
-        raise ConfigError([("engine.weight_sync", "nccl is for remote GPU engines, not wired into agentrl train yet; use memory or disk")])
+__all__ = ["cli_main"]
 
 
 def cli_main(argv: list[str]) -> int:
@@ -41,12 +32,14 @@ def cli_main(argv: list[str]) -> int:
     from agentrl.data.prepare import prepare_data
     from agentrl.data.rollout_store import RolloutStore
     from agentrl.engines.builtin import BuiltinEngine
+    from agentrl.engines.managed import ManagedServers, check_engine_config
+    from agentrl.engines.sglang import SGLangEngine
     from agentrl.plugins import PluginRegistry
     from agentrl.rundir import make_run_dir
     from agentrl.tiny import resolve_model
 
     cfg = load_config("rollout", argv)
-    require_builtin_engine(cfg)
+    check_engine_config(cfg, training=False)
     run = make_run_dir(cfg)
     run.write_config(cfg)  # replay finds the tokenizer and loops here
     files, _ = prepare_data(cfg, run.data)  # validated before any generation
@@ -55,14 +48,34 @@ def cli_main(argv: list[str]) -> int:
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     started = time.perf_counter()
-    engine = BuiltinEngine(model_path, max_batch_size=cfg.engine.max_batch_size, seed=cfg.trainer.seed)
+    servers = None
+    if cfg.engine.backend == "sglang" and not cfg.engine.servers:
+        servers = ManagedServers.from_config(cfg, model_path, log_dir=run.path / "servers").start()
     try:
-        setup = RolloutSetup.from_config(cfg)
-        ctx = build_context(engine, tokenizer, setup)
-        runner = RolloutRunner(ctx, LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer)), max_concurrency=setup.max_concurrency)
-        trajectories = asyncio.run(runner.run(rows, n=cfg.rollout.n, seed=cfg.trainer.seed, progress=cfg.logging.progress and "rollout"))
+        setup = RolloutSetup.from_config(cfg, server_urls=tuple(servers.urls) if servers is not None else ())
+
+        builtin = BuiltinEngine(model_path, max_batch_size=setup.engine_max_batch_size, seed=setup.seed) if setup.engine_backend == "builtin" else None
+
+        async def generate():
+            # SGLangEngine's HTTP clients belong to the event loop they are created on: this one
+            engine = builtin or SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries)
+            try:
+                ctx = build_context(engine, tokenizer, setup)
+                runner = RolloutRunner(ctx, LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer)),
+                                       max_concurrency=setup.max_concurrency)
+                return await runner.run(rows, n=cfg.rollout.n, seed=cfg.trainer.seed, progress=cfg.logging.progress and "rollout")
+            finally:
+                if builtin is None:
+                    await engine.aclose()
+
+        try:
+            trajectories = asyncio.run(generate())
+        finally:
+            if builtin is not None:
+                builtin.close()
     finally:
-        engine.close()
+        if servers is not None:
+            servers.stop()
     path = RolloutStore(run.rollouts).write_step(0, trajectories, rows=rows)
     finishes = Counter(t.finish_reason for t in trajectories)
     summary = {

@@ -71,13 +71,25 @@ class RolloutSetup:
     seed: int  # the builtin engine's sampling generator
     weight_sync: Literal["memory", "disk"]  # how the trainer's weights reach a colocated engine
     weights_dir: str | None  # the checkpoint directory of weight_sync=disk (set by the trainer)
+    # which engine the loops drive: the builtin engine in the hosting process, or SGLang servers
+    # (``server_urls``, managed or external: ``engines/managed.py``) through ``SGLangEngine``
+    engine_backend: Literal["builtin", "sglang"]
+    server_urls: tuple[str, ...]
+    request_timeout_s: float  # sglang: one /generate call
+    max_retries: int  # sglang: transport errors and 5xx, per server
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None) -> "RolloutSetup":
+    def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None, server_urls: tuple[str, ...] = ()) -> "RolloutSetup":
         """The setup of a validated config; ``weights_dir`` is where ``engine.weight_sync=disk``
-        writes the policy for the engine (the trainer's run directory; unused without a trainer)."""
-        agent, rollout = cfg.agent, cfg.rollout
-        weight_sync: Literal["memory", "disk"] = "disk" if cfg.engine.weight_sync == "disk" else "memory"
+        writes the policy for the engine (the trainer's run directory; unused without a trainer);
+        ``server_urls``: the SGLang servers of ``engine=sglang`` (the config's external ones by default)."""
+        agent, rollout, engine = cfg.agent, cfg.rollout, cfg.engine
+        # SGLang servers are other processes: the disk sync is the one path that reaches them on a CPU
+        disk = engine.weight_sync == "disk" or engine.backend == "sglang"
+        weight_sync: Literal["memory", "disk"] = "disk" if disk else "memory"
+        urls = tuple(server_urls or engine.servers)
+        if engine.backend == "sglang" and not urls:
+            raise ValueError("engine=sglang: no server URLs (start managed servers first, or set engine.servers)")
         return cls(
             limits=Limits.from_config(agent, rollout, max_response_tokens=cfg.data.max_response_length),
             sampling=SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k),
@@ -98,4 +110,8 @@ class RolloutSetup:
             seed=cfg.trainer.seed,
             weight_sync=weight_sync,
             weights_dir=weights_dir,
+            engine_backend=engine.backend,
+            server_urls=urls,
+            request_timeout_s=engine.request_timeout_s,
+            max_retries=engine.max_retries,
         )

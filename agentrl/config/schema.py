@@ -78,10 +78,22 @@ class DataConfig(Section):
 
 class EngineConfig(Section):
     backend: Literal["builtin", "sglang"] = "builtin"
-    # sglang: base URLs of running servers; empty launches servers from `launch_args`.
+    # sglang: base URLs of running servers (external mode); empty: agentrl launches
+    # `num_servers` servers and stops them when the job ends (managed mode, engines/managed.py).
     servers: list[str] = Field(default_factory=list)
-    launch_args: list[str] = Field(default_factory=list)
+    launch_args: list[str] = Field(default_factory=list)  # extra server flags, passed as given
     num_servers: int = Field(1, ge=1)
+    # managed sglang servers: the main SGLang flags (null: SGLang's own default)
+    tp_size: int = Field(1, ge=1)  # GPUs per server (--tp-size)
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    context_length: int | None = Field(None, ge=1)
+    attention_backend: str | None = None  # null: SGLang's choice (torch_native on CPU)
+    max_total_tokens: int | None = Field(None, ge=1)  # KV cache tokens (null on CPU: 65536)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when torch sees a GPU
+    python: str | None = None  # the interpreter with sglang (null: the cached CPU venv on CPU, else this one)
+    # what a managed server runs: real SGLang, or `agentrl serve` (same protocol; fast tests, CPU)
+    launcher: Literal["sglang", "agentrl"] = "sglang"
+    ready_timeout_s: float = Field(600.0, gt=0)  # start-up until /health_generate answers
     max_batch_size: int = Field(64, ge=1)  # builtin: sequences decoded together
     request_timeout_s: float = Field(300.0, gt=0)
     max_retries: int = Field(3, ge=0)
@@ -218,6 +230,9 @@ class TrainerConfig(Section):
     resume: str | None = None  # a run directory to continue
     export_hf: bool = True  # save the final policy as a transformers checkpoint
     max_checkpoints: int = Field(2, ge=1)
+    # a step whose rollout failed for infrastructure reasons (engine_error, abort, loop_error) on
+    # more than this fraction of trajectories stops the run (checkpoint first, then the first error)
+    max_failure_rate: float = Field(0.5, ge=0, le=1)
     # every step's trajectories (train and validation) in rollouts/, the replay format; off:
     # nothing is kept for replay (a 64-trajectory step's shard costs ~8 ms: encoding, parquet, fsync)
     save_rollouts: bool = True

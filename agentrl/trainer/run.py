@@ -33,16 +33,16 @@ from typing import Any
 
 import torch
 
-from agentrl.agent.rollout_cli import require_builtin_engine
 from agentrl.config import TrainConfig, load_config
 from agentrl.data.prepare import prepare_data
 from agentrl.data.rollout_store import RolloutStore
+from agentrl.engines.managed import ManagedServers, check_engine_config
 from agentrl.errors import CheckpointError
 from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
 from agentrl.tiny import resolve_model
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.logging import MetricsLogger
-from agentrl.trainer.step import Groups, TrainingStep, timed, trajectory_metrics
+from agentrl.trainer.step import Groups, RolloutFailed, TrainingStep, check_weight_versions, timed, trajectory_metrics
 from agentrl.trajectory import Trajectory
 
 __all__ = ["Trainer", "RunResult", "train", "cli_main"]
@@ -63,6 +63,15 @@ def _seed_for(seed: int, step: int, purpose: str) -> int:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, log: MetricsLogger):
+        self.servers: ManagedServers | None = None
+        try:
+            self._setup(cfg, run_dir, log)
+        except BaseException:
+            if self.servers is not None:  # started servers must not wait for this process's exit
+                self.servers.stop()
+            raise
+
+    def _setup(self, cfg: TrainConfig, run_dir: Path, log: MetricsLogger) -> None:
         from agentrl.data.dataset import RowDataset
         from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, worker_env
 
@@ -84,7 +93,13 @@ class Trainer:
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)
         from agentrl.agent.setup import RolloutSetup
 
-        setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights))
+        # engine=sglang without engine.servers: this process starts the servers and owns them
+        # (engines/managed.py); the actor's rank 0 drives them through SGLangEngine
+        if cfg.engine.backend == "sglang" and not cfg.engine.servers:
+            self.servers = ManagedServers.from_config(cfg, self.model_path, log_dir=self.run.path / "servers").start()
+        urls = tuple(self.servers.urls) if self.servers is not None else ()
+        setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights), server_urls=urls)
+        self.weight_version = 0  # the engine's weights: the version of the last sync
         self.total_steps = cfg.trainer.total_steps
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
@@ -140,10 +155,15 @@ class Trainer:
             trajectories = self.rollout(rows, step=step, validation=False)
         if self.store is not None:
             self.store.write_step(step, trajectories, rows=rows)
-        result = self.step.online(trajectories, step=step)
+        try:
+            check_weight_versions(trajectories, self.weight_version, where=f"step {step}")
+            result = self.step.online(trajectories, step=step)
+        except RolloutFailed:
+            self.save(step)  # resumable: trainer.resume=<run dir> continues from here
+            raise
         if result.updated_actor:
             with timed(timings, "weight_sync"):
-                self.actor.call_all("sync_weights", step + 1)
+                self.sync_weights(step + 1)
         wall = time.perf_counter() - start
         metrics = {**result.metrics, **timings}
         metrics.update({
@@ -152,6 +172,10 @@ class Trainer:
             "timing/step_s": wall,
         })
         return metrics
+
+    def sync_weights(self, version: int) -> None:
+        self.actor.call_all("sync_weights", version)
+        self.weight_version = version
 
     def validate(self, step: int) -> dict[str, float]:
         if not self.val_rows:
@@ -167,7 +191,7 @@ class Trainer:
 
         run_sft_on_actor(self.actor, self.cfg, self.model_path, self.tokenizer, self.pad_id, self.log, self.run.path)
         self.actor.call_all("reset_optimizer", self.cfg.actor.optim, max(1, self.total_steps))
-        self.actor.call_all("sync_weights", 0)
+        self.sync_weights(0)
         self.actor.call_all("export_hf", str(self.run.sft_policy))
 
     # ------------------------------------------------------------------ checkpoints
@@ -192,7 +216,7 @@ class Trainer:
         self.kl_ctrl.value = state["kl_coef"]
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
         self.start_step = state["step"]
-        self.actor.call_all("sync_weights", self.start_step)
+        self.sync_weights(self.start_step)
         self.log.console(f"resumed from {directory} at step {self.start_step}")
 
     def close(self) -> None:
@@ -207,6 +231,8 @@ class Trainer:
                 group.kill()
         if ray.is_initialized():
             ray.shutdown()
+        if self.servers is not None:
+            self.servers.stop()
 
 
 # ----------------------------------------------------------------------------- the job
@@ -216,7 +242,7 @@ def train(cfg: TrainConfig) -> RunResult:
     """The whole job: setup, (SFT warm start), validation, steps, checkpoints, export, summary."""
     from tqdm.auto import tqdm
 
-    require_builtin_engine(cfg)
+    check_engine_config(cfg, training=True)
     started = time.perf_counter()
     run = make_run_dir(cfg)
     run.write_config(cfg)

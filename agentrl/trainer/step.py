@@ -34,10 +34,11 @@ from agentrl.errors import DataError
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch, collate
 from agentrl.trainer.workers import mini_batch_denominator
-from agentrl.trajectory import Trajectory
+from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 __all__ = [
     "Group", "LocalGroup", "Groups", "StepResult", "TrainingStep", "usable_trajectories", "is_on_policy",
+    "INFRA_FAILURES", "RolloutFailed", "failure_metrics", "check_weight_versions",
     "compute_advantages", "truncated_importance_weights", "trajectory_metrics", "pad_rows", "shards", "update", "timed",
 ]
 
@@ -95,13 +96,54 @@ def is_on_policy(cfg: TrainConfig) -> bool:
     )
 
 
+# Finishes that say the infrastructure failed, not the policy: the engine failed a request after
+# its retries (a server died, timed out, answered 5xx), aborted it, or the loop itself raised.
+# Such trajectories stay in the store (with ``reward_info["error"]``) but are left out of the loss;
+# their group is re-normalised over the members that remain (the advantages group by
+# ``group_id`` over the trajectories collated).
+INFRA_FAILURES = frozenset({TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.ABORT, TrajectoryFinish.LOOP_ERROR})
+
+
+class RolloutFailed(RuntimeError):
+    """Too many trajectories of one step failed for infrastructure reasons (``trainer.max_failure_rate``)."""
+
+
 def usable_trajectories(trajectories: Sequence[Trajectory], where: str) -> list[Trajectory]:
-    """The trajectories with tokens to train on (a loop error's are left out of the loss)."""
-    usable = [t for t in trajectories if t.finish_reason != "loop_error" and t.response_ids]
+    """The trajectories with tokens to train on (infrastructure failures are left out of the loss)."""
+    usable = [t for t in trajectories if t.finish_reason not in INFRA_FAILURES and t.response_ids]
     if not usable:
         reasons = sorted({f"{t.finish_reason}: {t.reward_info.get('error', '')}" for t in trajectories})
         raise DataError(f"{where}: none of the {len(trajectories)} trajectories has tokens to train on ({'; '.join(reasons)[:500]})")
     return usable
+
+
+def failure_metrics(trajectories: Sequence[Trajectory], *, max_rate: float | None = None, where: str = "step") -> dict[str, float]:
+    """``failures/<kind>`` (count per finish reason of ``INFRA_FAILURES``) and ``failures/rate``;
+    with ``max_rate``, a rate above it raises ``RolloutFailed`` with the first failure's error in full."""
+    failed = [t for t in trajectories if t.finish_reason in INFRA_FAILURES]
+    kinds = Counter(str(t.finish_reason) for t in failed)
+    rate = len(failed) / max(len(trajectories), 1)
+    if max_rate is not None and rate > max_rate:
+        first = failed[0]
+        raise RolloutFailed(
+            f"{where}: {len(failed)} of {len(trajectories)} trajectories failed ({dict(kinds)}), above "
+            f"trainer.max_failure_rate={max_rate}. First failure, trajectory {first.group_id} "
+            f"({first.finish_reason}):\n{first.reward_info.get('error', '(no error recorded)')}"
+        )
+    return {"failures/rate": rate, **{f"failures/{kind}": float(count) for kind, count in sorted(kinds.items())}}
+
+
+def check_weight_versions(trajectories: Sequence[Trajectory], expected: int, where: str) -> None:
+    """On-policy training: every sampled token came from the engine at weight version ``expected``
+    (the last sync's); a trajectory sampled by an older version means a sync did not reach a server."""
+    stale = [t for t in trajectories if t.metrics.get("weight_version_min", expected) < expected]
+    if stale:
+        t = stale[0]
+        raise RolloutFailed(
+            f"{where}: {len(stale)} trajectories were sampled by engine weights older than version {expected} "
+            f"(first: {t.group_id}, versions {t.metrics['weight_version_min']:.0f}..{t.metrics['weight_version_max']:.0f}): "
+            "a weight sync did not reach every server"
+        )
 
 
 def compute_advantages(batch: TrainBatch, cfg: TrainConfig, kl_coef: float | None) -> tuple[TrainBatch, dict[str, float]]:
@@ -241,6 +283,7 @@ class TrainingStep:
     def online(self, trajectories: Sequence[Trajectory], *, step: int) -> StepResult:
         """Online training's update of step ``step`` from the trajectories just rolled out."""
         cfg = self.cfg
+        failure_metrics(trajectories, max_rate=cfg.trainer.max_failure_rate, where=f"step {step}")  # before any compute
         return self(trajectories, group_size=cfg.rollout.n, on_policy=is_on_policy(cfg),
                     update_actor=step >= cfg.trainer.critic_warmup, where=f"step {step}")
 
@@ -260,8 +303,9 @@ class TrainingStep:
         max_ratio: float | None = None,
         where: str = "step",
     ) -> StepResult:
-        """One update from ``trajectories`` (loop errors and empty responses are left out of the
-        loss, counted in ``trajectories/loop_errors``). Mini-batches hold ``ppo_mini_batch_size``
+        """One update from ``trajectories`` (infrastructure failures, ``INFRA_FAILURES``, and empty
+        responses are left out of the loss, counted in ``trajectories/loop_errors`` and
+        ``failures/<kind>``). Mini-batches hold ``ppo_mini_batch_size``
         prompts × ``group_size`` trajectories (default: the largest group among them).
         ``on_policy`` takes the old logprobs from the update's own forward (needs
         ``is_on_policy(cfg)``); ``update_actor=False`` trains the critic only
@@ -332,6 +376,7 @@ class TrainingStep:
             "tokens/sampled": float(mask.sum()),
             "trajectories/loop_errors": float(len(trajectories) - len(usable)),
         })
+        metrics.update(failure_metrics(trajectories))
         metrics.update(weight_metrics)
         if batch.ref_logprobs is not None:
             metrics["kl/policy_ref"] = float(algo.masked_mean(algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1"), mask))

@@ -126,14 +126,31 @@ class ActorWorker(_Worker):
 
     # ------------------------------------------------------------------ rollout (rank 0)
     def _start_engine(self, setup: RolloutSetup) -> None:
-        from torch.distributed.fsdp import FSDPModule
         from transformers import AutoTokenizer
 
         from agentrl.agent.runner import LoopTable, build_context
-        from agentrl.engines.builtin import BuiltinEngine
         from agentrl.plugins import PluginRegistry
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if setup.engine_backend == "sglang":
+            from agentrl.engines.sglang import SGLangEngine
+
+            # SGLangEngine's HTTP clients belong to one event loop: every rollout and weight sync
+            # of this worker runs on this one (asyncio.run would give each call a new loop).
+            self._engine_loop = asyncio.new_event_loop()
+            self.engine = SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries)
+        else:
+            self.engine = self._builtin_engine(setup)
+        self.contexts = {
+            validation: build_context(self.engine, self.tokenizer, setup, validation=validation) for validation in (False, True)
+        }
+        self.loops = LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer))
+
+    def _builtin_engine(self, setup: RolloutSetup):
+        from torch.distributed.fsdp import FSDPModule
+
+        from agentrl.engines.builtin import BuiltinEngine
+
         # The engine computes in the trainer's compute dtype. An unwrapped policy already in it (one
         # fp32 rank, the CPU default) is shared with the engine: no second copy, and a weight sync
         # copies nothing (``weights_changed``). Otherwise (FSDP2 shards, bf16 compute over fp32
@@ -142,17 +159,17 @@ class ActorWorker(_Worker):
             setup.weight_sync == "memory" and not isinstance(self.model, FSDPModule)
             and all(p.dtype == self.param_dtype for p in self.model.parameters())
         )
-        self.engine = BuiltinEngine(
+        return BuiltinEngine(
             self.model if self.shares_model else self.model_path, device=str(self.device), dtype=self.param_dtype,
             max_batch_size=setup.engine_max_batch_size, seed=setup.seed,
             # the rollout's event loop runs on this process's training thread: one OpenMP team
             # for both (see "Where the steps run" in builtin.py)
             steps_on="event_loop",
         )
-        self.contexts = {
-            validation: build_context(self.engine, self.tokenizer, setup, validation=validation) for validation in (False, True)
-        }
-        self.loops = LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer))
+
+    def _run_async(self, coro):
+        loop = getattr(self, "_engine_loop", None)
+        return loop.run_until_complete(coro) if loop is not None else asyncio.run(coro)
 
     def rollout(self, rows: Sequence[tuple[str, Any]], *, n: int, seed: int, group_prefix: str, validation: bool, policy_version: int, progress: bool | str = False):
         from agentrl.agent.runner import RolloutRunner
@@ -161,7 +178,7 @@ class ActorWorker(_Worker):
         ctx.policy_version = policy_version
         assert self.rollout_setup is not None, "rollout() on an actor built without a rollout_setup"
         runner = RolloutRunner(ctx, self.loops, max_concurrency=self.rollout_setup.max_concurrency)
-        return asyncio.run(runner.run(rows, n=n, seed=seed, group_prefix=group_prefix, progress=progress))
+        return self._run_async(runner.run(rows, n=n, seed=seed, group_prefix=group_prefix, progress=progress))
 
     def sync_weights(self, version: int) -> None:
         """Collective: copy the updated policy into the colocated engine (rank 0).
@@ -176,7 +193,7 @@ class ActorWorker(_Worker):
             assert directory is not None, "engine.weight_sync=disk: the rollout setup has no weights_dir"
             self.export_hf(directory)
             if self.engine is not None:
-                asyncio.run(self.engine.update_weights(path=directory, version=version))
+                self._run_async(self.engine.update_weights(path=directory, version=version))
             return
         if self.engine is not None and self.shares_model:
             asyncio.run(self.engine.weights_changed(version=version))
@@ -334,12 +351,20 @@ class ActorWorker(_Worker):
     def engine_stats(self) -> dict[str, float]:
         if self.engine is None:
             return {}
+        if not hasattr(self.engine, "stats"):  # SGLang: the servers keep their own counters
+            return {"engine/weight_version": float(self.engine.weight_version)}
         stats = self.engine.stats()
         return {"engine/weight_version": float(stats.weight_version), "engine/generated_tokens": float(stats.generated_tokens)}
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.close()
+            loop = getattr(self, "_engine_loop", None)
+            if loop is not None:
+                loop.run_until_complete(self.engine.aclose())
+                loop.close()
+                self._engine_loop = None
+            else:
+                self.engine.close()
             self.engine = None
 
 
