@@ -121,3 +121,25 @@ def test_a_loop_that_raises_is_recorded_not_dropped(run_rows):
     [t], *_ = run_rows({}, [("missing", make_row())])  # the script has no answer: the engine errors
     assert t.finish_reason == "engine_error"
     assert "no script for row 'missing'" in t.reward_info["error"]
+
+
+def test_a_trajectory_records_the_weight_versions_that_sampled_it(tiny_tokenizer, make_ctx):
+    import asyncio
+
+    from agentrl.agent.runner import LoopTable, RolloutRunner
+    from agentrl.agent.scripted import ScriptedEngine
+
+    class SyncedMidEpisode(ScriptedEngine):
+        """The weights move to version 7 after the first call (as a sync during a long episode would)."""
+
+        async def generate(self, request):
+            result = await super().generate(request)
+            self.weight_version = 7
+            return result
+
+    engine = SyncedMidEpisode(tiny_tokenizer, {"r0": [CALL_12x34, "#### 408"]})
+    engine.weight_version = 6
+    runner = RolloutRunner(make_ctx(engine), LoopTable("tool_agent"), max_concurrency=1)
+    (t,) = asyncio.run(runner.run([("r0", make_row())], n=1))
+    assert t.metrics["generate_calls"] == 2
+    assert (t.metrics["weight_version_min"], t.metrics["weight_version_max"]) == (6.0, 7.0)

@@ -109,3 +109,46 @@ def test_a_step_without_tokens_to_train_on_is_an_error_naming_the_step_and_the_r
     assert usable_trajectories([failed, ok, empty], "step 3") == [ok]
     with pytest.raises(DataError, match=r"step 3: none of the 2 trajectories has tokens to train on \(loop_error: OSError: no sandbox slot; stop: \)"):
         usable_trajectories([failed, empty], "step 3")
+
+
+def test_infrastructure_failures_stay_out_of_the_loss_counted_by_kind_and_stop_the_run_above_the_rate():
+    import dataclasses
+
+    import pytest
+
+    from agentrl.trainer.step import RolloutFailed, failure_metrics, usable_trajectories
+
+    ok = traj("g", 0, [("assistant", 2, None)], reward=1.0)
+    # an engine error keeps the tokens sampled before the failure: still left out of the loss
+    engine = dataclasses.replace(ok, sample_index=1, finish_reason="engine_error",
+                                 reward_info={"error": "http://127.0.0.1:30001/generate: unreachable (ConnectError: refused)"})
+    abort = dataclasses.replace(ok, sample_index=2, finish_reason="abort")
+    timeout = dataclasses.replace(ok, sample_index=3, finish_reason="trajectory_timeout")  # the policy's budget: trained on
+    batch = [ok, engine, abort, timeout]
+    assert usable_trajectories(batch, "step 0") == [ok, timeout]
+    assert failure_metrics(batch) == {"failures/rate": 0.5, "failures/abort": 1.0, "failures/engine_error": 1.0}
+    assert failure_metrics(batch, max_rate=0.5, where="step 4")["failures/rate"] == 0.5  # at the threshold: go on
+    with pytest.raises(RolloutFailed) as caught:
+        failure_metrics(batch, max_rate=0.25, where="step 4")
+    assert str(caught.value) == (
+        "step 4: 2 of 4 trajectories failed ({'engine_error': 1, 'abort': 1}), above trainer.max_failure_rate=0.25. "
+        "First failure, trajectory g (engine_error):\nhttp://127.0.0.1:30001/generate: unreachable (ConnectError: refused)"
+    )
+    assert failure_metrics([ok]) == {"failures/rate": 0.0}
+
+
+def test_a_trajectory_sampled_by_stale_weights_is_an_error_for_on_policy_training():
+    import dataclasses
+
+    import pytest
+
+    from agentrl.trainer.step import RolloutFailed, check_weight_versions
+
+    fresh = traj("g", 0, [("assistant", 2, None)], reward=1.0)
+    fresh.metrics.update(weight_version_min=3.0, weight_version_max=3.0)
+    stale = dataclasses.replace(fresh, sample_index=1, metrics={**fresh.metrics, "weight_version_min": 2.0})
+    failed = dataclasses.replace(fresh, sample_index=2, metrics={})  # never reached the engine: nothing to check
+    check_weight_versions([fresh, failed], 3, "step 3")
+    with pytest.raises(RolloutFailed, match=r"step 3: 1 trajectories were sampled by engine weights older than version 3 "
+                                            r"\(first: g, versions 2\.\.3\): a weight sync did not reach every server"):
+        check_weight_versions([fresh, stale], 3, "step 3")
