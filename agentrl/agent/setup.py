@@ -87,9 +87,8 @@ class RolloutSetup:
         # SGLang servers are other processes: the disk sync is the one path that reaches them on a CPU
         disk = engine.weight_sync == "disk" or engine.backend == "sglang"
         weight_sync: Literal["memory", "disk"] = "disk" if disk else "memory"
+        # empty for managed servers not started yet (replay re-runs build a setup without an engine)
         urls = tuple(server_urls or engine.servers)
-        if engine.backend == "sglang" and not urls:
-            raise ValueError("engine=sglang: no server URLs (start managed servers first, or set engine.servers)")
         return cls(
             limits=Limits.from_config(agent, rollout, max_response_tokens=cfg.data.max_response_length),
             sampling=SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k),

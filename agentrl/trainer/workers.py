@@ -4,7 +4,8 @@
   steps, saves/loads checkpoints, exports a transformers checkpoint. Its rank 0 also hosts the
   built-in inference engine and runs the rollouts (agent loops) in the same process and on the
   same thread, so a weight sync after an update is an in-memory copy, or nothing at all when the
-  engine shares the policy module (one fp32 rank).
+  engine shares the policy module (one fp32 rank). With ``engine=sglang`` rank 0 holds an
+  ``SGLangEngine`` client of the job's servers instead and syncs by disk (``engines/managed.py``).
 * ``ReferenceWorker``: the frozen initial policy, for KL.
 * ``CriticWorker``: a value head on the same architecture, with its own optimizer.
 

@@ -88,10 +88,12 @@ def test_train_with_managed_sglang_syncs_every_step_and_serves_the_trained_polic
         trainer.actor.call_all("export_hf", str(policy))
         model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
         initial = AutoModelForCausalLM.from_pretrained(trainer.model_path, dtype=torch.float32)
-        moved = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), initial.parameters()))
+        with torch.no_grad():
+            moved = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), initial.parameters()))
         assert moved > 1e-3, f"the weights barely moved ({moved}): the sync check below would prove nothing"
         tokenizer = AutoTokenizer.from_pretrained(policy)
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 * 34?"}], add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 * 34?"}], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
         with torch.no_grad():
             expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
