@@ -30,7 +30,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from agentrl.config.schema import TrainConfig
-from agentrl.errors import DataError
+from agentrl.errors import AgentrlError, DataError
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch, collate
 from agentrl.trainer.workers import mini_batch_denominator
@@ -104,7 +104,7 @@ def is_on_policy(cfg: TrainConfig) -> bool:
 INFRA_FAILURES = frozenset({TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.ABORT, TrajectoryFinish.LOOP_ERROR})
 
 
-class RolloutFailed(RuntimeError):
+class RolloutFailed(AgentrlError):
     """Too many trajectories of one step failed for infrastructure reasons (``trainer.max_failure_rate``)."""
 
 

@@ -240,3 +240,25 @@ def _guard_pids(run_dir: Path) -> list[int]:
         if b"agentrl.engines.guard" in args and any(port.encode() in args for port in ports):
             found.append(int(cmdline.parent.name))
     return found
+
+
+@pytest.mark.ray
+def test_a_rollout_that_fails_above_the_rate_stops_the_run_with_the_first_error_and_a_checkpoint(tmp_path):
+    """A local external server that is not there: every request fails after failover, every
+    trajectory ends with engine_error, and the run stops before any update, resumable."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "train", "engine=sglang", f"engine.servers=[http://127.0.0.1:{port}]",
+         "engine.max_retries=0", "sft.enable=false", "data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+         "actor.ppo_micro_batch_size_per_gpu=4", "trainer.val_before_train=false", "logging.progress=false",
+         f"trainer.runs_root={tmp_path}", "trainer.run_name=run"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert ("agentrl train: step 0: 4 of 4 trajectories failed ({'engine_error': 4}), above trainer.max_failure_rate=0.5. "
+            "First failure, trajectory train0/") in done.stderr
+    assert f"(engine_error):\nno healthy SGLang server among ['http://127.0.0.1:{port}']: http://127.0.0.1:{port}/generate: unreachable" in done.stderr
+    assert "Traceback" not in done.stderr
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_0"]
