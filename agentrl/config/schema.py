@@ -308,12 +308,6 @@ class TrainConfig(Section):
         for section in (self.actor, self.critic):
             if section.loss_scale_factor is None:
                 section.loss_scale_factor = self.data.max_response_length
-        buffer = self.algorithm.overlong_buffer
-        if buffer.enable and buffer.len >= self.data.max_response_length:
-            raise ValueError(
-                f"algorithm.overlong_buffer.len ({buffer.len}) must be below data.max_response_length "
-                f"({self.data.max_response_length})"
-            )
         return self
 
     @property
