@@ -1,18 +1,24 @@
 """RL algorithms as pure tensor functions (no state but the KL controllers).
 
+Where a function carries a verl name it computes verl's formula (verl/trainer/ppo/core_algos.py
+and ``apply_kl_penalty`` in its ray_trainer.py at b178a3cd), pinned at 1e-5 by
+tests/trainer/test_verl_parity.py; docs/algorithms.md lists every algorithm, its config keys
+and its test, and the deliberate differences with their switches.
+
 Conventions: response tensors are (B, T), right-padded. ``response_mask`` is the loss mask: 1
 on tokens the policy sampled, 0 on observed tokens inside the response (tool results, user
 turns) and on padding. ``token_rewards`` (B, T) carry rewards on any token: each assistant
 turn's reward on its last token, the trajectory reward on the last sampled token.
 ``group_ids`` (B,) says which samples answer the same prompt. Everything is fp32.
 
-Observed tokens are *transparent* to credit assignment: GAE and REINFORCE++ run their
-recursions over sampled tokens only (an observation neither discounts nor bootstraps), and a
-reward that sits on an observed token or on padding moves to the last sampled token before it
-(a reward before the first sampled token follows no action of the policy and is dropped).
+GAE runs its recursion over sampled tokens only (an observation neither discounts nor
+bootstraps, as in verl), and a reward that sits on an observed token or on padding moves to the
+last sampled token before it (a reward before the first sampled token follows no action of the
+policy and is dropped); the trainer's batches carry rewards on sampled tokens only, where this
+is verl's GAE exactly.
 
-Turn-level credit for the critic-free estimators (``grpo``, ``drgrpo``): each assistant turn
-k of a trajectory is credited with the discounted return from that turn on,
+Turn-level credit (``algorithm.grpo_turn_credit``; verl's outcome GRPO is the default): each
+assistant turn k of a trajectory is credited with the discounted return from that turn on,
 
     G_k = sum_{j >= k} turn_gamma^(j - k) * r_j
 
