@@ -76,6 +76,7 @@ __all__ = [
     "dynamic_sampling_filter",
     "overlong_reward_penalty",
     "overlong_filter_mask",
+    "add_to_last_sampled_token",
     "entropy_from_logits",
     "entropy_from_logprobs",
 ]
@@ -766,6 +767,24 @@ def overlong_reward_penalty(
     expected = max_response_length - buffer_length
     exceed = response_lengths.to(torch.float32) - expected
     return torch.clamp(-exceed / buffer_length * penalty_factor, max=0.0)
+
+
+def add_to_last_sampled_token(
+    token_rewards: torch.Tensor,  # (B, T)
+    response_mask: torch.Tensor,  # (B, T)
+    rewards: torch.Tensor,  # (B,) e.g. overlong_reward_penalty(...)
+) -> torch.Tensor:  # (B, T)
+    """Add a per-trajectory reward where the trajectory reward sits: on the last sampled token
+    of each row (a row without sampled tokens gets nothing)."""
+    B, T = response_mask.shape
+    if rewards.shape != (B,):
+        raise ValueError(f"rewards {tuple(rewards.shape)} needs one entry per row of response_mask {tuple(response_mask.shape)}")
+    positions = torch.arange(T, device=response_mask.device).expand(B, T)
+    last = torch.where(response_mask > 0, positions, torch.full_like(positions, -1)).max(-1).values  # (B,)
+    has = last >= 0
+    added = torch.zeros_like(token_rewards)
+    added[has, last[has]] = rewards[has].to(token_rewards.dtype)
+    return token_rewards + added
 
 
 def overlong_filter_mask(

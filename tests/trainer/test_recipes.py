@@ -162,6 +162,15 @@ def test_overlong_penalty_by_hand():
         algo.overlong_reward_penalty(lengths, 20, 20)
 
 
+def test_the_overlong_penalty_lands_on_the_last_sampled_token():
+    # rows: s o s pad -> t2; o s o -> t1; empty row -> nothing
+    mask = T([[1.0, 0, 1, 0], [0.0, 1, 0, 0], [0.0, 0, 0, 0]])
+    out = algo.add_to_last_sampled_token(torch.ones(3, 4), mask, T([-0.4, -1.0, -5.0]))
+    assert_close(out, T([[1.0, 1, 0.6, 1], [1.0, 0, 1, 1], [1.0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="one entry per row"):
+        algo.add_to_last_sampled_token(torch.ones(3, 4), mask, T([1.0]))
+
+
 def test_overlong_filter_zeroes_the_mask_of_truncated_responses():
     mask = T([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
     assert_close(algo.overlong_filter_mask(T([True, False]), mask), T([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
