@@ -1,4 +1,4 @@
-"""Each recipe's math learns: two-digit addition answered by a small policy in this process.
+"""Each recipe's math learns: addition answered by a small policy in this process.
 
 The policy reads a prompt (a, b), a, b in 0..5, and writes the sum as two tokens (tens digit,
 units digit), sampling each from its own softmax; the reward is 1 for the right sum, 0
