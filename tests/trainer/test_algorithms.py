@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from agentrl.trainer.algorithms import (
     ESTIMATORS,
+    POLICY_LOSSES,
     KLKind,
     LossAggMode,
     AdaptiveKLController,
@@ -431,6 +432,7 @@ def test_config_choices_are_names_the_algorithms_accept():
     assert choices(AlgorithmConfig, "adv_estimator") == set(ESTIMATORS)
     assert choices(AlgorithmConfig, "kl_penalty") == set(get_args(KLKind))
     assert choices(ActorConfig, "kl_loss_type") == set(get_args(KLKind))
-    assert choices(ActorConfig, "loss_agg_mode") <= set(get_args(LossAggMode))
+    assert choices(ActorConfig, "loss_agg_mode") == set(get_args(LossAggMode))
+    assert choices(ActorConfig, "policy_loss") == set(POLICY_LOSSES)
     for kind in get_args(KLKind):
         kl_penalty(T([0.0]), T([0.0]), kind)  # each accepted
