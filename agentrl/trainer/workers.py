@@ -52,17 +52,17 @@ __all__ = [
 
 
 def _loss_scale(mask: torch.Tensor, mode: str, global_denominator: float, world_size: int) -> float:
-    """Turns a micro-batch's own loss mean into its share of the mini-batch's mean over all ranks
-    (FSDP averages gradients over ranks, hence the factor ``world_size``)."""
-    if mode == "token-mean":
-        local = float(mask.sum())
-    else:
-        local = float((mask.sum(-1) > 0).sum())
-    return local / max(global_denominator, 1.0) * world_size
+    """Turns a micro-batch's own aggregated loss into its share of the mini-batch's loss over all
+    ranks: its own denominator over the mini-batch's (``algo.loss_denominator``: tokens,
+    sequences, or 1 for seq-mean-token-sum-norm, a plain sum), times ``world_size`` since FSDP
+    averages gradients over ranks. The scaled micro-batch losses sum to the whole mini-batch's
+    ``aggregate_loss`` however the rows are split."""
+    return algo.loss_denominator(mask, mode) / max(global_denominator, 1.0) * world_size
 
 
 def mini_batch_denominator(mask: torch.Tensor, mode: str) -> float:
-    return float(mask.sum()) if mode == "token-mean" else float((mask.sum(-1) > 0).sum())
+    """The whole mini-batch's denominator for ``_loss_scale`` (``algo.loss_denominator``)."""
+    return algo.loss_denominator(mask, mode)
 
 
 class _Worker:
@@ -238,14 +238,25 @@ class ActorWorker(_Worker):
             if _seen is not None:
                 old = logprobs.detach()  # the weights that sampled are the ones being updated: ratio 1
                 _seen.append((old.cpu(), entropy.detach().cpu()))
-            loss, pg = algo.ppo_policy_loss(logprobs, old, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode)
-            metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()}}
+            weights, rc_metrics = None, {}
+            rc = cfg.rollout_correction
+            if rc.level is not None:  # truncated IS: the trainer's logprobs against the engine's
+                weights, rc_metrics = algo.rollout_correction_weights(
+                    old, m.engine_logprobs, mask, rc.level, rc.cap, rc.outlier_threshold)
+            loss, pg = algo.policy_loss(
+                cfg.policy_loss, logprobs, old, m.advantages, mask, clip_ratio_low=low, clip_ratio_high=high,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, norm_length=cfg.loss_scale_factor,
+                rollout_is_weights=weights,
+            )
+            metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()},
+                       **{f"rollout_corr/{k}": v.item() for k, v in rc_metrics.items()}}
             if cfg.entropy_coeff != 0:
-                ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode)
+                ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode, cfg.loss_scale_factor)
                 loss = loss - cfg.entropy_coeff * ent
                 metrics["actor/entropy_loss"] = ent.item()
             if use_kl_loss:
-                kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+                kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask,
+                                         cfg.loss_agg_mode, cfg.loss_scale_factor)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.item()
             return loss, metrics
@@ -426,7 +437,8 @@ class CriticWorker(_Worker):
         cfg = self.config
 
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value, loss_agg_mode)
+            loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value,
+                                            loss_agg_mode, cfg.loss_scale_factor)
             return loss, {"critic/vf_loss": loss.item(), "critic/vf_clipfrac": metrics["vf_clipfrac"].item()}
 
         return train_on_mini_batches(self, mini_batches, denominators, micro_size=cfg.ppo_micro_batch_size_per_gpu,
