@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from agentrl.config.schema import TrainConfig
 from agentrl.config.verl import translate
+from agentrl.config.verl_files import read_interaction_config, read_tool_config
 from agentrl.errors import ConfigError, PluginError
 
 __all__ = ["config_dir", "compose", "validate_config", "load_config"]
@@ -188,6 +189,13 @@ def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
         problems.append(("model.path", f"not a transformers checkpoint directory (no config.json): {cfg.model.path}"))
     if cfg.model.chat_template is not None and not Path(cfg.model.chat_template).is_file():
         problems.append(("model.chat_template", f"file not found: {cfg.model.chat_template}"))
+    for key, read in (("agent.tool_config_path", read_tool_config), ("agent.interaction_config_path", read_interaction_config)):
+        path = getattr(cfg.agent, key.split(".")[1])
+        if path is not None:
+            try:
+                read(path, key)
+            except ConfigError as exc:  # verl's YAML: every problem, named with its entry and field
+                problems += exc.problems
     if cfg.trainer.resume is not None and not Path(cfg.trainer.resume).is_dir():
         problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
     if not cfg.data.train_files and cfg.data.task is None:
