@@ -21,7 +21,7 @@ def test_default_train_config_is_the_quickstart():
     assert cfg.model.path is None and cfg.model.tiny.size == "1m"
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.critic.enable is False
-    assert cfg.agent.default_loop == "tool_agent"
+    assert cfg.agent.default_loop == "single_turn"  # verl's default for rows without agent_name
 
 
 def test_group_override_switches_to_ppo_with_a_critic():

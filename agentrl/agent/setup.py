@@ -90,8 +90,9 @@ class RolloutSetup:
             default_loop=agent.default_loop,
             tool_parser=agent.tool_parser,
             tool_parser_by_loop=dict(agent.tool_parser_by_loop),
-            # with no tool configured, the calculator: the built-in tasks' tool
-            tool_names=tuple(dict.fromkeys([s.name for s in tool_specs] + list(agent.tool_config))) or ("calculator",),
+            # offered to rows whose tools_kwargs name none: the configured tools only (verl offers
+            # none unless its tool YAML names some); rows that name tools get those
+            tool_names=tuple(dict.fromkeys([s.name for s in tool_specs] + list(agent.tool_config))),
             tool_config={k: dict(v) for k, v in agent.tool_config.items()},
             tool_specs=tool_specs,
             interaction_config={k: dict(v) for k, v in agent.interaction_config.items()},

@@ -84,6 +84,8 @@ class ToolBox:
         specs: Sequence[ToolSpec] = (),
     ):
         self.tools = tools
+        # the tools a row gets when its tools_kwargs name none (not every tool other rows named)
+        self.default_names: list[str] = list(tools)
         self._schemas: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         self.max_parallel_calls = max_parallel_calls
         self.tool_timeout_s = tool_timeout_s
@@ -107,6 +109,7 @@ class ToolBox:
         box = cls({}, registry=registry or PluginRegistry(), tool_config=tool_config, specs=specs, **kwargs)
         for name in names:
             box.ensure(name)
+        box.default_names = list(names)
         return box
 
     def ensure(self, name: str) -> Tool:
@@ -163,7 +166,7 @@ class ToolSession:
         self.box = box
         self.instance_id = instance_id
         # tools enabled for the row: those named in its tools_kwargs, else every tool of the box
-        self.enabled = [n for n in tools_kwargs if box.ensure(n)] if tools_kwargs else list(box.tools)
+        self.enabled = [n for n in tools_kwargs if box.ensure(n)] if tools_kwargs else list(box.default_names)
         self._kwargs = tools_kwargs
         self._created: list[str] = []
         self.calc_rewards: dict[str, float] = {}

@@ -103,7 +103,7 @@ class RolloutConfig(Section):
 
 
 class AgentConfig(Section):
-    default_loop: str = "tool_agent"  # used when a row has no agent_name
+    default_loop: str = "single_turn"  # used when a row has no agent_name (verl's default too)
     tool_parser: str = "hermes"  # the parser of every loop not in tool_parser_by_loop
     # Loops that write calls in a format of their own: loop name -> parser name.
     tool_parser_by_loop: dict[str, str] = Field(default_factory=lambda: {"react": "react"})

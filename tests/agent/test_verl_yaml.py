@@ -283,3 +283,11 @@ def test_an_unnamed_rows_interaction_runs_only_when_an_interaction_yaml_is_confi
     pool = InteractionPool(specs=read_interaction_config(write(tmp_path, "i.yaml", VERL_GSM8K_INTERACTION_YAML)))
     session = pool.session("t", unnamed)
     assert isinstance(session.interaction, Gsm8kInteraction) and session.kwargs == unnamed  # verl's default: gsm8k
+
+
+def test_a_row_naming_no_tools_gets_the_configured_defaults_not_the_tools_other_rows_named():
+    box = ToolBox.from_plugins([])  # nothing configured: verl offers no tools
+    assert box.session("a", {"calculator": {}}).enabled == ["calculator"]
+    assert box.session("b", {}).enabled == []  # not the calculator another row made the box load
+    box = ToolBox.from_plugins(["calculator"])
+    assert box.session("c", {}).enabled == ["calculator"]
