@@ -14,7 +14,6 @@ import asyncio
 import json
 import sys
 import time
-from collections import Counter
 
 from agentrl.config import TrainConfig, load_config
 
@@ -35,6 +34,7 @@ def require_builtin_engine(cfg: TrainConfig) -> None:
 def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
+    from agentrl.agent.outcomes import summarize_finishes
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.setup import RolloutSetup
     from agentrl.data.dataset import RowDataset
@@ -63,17 +63,24 @@ def cli_main(argv: list[str]) -> int:
         trajectories = asyncio.run(runner.run(rows, n=cfg.rollout.n, seed=cfg.trainer.seed, progress=cfg.logging.progress and "rollout"))
     finally:
         engine.close()
-    path = RolloutStore(run.rollouts).write_step(0, trajectories, rows=rows)
-    finishes = Counter(t.finish_reason for t in trajectories)
+    path = RolloutStore(run.rollouts).write_step(0, trajectories, rows=rows)  # kept whatever happened
+    finishes = summarize_finishes(trajectories)
     summary = {
         "trajectories": len(trajectories),
         "reward_mean": sum(t.reward for t in trajectories) / max(len(trajectories), 1),
-        "finish_reasons": dict(finishes),
+        "finish_reasons": finishes.counts,
+        "failed_fraction": round(finishes.failed_fraction, 4),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     run.write_summary(summary)
     print(json.dumps(summary, indent=2))
+    for line in finishes.lines():
+        print(line, file=sys.stderr)
     print(f"rollouts: {path}")
+    if finishes.exceeds(cfg.rollout.max_failure_rate):
+        print(f"agentrl rollout: {finishes.failed} of {finishes.total} trajectories failed, more than "
+              f"rollout.max_failure_rate = {cfg.rollout.max_failure_rate:g}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -100,6 +100,8 @@ class RolloutConfig(Section):
     val_temperature: float = Field(0.0, ge=0)  # greedy evaluation by default
     val_n: int = Field(1, ge=1)
     max_concurrency: int = Field(256, ge=1)  # trajectories in flight
+    # agentrl rollout exits 1 when more than this share of trajectories failed (loop, engine or interaction error, abort)
+    max_failure_rate: float = Field(0.5, ge=0, le=1)
 
 
 class AgentConfig(Section):
