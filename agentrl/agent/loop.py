@@ -271,7 +271,9 @@ class AgentLoop:
         sample_index: int = 0,
         seed: int | None = None,
     ) -> Trajectory:
-        instance_id = f"{row_id}#{sample_index}@{id(ctx)}"
+        # the group id holds the row's position in the batch: two rows may share a row id (verl files
+        # index each split from 0), and their tool and interaction instances must not collide
+        instance_id = f"{group_id}#{sample_index}@{id(ctx)}"
         extra = row.extra_info
         tools = ctx.toolbox.session(instance_id, extra.tools_kwargs)
         interaction = (

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from agentrl.agent.interaction import InteractionResponse
 from agentrl.agent.tool_parsers import ParsedCall
 from agentrl.agent.tools_runtime import InteractionPool, ToolBox
 from agentrl.config.verl_files import read_interaction_config, read_tool_config
@@ -291,3 +292,27 @@ def test_a_row_naming_no_tools_gets_the_configured_defaults_not_the_tools_other_
     assert box.session("b", {}).enabled == []  # not the calculator another row made the box load
     box = ToolBox.from_plugins(["calculator"])
     assert box.session("c", {}).enabled == ["calculator"]
+
+
+def test_two_rows_with_one_row_id_keep_their_own_interaction_instances(tiny_tokenizer, make_ctx):
+    """verl files index each split from 0: rows of two files can share ``data_source:index``."""
+    from agent_helpers import make_row
+
+    from agentrl.agent.interaction import Interaction
+    from agentrl.agent.runner import LoopTable, RolloutRunner
+    from agentrl.agent.scripted import ScriptedEngine
+
+    class Recording(Interaction):
+        started: list[str] = []
+
+        async def start(self, instance_id, **kwargs):
+            self.started.append(instance_id)
+
+        async def generate_response(self, instance_id, messages):
+            return InteractionResponse(done=True, text="")
+
+    rows = [("same", make_row(answer=gt, interaction_kwargs={"name": "rec"})) for gt in ("72", "36")]
+    ctx = make_ctx(ScriptedEngine(tiny_tokenizer, {"same": ["#### 72"]}))
+    ctx.interactions._instances["rec"] = Recording()
+    asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run(rows))
+    assert len(Recording.started) == len(set(Recording.started)) == 2
