@@ -121,7 +121,6 @@ def verl_overrides(files: dict[str, str], model: Path) -> list[str]:
         "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.response_length=16",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",  # the w_tool variant's rows name no loop
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
         "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.logger=['console']",
         "trainer.project_name='gsm8k_async_rl'", "trainer.experiment_name='verl-dropin'", "trainer.n_gpus_per_node=1",
@@ -132,34 +131,50 @@ def verl_overrides(files: dict[str, str], model: Path) -> list[str]:
     ]
 
 
-def test_verls_four_gsm8k_variants_roll_out_with_verls_overrides_and_yaml(verl_files, tiny_model_dir, tmp_path):
-    files = "[" + ",".join(verl_files[v] for v in VARIANTS) + "]"
-    done = agentrl("rollout", verl_overrides(verl_files, tiny_model_dir) + [
-        f"data.train_files={files}", f"trainer.runs_root={tmp_path}", "trainer.run_name=verl", "logging.progress=false",
+def rollout_by_system(verl_files, model, tmp_path, variants, extra=()) -> dict:
+    """``agentrl rollout`` over the variants' files; (loop, offers verl's tool, offers the calculator)
+    of its trajectories, by the row's system prompt (None: the plain variant's)."""
+    files = "[" + ",".join(verl_files[v] for v in variants) + "]"
+    name = "-".join(variants)
+    done = agentrl("rollout", verl_overrides(verl_files, model) + [*extra,
+        f"data.train_files={files}", f"trainer.runs_root={tmp_path}", f"trainer.run_name={name}", "logging.progress=false",
     ], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    stored = list(RolloutStore(tmp_path / "verl" / "rollouts").iter_stored())
-    assert len(stored) == len(VARIANTS) * len(PROBLEMS) * 2
-    by_system = {}
+    tok = AutoTokenizer.from_pretrained(model)
+    stored = list(RolloutStore(tmp_path / name / "rollouts").iter_stored())
+    assert len(stored) == len(variants) * len(PROBLEMS) * 2
+    by_system: dict = {}
     for s in stored:
         t = s.trajectory
-        assert t.finish_reason not in ("loop_error", "engine_error", "interaction_error"), t.reward_info
+        assert t.finish_reason not in ("loop_error", "engine_error", "interaction_error", "abort"), t.reward_info
         prompt = tok.decode(t.prompt_ids)
-        offers_tool = '"name": "calc_gsm8k_reward"' in prompt
         system = s.row.prompt[0].content if s.row.prompt[0].role == "system" else None
-        by_system.setdefault(system, set()).add((t.agent_name, offers_tool, "calculator" in prompt))
-    assert by_system[None] == {("single_turn", False, False)}  # plain: verl's default single turn, no tools
-    assert by_system[TOOL_SYSTEM] == {("tool_agent", True, False)}  # both tool variants: exactly the YAML's tool
-    assert by_system[INTERACTION_SYSTEM] == {("tool_agent", False, False)}  # no tools_kwargs: no tools offered
+        assert s.row.prompt[-1].content in prompt  # the stored row is this trajectory's own
+        by_system.setdefault(system, set()).add((str(t.agent_name), '"name": "calc_gsm8k_reward"' in prompt, "calculator" in prompt))
+    return by_system
+
+
+def test_verls_plain_and_tool_agent_loop_variants_roll_out_with_verls_defaults(verl_files, tiny_model_dir, tmp_path):
+    by_system = rollout_by_system(verl_files, tiny_model_dir, tmp_path, ("plain", "tool_agent_loop"))
+    assert by_system == {
+        None: {("single_turn", False, False)},  # no agent_name: verl's default single turn, no tools
+        TOOL_SYSTEM: {("tool_agent", True, False)},  # exactly the YAML's tool
+    }
+
+
+def test_verls_tool_and_interaction_variants_roll_out_with_the_tool_agent_as_default_loop(verl_files, tiny_model_dir, tmp_path):
+    # their rows name no loop: a verl user of the agent loops sets the default one
+    by_system = rollout_by_system(verl_files, tiny_model_dir, tmp_path, ("tool", "interaction"),
+                                  ["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])
+    assert by_system == {TOOL_SYSTEM: {("tool_agent", True, False)}, INTERACTION_SYSTEM: {("tool_agent", True, False)}}
 
 
 def test_two_verl_training_steps_on_the_four_variants(verl_files, tiny_model_dir, tmp_path):
     files = "[" + ",".join(verl_files[v] for v in VARIANTS) + "]"
     done = agentrl("train", verl_overrides(verl_files, tiny_model_dir) + [
-        f"data.train_files={files}", "trainer.val_before_train=False", f"trainer.runs_root={tmp_path}",
+        f"data.train_files={files}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", "trainer.val_before_train=False", f"trainer.runs_root={tmp_path}",
         "trainer.run_name=verl", "logging.progress=false", "trainer.threads_per_worker=1",
     ], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

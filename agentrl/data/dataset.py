@@ -37,7 +37,7 @@ from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
 from agentrl.data.row import Row
 from agentrl.errors import DataError
 
-__all__ = ["MAX_REPORTED", "row_uid", "parse_row", "validate_files", "RowDataset", "rows_from_dicts"]
+__all__ = ["MAX_REPORTED", "row_uid", "file_tags", "parse_row", "validate_files", "RowDataset", "rows_from_dicts"]
 
 MAX_REPORTED = 50
 CACHE_BYTES = 256 << 20
@@ -49,6 +49,17 @@ def row_uid(row: Row, file: str, index: int) -> str:
     if row.extra_info.index is not None:
         return f"{row.data_source}:{row.extra_info.index}"
     return f"{Path(file).stem}:{index}"
+
+
+def file_tags(files: Sequence[str | Path]) -> list[str]:
+    """A prefix per file for the row uids of a dataset of several files: verl's files each index
+    their rows from 0, so ``data_source:index`` repeats across files. One file: no prefix (its
+    uids stay as they were); several: ``<file stem>/`` (``<position>.<stem>/`` if stems repeat)."""
+    if len(files) <= 1:
+        return [""] * len(files)
+    stems = [Path(f).stem for f in files]
+    unique = len(set(stems)) == len(stems)
+    return [f"{stem}/" if unique else f"{i}.{stem}/" for i, stem in enumerate(stems)]
 
 
 def parse_row(raw: dict[str, Any], *, file: str, index: int) -> Row:
@@ -159,6 +170,7 @@ class RowDataset:
         if batch_size < 1:
             raise DataError(f"batch_size must be at least 1, got {batch_size}")
         self.files = [str(f) for f in files]
+        self._tags = file_tags(self.files)
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
         self.cache_bytes = cache_bytes
         # per file: cumulative row counts of its row groups (from the footer, no data read)
@@ -253,7 +265,7 @@ class RowDataset:
             path, first = self.files[file_index], self._group_starts[file_index][group]
             for (slot, within), raw in zip(places, raws):
                 row = parse_row(decode_row(raw), file=path, index=first + within)
-                out[slot] = (row_uid(row, path, first + within), row)
+                out[slot] = (self._tags[file_index] + row_uid(row, path, first + within), row)
         return out  # type: ignore[return-value]
 
     def row(self, global_index: int) -> tuple[str, Row]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentrl.data.dataset import parse_row, row_uid, validate_files
+from agentrl.data.dataset import file_tags, parse_row, row_uid, validate_files
 from agentrl.data.io import iter_raw_rows, write_rows
 from agentrl.data.row import Row
 from agentrl.errors import DataError
@@ -50,8 +50,8 @@ def prepare_data(cfg: "TrainConfig", data_dir: Path) -> tuple[list[str], list[tu
         lines = "\n".join(f"  {p}" for p in problems)
         raise DataError(f"invalid data ({len(problems)} problems):\n{lines}")
     val_rows = []
-    for path in val_files:
+    for path, tag in zip(val_files, file_tags(val_files)):
         for index, raw in iter_raw_rows(path):
             row = parse_row(raw, file=path, index=index)
-            val_rows.append((row_uid(row, path, index), row))
+            val_rows.append((tag + row_uid(row, path, index), row))
     return files, val_rows

@@ -78,7 +78,9 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
     token exactly once, over one or more calls. The packed forward when the model allows it
     (``packed.py``), else the distinct prompts once and one call per response-length bucket."""
     lengths = _response_lengths(batch)
-    if share_prompts and batch.prompt_length > 0:
+    # transformers returns no K/V from a checkpointed model in training: prompts cannot be shared
+    checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
+    if share_prompts and batch.prompt_length > 0 and not checkpointed:
         first, inverse = distinct_prompts(batch)
     else:
         first, inverse = torch.arange(len(batch)), torch.arange(len(batch))
