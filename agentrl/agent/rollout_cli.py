@@ -36,10 +36,12 @@ def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+    from agentrl.agent.setup import RolloutSetup
     from agentrl.data.dataset import RowDataset
     from agentrl.data.prepare import prepare_data
     from agentrl.data.rollout_store import RolloutStore
     from agentrl.engines.builtin import BuiltinEngine
+    from agentrl.plugins import PluginRegistry
     from agentrl.rundir import make_run_dir
     from agentrl.tiny import resolve_model
 
@@ -55,9 +57,9 @@ def cli_main(argv: list[str]) -> int:
     started = time.perf_counter()
     engine = BuiltinEngine(model_path, max_batch_size=cfg.engine.max_batch_size, seed=cfg.trainer.seed)
     try:
-        ctx = build_context(engine, tokenizer, agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward,
-                            max_response_tokens=cfg.data.max_response_length)
-        runner = RolloutRunner(ctx, LoopTable(cfg.agent.default_loop), max_concurrency=cfg.rollout.max_concurrency)
+        setup = RolloutSetup.from_config(cfg)
+        ctx = build_context(engine, tokenizer, setup)
+        runner = RolloutRunner(ctx, LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer)), max_concurrency=setup.max_concurrency)
         trajectories = asyncio.run(runner.run(rows, n=cfg.rollout.n, seed=cfg.trainer.seed, progress=cfg.logging.progress and "rollout"))
     finally:
         engine.close()

@@ -167,6 +167,13 @@ def _check_lengths(cfg: TrainConfig) -> list[tuple[str, str]]:
     return []
 
 
+def _check_overlong_buffer(cfg: TrainConfig) -> list[tuple[str, str]]:
+    buffer = cfg.algorithm.overlong_buffer
+    if buffer.enable and buffer.len >= cfg.data.max_response_length:
+        return [("algorithm.overlong_buffer.len", f"{buffer.len} must be below data.max_response_length = {cfg.data.max_response_length}")]
+    return []
+
+
 def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
     problems = []
     for key, paths in (
@@ -198,6 +205,8 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
         ("reward.default", "rewards", cfg.reward.default),
     ]
     wanted += [(f"reward.by_data_source.{k}", "rewards", v) for k, v in cfg.reward.by_data_source.items()]
+    wanted += [(f"agent.tool_parser_by_loop.{k}", "agent_loops", k) for k in cfg.agent.tool_parser_by_loop]
+    wanted += [(f"agent.tool_parser_by_loop.{k}", "tool_parsers", v) for k, v in cfg.agent.tool_parser_by_loop.items()]
     wanted += [(f"agent.tool_config.{k}", "tools", k) for k in cfg.agent.tool_config]
     wanted += [(f"agent.interaction_config.{k}", "interactions", k) for k in cfg.agent.interaction_config]
     problems = []
@@ -209,7 +218,7 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     return problems
 
 
-CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_files, _check_plugins)
+CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_overlong_buffer, _check_files, _check_plugins)
 
 
 def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainConfig:

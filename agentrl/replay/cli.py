@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 from agentrl.errors import AgentrlError, ConfigError, DataError
 from agentrl.rundir import RunDir
 from agentrl.data.rollout_store import RolloutStore, StoredTrajectory, TrajectoryFilter
-from agentrl.trajectory import Trajectory
+from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 __all__ = ["cli_main", "open_store", "parse_steps", "format_trajectory", "metrics_by_step"]
 
@@ -77,7 +77,8 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", help="train, val, ... (default: every split)")
     p.add_argument("--step", help="A:B (A <= step < B), A:, :B or one step")
     p.add_argument("--data-source", action="append", help="keep this data source (repeatable)")
-    p.add_argument("--finish-reason", action="append", help="keep this finish reason (repeatable)")
+    p.add_argument("--finish-reason", action="append", choices=[r.value for r in TrajectoryFinish], metavar="F",
+                   help=f"keep this finish reason (repeatable): {', '.join(r.value for r in TrajectoryFinish)}")
     p.add_argument("--min-reward", type=float)
     p.add_argument("--max-reward", type=float)
 
@@ -285,6 +286,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _rerun(args: argparse.Namespace) -> int:
     from agentrl.agent.runner import LoopTable, build_context
+    from agentrl.agent.setup import RolloutSetup
     from agentrl.replay.rerun import rerun_trajectories
 
     store = open_store(args.dir)
@@ -293,8 +295,7 @@ def _rerun(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(store, args.tokenizer, required=True, cfg=cfg)
     tool_names = sorted({name for r in records if r.row is not None for name in r.row.extra_info.tools_kwargs} | set(cfg.agent.tool_config))
     # the engine is ReplayEngine, set per wave by rerun_trajectories()
-    ctx = build_context(None, tokenizer, agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward,  # type: ignore[arg-type]
-                        max_response_tokens=cfg.data.max_response_length, tool_names=tool_names or None)
+    ctx = build_context(None, tokenizer, RolloutSetup.from_config(cfg), tool_names=tool_names or None)  # type: ignore[arg-type]
     differing: Counter[str] = Counter()
 
     def report(result) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.scripted import ScriptedEngine
-from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+from agentrl.agent.setup import RolloutSetup
+from agentrl.config.schema import DataConfig, RewardConfig, TrainConfig
 from agentrl.data.row import Row
 from replay_data import SCRIPT, make_row
 
@@ -17,8 +18,8 @@ from replay_data import SCRIPT, make_row
 @pytest.fixture
 def make_ctx(tiny_tokenizer):
     def build(engine, *, limits: dict | None = None, reward: str = "gsm8k"):
-        ctx = build_context(engine, tiny_tokenizer, agent=AgentConfig(), rollout=RolloutConfig(),
-                            reward=RewardConfig(default=reward), max_response_tokens=512, tool_names=["calculator"])
+        setup = RolloutSetup.from_config(TrainConfig(reward=RewardConfig(default=reward), data=DataConfig(max_response_length=512)))
+        ctx = build_context(engine, tiny_tokenizer, setup, tool_names=["calculator"])
         if limits:
             ctx.limits = dataclasses.replace(ctx.limits, **limits)
         return ctx
