@@ -42,6 +42,7 @@ from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
 from agentrl.tiny import resolve_model
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.logging import MetricsLogger
+from agentrl.trainer.sft import run_sft_on_actor
 from agentrl.trainer.step import Groups, TrainingStep, timed, trajectory_metrics
 from agentrl.trajectory import Trajectory
 
@@ -198,8 +199,6 @@ class Trainer:
         return trajectory_metrics(trajectories, prefix="val/")
 
     def warm_start_sft(self) -> None:
-        from agentrl.trainer.sft import run_sft_on_actor
-
         run_sft_on_actor(self.actor, self.cfg, self.model_path, self.tokenizer, self.pad_id, self.log, self.run.path)
         self.actor.call_all("reset_optimizer", self.cfg.actor.optim, max(1, self.total_steps))
         self.actor.call_all("sync_weights", 0)
