@@ -159,6 +159,24 @@ class ChatRenderer:
             return f"rendering a tool message raised {type(exc).__name__}: {exc}"
         if marker not in text:
             return "the template drops messages with role 'tool' (their content is not rendered)"
+        # a delta is rendered without the earlier turns: the template must render a tool result
+        # the same way after an earlier round of tool calls
+        second = dict(message, content="tool-result-probe-2")
+        answer = "answer-probe-2"
+        call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "probe", "arguments": {}}}
+        try:
+            middle = {"role": "assistant", "content": answer, "tool_calls": [call]}
+            full = self._render(self._base + [message, middle, second], add_generation_prompt=True)
+            # from the end-of-turn token of the assistant turn between the two rounds
+            later = full[full.rindex(self.eos_token, 0, full.index(second["content"])) :]
+            alone = self._delta([second])
+        except Exception as exc:
+            return f"rendering a second round of tool results raised {type(exc).__name__}: {exc}"
+        if later.startswith(self.eos_token) and later[len(self.eos_token) :] != alone:
+            return (
+                f"the template renders a tool result after an earlier round of tool results as {later[len(self.eos_token):]!r} "
+                f"but a first one as {alone!r}, so observations cannot be rendered exactly one at a time"
+            )
         return None
 
     def observation_ids(self, messages: Sequence[dict[str, Any]], *, after_eos: bool = True) -> list[int]:
@@ -243,7 +261,7 @@ class ChatRenderer:
             messages = [{"role": role, "content": probe} for role in shape]
             try:
                 full = self._delta(messages)
-            except ValueError:
+            except Exception:  # the template refuses these messages without more fields (Mistral's call ids)
                 full = None
             if segments and full != probe.join(segments):
                 segments = []
