@@ -16,6 +16,7 @@ import zlib
 from typing import Any, Callable, Iterable, Sequence
 
 from agentrl.agent.loop import AgentLoop, Limits, LoopContext, RewardFn
+from agentrl.agent.families import detect_tool_parser, stop_tokens
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.tools_runtime import InteractionPool, ToolBox
 from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
@@ -114,10 +115,12 @@ def build_context(
         names, agent.tool_config, registry=registry, max_parallel_calls=agent.max_parallel_calls,
         tool_timeout_s=agent.tool_timeout_s,
     )
-    parser_cls = registry.load("tool_parsers", agent.tool_parser)
+    renderer = ChatRenderer(tokenizer, template_kwargs=agent.chat_template_kwargs)
+    parser_name = detect_tool_parser(tokenizer, renderer.chat_template) if agent.tool_parser == "auto" else agent.tool_parser
+    parser_cls = registry.load("tool_parsers", parser_name)
     return LoopContext(
         engine=engine,
-        renderer=ChatRenderer(tokenizer),
+        renderer=renderer,
         parser=parser_cls(),
         toolbox=toolbox,
         interactions=InteractionPool(agent.interaction_config, registry),
@@ -135,6 +138,7 @@ def build_context(
             temperature=rollout.val_temperature if validation else rollout.temperature,
             top_p=rollout.top_p,
             top_k=rollout.top_k,
+            stop_token_ids=stop_tokens(tokenizer, renderer).ids,  # end-of-turn, eos and generation_config eos ids
         ),
         reward_fn=RewardTable(reward, registry.prefer),
     )
