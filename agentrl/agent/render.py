@@ -48,7 +48,13 @@ import json
 import re
 from typing import Any, Callable, Sequence
 
-__all__ = ["ChatRenderer"]
+from agentrl.errors import AgentrlError
+
+__all__ = ["ChatRenderer", "TemplateUnsupported"]
+
+
+class TemplateUnsupported(AgentrlError, ValueError):
+    """The chat template cannot render what the agent loop needs (e.g. tool results) exactly."""
 
 _DUMMY = "\x00dummy\x00"
 _ANSWER = "\x00answer\x00"  # the dummy assistant content the deltas are anchored on
@@ -145,7 +151,7 @@ class ChatRenderer:
     def require_tool_messages(self) -> None:
         problem = self.tool_message_problem
         if problem is not None:
-            raise ValueError(
+            raise TemplateUnsupported(
                 f"this chat template cannot render tool results: {problem}. Use a loop that shows tool results "
                 "as text in a user turn (agent_name=react), or a chat template that renders role 'tool'"
             )

@@ -22,7 +22,7 @@ from agentrl.agent.tools_runtime import InteractionPool, ToolBox
 from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
 from agentrl.data.row import Row
 from agentrl.engines.base import Engine, SamplingParams
-from agentrl.errors import PluginError
+from agentrl.errors import ConfigError, PluginError
 from agentrl.plugins import PluginRegistry
 from agentrl.rewards import resolve_reward
 from agentrl.trajectory import Trajectory
@@ -118,6 +118,11 @@ def build_context(
     renderer = ChatRenderer(tokenizer, template_kwargs=agent.chat_template_kwargs)
     parser_name = detect_tool_parser(tokenizer, renderer.chat_template) if agent.tool_parser == "auto" else agent.tool_parser
     parser_cls = registry.load("tool_parsers", parser_name)
+    if agent.default_loop == "tool_agent" and names and renderer.tool_message_problem is not None:
+        raise ConfigError([("agent.default_loop", (
+            f"tool_agent shows tool results through the chat template, and this one cannot: {renderer.tool_message_problem}. "
+            "Use agent.default_loop=react (tool results as text in the conversation) or a chat template that renders role 'tool'"
+        ))])
     return LoopContext(
         engine=engine,
         renderer=renderer,
