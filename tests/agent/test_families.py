@@ -316,3 +316,48 @@ def test_agentrl_check_template_is_a_command():
     from agentrl.cli import COMMANDS
 
     assert COMMANDS["check-template"][0] == "agentrl.agent.families:cli_main"
+
+
+# ---------------------------------------------------------------------- the GSM8K tool variant, per family
+GSM8K = {
+    "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether.\n#### 72",
+}
+
+
+@pytest.mark.parametrize("case", list(TOOL_FAMILIES))
+def test_gsm8k_tool_rollout_with_each_familys_native_calls(case, tokenizers, make_ctx):
+    from agentrl.data.row import Row
+    from data_prep.gsm8k import convert_record
+
+    kwargs, parser, _, tool_text, stops, _ = TOOL_FAMILIES[case]
+    tok = tokenizers[_family(case)]
+    fmt = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser, "phi4_mini": Phi4MiniToolParser}[parser]
+    calls = [("calculator", {"expression": "48 + 24"}), ("check_answer", {"answer": "72"})]
+    script = [fmt.format_calls([calls[0]]), fmt.format_calls([calls[1]]), "Natalia sold 72 clips.\n#### 72"]
+    row = Row.model_validate(convert_record(GSM8K, 0, "tool", "train"))
+    engine = ScriptedEngine(tok, {"r0": script})
+    ctx = make_ctx(engine, tokenizer=tok, tools=("calculator", "check_answer"), agent={"chat_template_kwargs": kwargs})
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r0", row)]))
+
+    assert t.finish_reason == "stop" and t.reward == 1.0, t.reward_info
+    assert [(c.name, c.arguments, c.result) for c in t.tool_calls] == [
+        ("calculator", {"expression": "48 + 24"}, "72"), ("check_answer", {"answer": "72"}, "correct"),
+    ]
+    stop_ids = tuple(tok.convert_tokens_to_ids(s) for s in stops)
+    assert all(r.sampling.stop_token_ids == stop_ids for r in engine.requests)
+    # exact: each sampled turn verbatim, each tool result as the template renders it
+    tool_messages = [m for m in t.messages if m["role"] == "tool"]
+    expected: list[int] = []
+    for i, text in enumerate(script):
+        expected += tok.encode(text, add_special_tokens=False) + [stop_ids[0]]
+        if i < 2:
+            rendered = tool_text.replace("408", ["72", "correct"][i])
+            if parser == "mistral":
+                rendered = rendered.replace("{id}", tool_messages[i]["tool_call_id"])
+            expected += tok.encode(rendered, add_special_tokens=False)
+    assert t.response_ids == expected + ctx.renderer.separator_ids
+    assert [x.role for x in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    for turn, request in zip(t.turns[1::2], engine.requests[1:]):  # each request saw exactly the stream so far
+        assert request.input_ids == t.prompt_ids + t.response_ids[: turn.end]
