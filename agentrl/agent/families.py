@@ -45,8 +45,9 @@ def _generation_config_eos(model_dir: Path | None) -> list[int]:
 
 
 def _model_dir(tokenizer: Any, model_dir: str | Path | None) -> Path | None:
-    path = Path(model_dir) if model_dir is not None else Path(str(getattr(tokenizer, "name_or_path", "") or "."))
-    return path if path.is_dir() else None
+    if model_dir is None:
+        model_dir = getattr(tokenizer, "name_or_path", None) or None  # "" for a tokenizer built in memory
+    return Path(model_dir) if model_dir is not None and Path(model_dir).is_dir() else None
 
 
 def stop_tokens(tokenizer: Any, renderer: ChatRenderer | None = None, *, model_dir: str | Path | None = None) -> StopTokens:

@@ -361,3 +361,16 @@ def test_gsm8k_tool_rollout_with_each_familys_native_calls(case, tokenizers, mak
     assert [x.role for x in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
     for turn, request in zip(t.turns[1::2], engine.requests[1:]):  # each request saw exactly the stream so far
         assert request.input_ids == t.prompt_ids + t.response_ids[: turn.end]
+
+
+def test_check_template_passes_on_the_tiny_model(tiny_model_dir, capsys):
+    assert cli_main([str(tiny_model_dir)]) == 0
+    assert "tool parser: hermes" in capsys.readouterr().out
+
+
+def test_stop_tokens_of_a_tokenizer_built_in_memory_read_no_generation_config(tokenizers, tmp_path, monkeypatch):
+    tok = tokenizers["phi3.5"]
+    monkeypatch.setattr(tok, "name_or_path", "")
+    monkeypatch.chdir(tmp_path)  # a generation_config.json in the working directory is not this model's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    assert stop_tokens(tok).ids == tuple(tok.convert_tokens_to_ids(t) for t in ["<|end|>", "<|endoftext|>"])
