@@ -374,3 +374,40 @@ def test_stop_tokens_of_a_tokenizer_built_in_memory_read_no_generation_config(to
     monkeypatch.chdir(tmp_path)  # a generation_config.json in the working directory is not this model's
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
     assert stop_tokens(tok).ids == tuple(tok.convert_tokens_to_ids(t) for t in ["<|end|>", "<|endoftext|>"])
+
+
+USER_TURN = {  # the template's rendering of an appended user turn (an interaction's reply)
+    "qwen3": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+    "qwen2.5": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+    "llama3.1": "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "llama3.2": "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "mistral-nemo": "[INST]{}[/INST]",  # no system prompt: it stays in the first user turn, where the prompt put it
+    "phi3.5": "\n<|user|>\n{}<|end|>\n<|assistant|>\n",
+    "phi4-mini": "<|user|>{}<|end|><|assistant|>",
+    "gemma2": "\n<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
+    "gemma3": "\n<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
+    "deepseek-r1-distill-qwen": "<｜User｜>{}<｜Assistant｜><think>\n",
+    "smollm2": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+    "smollm3": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_interaction_reply_is_the_templates_user_turn_with_no_placeholder(family, tokenizers, make_ctx):
+    from agentrl_interactions.gsm8k import INCORRECT
+
+    tok = tokenizers[family]
+    engine = ScriptedEngine(tok, {"r0": ["#### 400", "#### 408"]})
+    ctx = make_ctx(engine, tokenizer=tok, tools=(), agent={"default_loop": "single_turn"})
+    row = make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"})
+    if family == "gemma2":  # refuses a system message
+        row = row.model_copy(update={"prompt": row.prompt[1:]})
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r0", row)]))
+    assert t.finish_reason == "interaction_done", t.reward_info
+    first, user, second = (t.response_ids[x.start : x.end] for x in t.turns)
+    eot = stop_tokens(tok).ids[0]
+    assert first == tok.encode("#### 400", add_special_tokens=False) + [eot]
+    assert tok.decode(user) == USER_TURN[family].format(INCORRECT)
+    assert user == tok.encode(USER_TURN[family].format(INCORRECT), add_special_tokens=False)
+    assert second == tok.encode("#### 408", add_special_tokens=False) + [eot]
+    assert "\x00" not in tok.decode(t.prompt_ids + t.response_ids)
