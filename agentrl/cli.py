@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tools": ("agentrl.agent.tools_cli:cli_main", "call a tool once: tools call NAME --arguments JSON"),
     "plugins": ("agentrl.cli:plugins_main", "list installed plugins: plugins list [--json] [--check]"),
     "data": ("agentrl.data.cli:cli_main", "prepare and validate datasets (gsm8k, tasks, validate)"),
+    "check-template": ("agentrl.agent.families:cli_main", "check a tokenizer's chat template: token drift, tool calls, stops"),
 }
 
 BENCHMARKS: dict[str, str] = {

@@ -34,12 +34,22 @@ _EXPORTS: dict[str, str] = {
     "ScriptedEngine": "agentrl.agent.scripted",
     # tokens
     "ChatRenderer": "agentrl.agent.render",
+    "TemplateUnsupported": "agentrl.agent.render",
+    # model families: stops, native parsers, the template check
+    "stop_tokens": "agentrl.agent.families",
+    "detect_tool_parser": "agentrl.agent.families",
+    "check_template": "agentrl.agent.families",
+    "TemplateReport": "agentrl.agent.families",
     # tool calls
     "ToolParser": "agentrl.agent.tool_parsers",
     "ParsedCall": "agentrl.agent.tool_parsers",
     "ParsedTurn": "agentrl.agent.tool_parsers",
     "HermesToolParser": "agentrl.agent.tool_parsers",
     "ReactToolParser": "agentrl.agent.tool_parsers",
+    "MistralToolParser": "agentrl.agent.tool_parsers",
+    "Llama3JsonToolParser": "agentrl.agent.tool_parsers",
+    "Phi4MiniToolParser": "agentrl.agent.tool_parsers",
+    "DeepSeekR1ToolParser": "agentrl.agent.tool_parsers",
     # tools and interactions
     "Tool": "agentrl.agent.tool",
     "ToolResult": "agentrl.agent.tool",

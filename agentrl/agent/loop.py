@@ -176,7 +176,8 @@ class Episode:
         if len(self.builder.turns) > turns_before:
             self.counts["assistant_turns"] += 1
         ids = result.output_ids
-        self.last_stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] == self.ctx.renderer.eos_id
+        turn_ends = base.stop_token_ids or (self.ctx.renderer.eos_id,)  # every end-of-turn / eos id of the family
+        self.last_stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] in turn_ends
         if self.last_stopped_on_eos:
             ids = ids[:-1]
         text = self.ctx.renderer.decode(ids)

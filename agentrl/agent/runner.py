@@ -12,10 +12,12 @@ those).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import zlib
 from typing import Any, Callable, Iterable, Sequence
 
+from agentrl.agent.families import detect_tool_parser, stop_tokens
 from agentrl.agent.loop import AgentLoop, LoopContext, RewardFn
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import RolloutSetup
@@ -23,7 +25,7 @@ from agentrl.agent.tools_runtime import InteractionPool, ToolBox
 from agentrl.config.schema import RewardConfig
 from agentrl.data.row import Row
 from agentrl.engines.base import Engine
-from agentrl.errors import PluginError
+from agentrl.errors import ConfigError, PluginError
 from agentrl.plugins import PluginRegistry
 from agentrl.rewards import resolve_reward
 from agentrl.trajectory import Trajectory, TrajectoryFinish
@@ -108,10 +110,20 @@ def build_context(
         registry=registry, max_parallel_calls=setup.max_parallel_calls, tool_timeout_s=setup.tool_timeout_s,
         specs=setup.tool_specs,
     )
+    renderer = ChatRenderer(tokenizer, template_kwargs=setup.chat_template_kwargs)
+    parser_name = detect_tool_parser(tokenizer, renderer.chat_template) if setup.tool_parser == "auto" else setup.tool_parser
+    if setup.default_loop == "tool_agent" and toolbox.tools and renderer.tool_message_problem is not None:
+        raise ConfigError([("agent.default_loop", (
+            f"tool_agent shows tool results through the chat template, and this one cannot: {renderer.tool_message_problem}. "
+            "Use agent.default_loop=react (tool results as text in the conversation) or a chat template that renders role 'tool'"
+        ))])
+    sampling = setup.val_sampling if validation else setup.sampling
+    if not sampling.stop_token_ids:  # end-of-turn, eos and generation_config eos ids of the family
+        sampling = dataclasses.replace(sampling, stop_token_ids=stop_tokens(tokenizer, renderer).ids)
     return LoopContext(
         engine=engine,
-        renderer=ChatRenderer(tokenizer),
-        parser=registry.load("tool_parsers", setup.tool_parser)(),
+        renderer=renderer,
+        parser=registry.load("tool_parsers", parser_name)(),
         parser_by_loop={
             registry.canonical("agent_loops", loop): registry.load("tool_parsers", parser)()
             for loop, parser in setup.tool_parser_by_loop.items()
@@ -119,7 +131,7 @@ def build_context(
         toolbox=toolbox,
         interactions=InteractionPool(setup.interaction_config, registry, specs=setup.interaction_specs),
         limits=setup.limits,
-        sampling=setup.val_sampling if validation else setup.sampling,
+        sampling=sampling,
         reward_fn=RewardTable(setup.reward, registry.prefer),
     )
 

@@ -60,6 +60,7 @@ class RolloutSetup:
     default_loop: str  # for rows without an agent_name
     tool_parser: str  # the parser of every loop not named in tool_parser_by_loop
     tool_parser_by_loop: dict[str, str]
+    chat_template_kwargs: dict[str, Any]  # extra chat-template variables (e.g. enable_thinking)
     tool_names: tuple[str, ...]  # the tools constructed once per context (offered to rows that name none)
     tool_config: dict[str, dict[str, Any]]  # constructor kwargs by tool name
     tool_specs: tuple[ToolSpec, ...]  # the tools of agent.tool_config_path (verl's YAML)
@@ -90,6 +91,7 @@ class RolloutSetup:
             default_loop=agent.default_loop,
             tool_parser=agent.tool_parser,
             tool_parser_by_loop=dict(agent.tool_parser_by_loop),
+            chat_template_kwargs=dict(agent.chat_template_kwargs),
             # offered to rows whose tools_kwargs name none: the configured tools only (verl offers
             # none unless its tool YAML names some); rows that name tools get those
             tool_names=tuple(dict.fromkeys([s.name for s in tool_specs] + list(agent.tool_config))),

@@ -219,6 +219,8 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     wanted += [(f"agent.interaction_config.{k}", "interactions", k) for k in cfg.agent.interaction_config]
     problems = []
     for key, group, name in wanted:
+        if (group, name) == ("tool_parsers", "auto"):  # chosen from the chat template when the tokenizer is loaded
+            continue
         try:
             registry.spec(group, name)
         except PluginError as exc:

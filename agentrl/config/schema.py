@@ -11,7 +11,7 @@ reads the whole config.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -106,9 +106,12 @@ class RolloutConfig(Section):
 
 class AgentConfig(Section):
     default_loop: str = "single_turn"  # used when a row has no agent_name (verl's default too)
-    tool_parser: str = "hermes"  # the parser of every loop not in tool_parser_by_loop
+    # the parser of every loop not in tool_parser_by_loop; auto: the family's native format, read from the chat template (agentrl.agent.families)
+    tool_parser: str = "auto"
     # Loops that write calls in a format of their own: loop name -> parser name.
     tool_parser_by_loop: dict[str, str] = Field(default_factory=lambda: {"react": "react"})
+    # extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 / SmolLM3
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_assistant_turns: int = Field(8, ge=1)
     max_user_turns: int = Field(4, ge=0)
     max_tool_response_tokens: int = Field(256, ge=1)
