@@ -152,7 +152,7 @@ def test_reasoning_blocks_stay_in_the_trajectory_as_sampled(case, tokenizers, ma
 def test_families_that_cannot_show_tool_results_are_refused_at_startup_with_the_reason(family, reason, tokenizers, make_ctx):
     tok = tokenizers[family]
     with pytest.raises(ConfigError, match=r"agent.default_loop: tool_agent shows tool results through the chat template.*" + re.escape(reason)):
-        make_ctx(ScriptedEngine(tok, {}), tokenizer=tok)
+        make_ctx(ScriptedEngine(tok, {}), tokenizer=tok, agent={"default_loop": "tool_agent"})
     with pytest.raises(TemplateUnsupported, match="agent_name=react"):
         ChatRenderer(tok).observation_text([{"role": "tool", "content": "408"}])
 
