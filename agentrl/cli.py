@@ -10,7 +10,7 @@ import importlib
 import json
 import sys
 
-from agentrl.errors import AgentrlError
+from agentrl.errors import AgentrlError, NotAvailable
 
 __all__ = ["main", "COMMANDS"]
 
@@ -33,10 +33,6 @@ BENCHMARKS: dict[str, str] = {
     "trainer": "agentrl.trainer.bench:main",
     "forward": "agentrl.trainer.bench_forward:main",
 }
-
-
-class NotAvailable(AgentrlError):
-    """A subcommand whose module is not part of this installation."""
 
 
 def _resolve(target: str):

@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-
 from agentrl.agent.interaction import Interaction, InteractionResponse
 from agentrl.agent.tool import Tool, ToolResult
 from agentrl.agent.tool_parsers import ParsedCall
@@ -44,6 +42,8 @@ _VALIDATORS: dict[type, Any] = {}
 
 def _validator(cls: type[Tool]) -> Any:
     if cls not in _VALIDATORS:
+        import jsonschema  # here, not at the top: `import agentrl` reaches this module and should stay quick
+
         schema = cls.parameters
         jsonschema.Draft202012Validator.check_schema(schema)
         _VALIDATORS[cls] = jsonschema.Draft202012Validator(schema)

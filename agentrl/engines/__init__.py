@@ -6,34 +6,27 @@
     launch_servers   start SGLang or `agentrl serve` subprocesses and wait until they generate
 
 The boundary types (``GenerateRequest``, ``GenerateResult``, ``SamplingParams``, ``FinishReason``,
-``Engine``) live in ``agentrl.engines.base``. Names here are imported on first use, so importing
-the package does not load transformers.
+``Engine``) live in ``agentrl.engines.base``. Only torch-free modules are re-exported here, so
+importing the package loads neither torch nor transformers: ``BuiltinEngine`` (and its
+``EngineStats``, ``StepRecord``) is imported from ``agentrl.engines.builtin``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from agentrl.engines.launch import ServerSpec, launch_servers, serve_specs, sglang_specs
+from agentrl.engines.sglang import SGLangClient, SGLangEngine
 
-_EXPORTS: dict[str, str] = {
-    "BuiltinEngine": "agentrl.engines.builtin",
-    "EngineStats": "agentrl.engines.builtin",
-    "StepRecord": "agentrl.engines.builtin",
-    "SGLangEngine": "agentrl.engines.sglang",
-    "SGLangClient": "agentrl.engines.sglang",
-    "ServerSpec": "agentrl.engines.launch",
-    "launch_servers": "agentrl.engines.launch",
-    "sglang_specs": "agentrl.engines.launch",
-    "serve_specs": "agentrl.engines.launch",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'agentrl.engines' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__all__ = [
+    "Engine",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "SamplingParams",
+    "SGLangClient",
+    "SGLangEngine",
+    "ServerSpec",
+    "launch_servers",
+    "serve_specs",
+    "sglang_specs",
+]

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
+from agentrl.errors import WorkerDied
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.dist import (
@@ -531,10 +532,6 @@ class WorkerGroup:
 
         for w in self.workers:
             ray.kill(w)
-
-
-class WorkerDied(RuntimeError):
-    """A worker process of a group ended (the step cannot complete)."""
 
 
 def worker_env(threads: int) -> dict[str, str]:
