@@ -39,6 +39,8 @@ _VERL_RENAMES = {
     "agent.max_tool_response_length": "agent.max_tool_response_tokens",
     "rollout.response_length": "rollout.max_new_tokens",
     "actor.grad_clip": "actor.optim.grad_clip",
+    "trainer.total_training_steps": "trainer.total_steps",
+    "data.val_batch_size": None,  # deprecated in verl; agentrl validates the whole set at once
 }
 
 

@@ -176,7 +176,8 @@ class Trainer:
             max_batch_size=cfg.engine.max_batch_size, seed=cfg.trainer.seed, max_concurrency=cfg.rollout.max_concurrency,
             weight_sync="disk" if cfg.engine.weight_sync == "disk" else "memory", weights_dir=str(run_dir / "engine_weights"),
         )
-        self.total_steps = cfg.trainer.total_steps
+        # trainer.total_epochs caps the run; written back so every later reader (LR schedule, loop, summary) agrees
+        self.total_steps = cfg.trainer.total_steps = cfg.trainer.planned_steps(len(self.dataset))
         self.on_policy = (
             cfg.actor.ppo_epochs == 1
             and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
