@@ -29,7 +29,7 @@ import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 from agentrl.errors import PluginError
 
@@ -66,7 +66,8 @@ def extract_strict(solution: str) -> str | None:
 
 def extract_flexible(solution: str) -> str | None:
     """The last number-like run of the solution's tail, as written (verl)."""
-    for match in reversed(_NUMBER.findall(_tail(solution))):
+    matches: list[str] = _NUMBER.findall(_tail(solution))
+    for match in reversed(matches):
         if match not in ("", "."):
             return match
     return None
@@ -79,14 +80,14 @@ def _text_score(answer: str | None, ground_truth: Any, format_score: float) -> f
 
 
 def gsm8k_strict(
-    data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None, format_score: float = 0.0
+    data_source: str, solution: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, format_score: float = 0.0
 ) -> float:
     """verl's GSM8K reward, strict method: 1.0 when the last ``#### <number>`` is the ground truth."""
     return _text_score(extract_strict(solution), ground_truth, format_score)
 
 
 def gsm8k_flexible(
-    data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None, format_score: float = 0.0
+    data_source: str, solution: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, format_score: float = 0.0
 ) -> float:
     """verl's GSM8K reward, flexible method: 1.0 when the last number is the ground truth."""
     return _text_score(extract_flexible(solution), ground_truth, format_score)
@@ -117,7 +118,7 @@ def judge_number(solution: str, ground_truth: Any) -> NumberVerdict:
     return NumberVerdict(answer, strict is not None, got is not None and want is not None and got == want)
 
 
-def exact_number(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, Any]:
+def exact_number(data_source: str, solution: str, ground_truth: Any, extra_info: dict[str, Any] | None = None) -> dict[str, Any]:
     """1.0 when the strict (else flexible) answer equals the ground truth as a number."""
     verdict = judge_number(solution, ground_truth)
     return {"score": 1.0 if verdict.correct else 0.0, "strict_format": verdict.strict_format, "answer": verdict.answer}
@@ -139,7 +140,7 @@ def resolve_reward(name: str, prefer: Mapping[str, Mapping[str, str]] | None = N
         ) from None
     except ValueError:  # no signature to inspect (some builtins): trust it
         pass
-    return fn
+    return cast(RewardFn, fn)
 
 
 def score_to_float(result: Any) -> tuple[float, dict[str, Any]]:

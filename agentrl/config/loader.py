@@ -112,7 +112,7 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+def _known_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     """Field names of the section a pydantic error location points into."""
     current: Any = model
     for part in loc[:-1]:

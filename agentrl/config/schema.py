@@ -11,7 +11,7 @@ reads the whole config.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -105,8 +105,8 @@ class AgentConfig(Section):
     malformed_call_policy: Literal["feedback", "penalize", "end"] = "feedback"
     malformed_call_penalty: float = -0.1
     # Per-tool constructor kwargs, by tool name: {calculator: {...}}.
-    tool_config: dict[str, dict] = Field(default_factory=dict)
-    interaction_config: dict[str, dict] = Field(default_factory=dict)
+    tool_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    interaction_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class RewardConfig(Section):
@@ -222,10 +222,15 @@ class TrainerConfig(Section):
         return min(self.total_steps, self.total_epochs * steps_per_epoch)
 
 
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+def _default_loggers() -> list[LoggerName]:
+    return ["console", "jsonl"]
+
+
 class LoggingConfig(Section):
-    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["console", "jsonl"]
-    )
+    loggers: list[LoggerName] = Field(default_factory=_default_loggers)
     progress: bool = True
     project: str = "agentrl"
 
