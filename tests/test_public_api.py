@@ -89,3 +89,38 @@ def test_worker_died_and_not_available_are_agentrl_errors():
 
     assert WorkerDied is agentrl.WorkerDied and issubclass(WorkerDied, agentrl.AgentrlError)
     assert FromCli is agentrl.NotAvailable and issubclass(FromCli, agentrl.AgentrlError)
+
+
+# exceptions that never reach a caller of agentrl, so they need not be AgentrlErrors
+INTERNAL_EXCEPTIONS = {
+    "EpisodeEnd": "control flow: raised inside a loop's play(), caught by AgentLoop as a finish reason",
+    "InteractionFailure": "control flow: an interaction's exception, turned into the finish reason interaction_error",
+    "BadRequest": "inside `agentrl serve`: answered as HTTP 400, never raised to a client",
+    "BuildError": "the real-SGLang test environment builder (scripts, test fixtures), not the library",
+}
+
+
+def test_every_exception_agentrl_raises_is_an_agentrl_error():
+    """httpx's rule: one tree. Every exception class in the package source is an AgentrlError,
+    or listed above with the reason it never reaches a caller."""
+    import ast
+    import importlib
+    import tomllib
+
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    folders = {"agentrl": "agentrl", **{folder: name for name, folder in package_dir.items()}}
+    outside = []
+    for folder, package in folders.items():
+        for path in (REPO / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.bases]
+            if not classes:
+                continue
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            module = importlib.import_module(".".join((package, *parts)).removesuffix(".__init__"))
+            for name in classes:
+                cls = getattr(module, name)
+                if isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(cls, agentrl.AgentrlError):
+                    if name not in INTERNAL_EXCEPTIONS:
+                        outside.append(f"{module.__name__}.{name}")
+    assert not outside, f"exceptions outside AgentrlError: {outside}"
