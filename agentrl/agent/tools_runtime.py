@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import jsonschema
+
 from agentrl.agent.interaction import Interaction, InteractionResponse
 from agentrl.agent.tool import Tool, ToolResult
 from agentrl.agent.tool_parsers import ParsedCall
@@ -46,8 +48,6 @@ _VALIDATORS: dict[type, Any] = {}
 
 def _validator(cls: type[Tool]) -> Any:
     if cls not in _VALIDATORS:
-        import jsonschema  # here, not at the top: `import agentrl` reaches this module and should stay quick
-
         schema = cls.parameters
         jsonschema.Draft202012Validator.check_schema(schema)
         _VALIDATORS[cls] = jsonschema.Draft202012Validator(schema)
