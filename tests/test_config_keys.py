@@ -27,20 +27,6 @@ SCHEMA = REPO / "agentrl" / "config" / "schema.py"  # defines the keys: only its
 # key -> why the scan cannot see its read
 READ_ELSEWHERE: dict[str, str] = {}
 
-# Keys that are known to be unread today, each with what will read it. Each must really still be
-# unread (a test below), so an entry is removed as soon as its key is wired; nothing new belongs here.
-_ALGOS_PENDING = "algorithms.py implements it; the training step (trainer/step.py) does not pass it yet"
-NOT_YET_WIRED: dict[str, str] = {
-    "algorithm.grpo_turn_credit": _ALGOS_PENDING,
-    "algorithm.rpp_reset_at_observations": _ALGOS_PENDING,
-    "algorithm.overlong_filter": _ALGOS_PENDING,
-    "algorithm.filter_groups.enable": _ALGOS_PENDING,
-    "algorithm.filter_groups.max_num_gen_batches": _ALGOS_PENDING,
-    "algorithm.overlong_buffer.enable": _ALGOS_PENDING,
-    "algorithm.overlong_buffer.len": _ALGOS_PENDING,
-    "algorithm.overlong_buffer.penalty_factor": _ALGOS_PENDING,
-}
-
 
 def sections(model: type[BaseModel] = TrainConfig, path: tuple[str, ...] = ()):
     """(path, class) of every section, the root first."""
@@ -104,11 +90,8 @@ def readers(key: tuple[str, ...], files: dict[str, tuple[str, str | None]], held
 def test_every_config_key_is_read_by_some_code():
     files = source_files()
     held = {file: aliases(text, self_class) for file, (text, self_class) in files.items()}
-    unread = [".".join(k) for k in leaf_keys() if not readers(k, files, held)]
-    dead = [key for key in unread if key not in READ_ELSEWHERE and key not in NOT_YET_WIRED]
-    assert not dead, f"config keys that no code reads (wire them or remove them): {', '.join(dead)}"
-    wired = sorted(set(NOT_YET_WIRED) - set(unread))
-    assert not wired, f"these keys are read now: remove them from NOT_YET_WIRED: {', '.join(wired)}"
+    unread = [".".join(k) for k in leaf_keys() if ".".join(k) not in READ_ELSEWHERE and not readers(k, files, held)]
+    assert not unread, f"config keys that no code reads (wire them or remove them): {', '.join(unread)}"
 
 
 def test_the_scan_finds_reads_through_each_kind_of_alias():
@@ -135,4 +118,3 @@ def test_the_scan_finds_reads_through_each_kind_of_alias():
 def test_every_listed_exception_is_a_real_key():
     keys = {".".join(k) for k in leaf_keys()}
     assert set(READ_ELSEWHERE) <= keys, set(READ_ELSEWHERE) - keys
-    assert set(NOT_YET_WIRED) <= keys, set(NOT_YET_WIRED) - keys

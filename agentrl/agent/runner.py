@@ -70,7 +70,7 @@ def check_row_plugins(row: Row, registry: PluginRegistry | None = None) -> list[
         if name not in tools:
             problems.append((f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools))})"))
     interaction = row.extra_info.interaction_kwargs
-    if interaction is not None and interaction.name not in (known := set(registry.names("interactions"))):
+    if interaction is not None and interaction.name is not None and interaction.name not in (known := set(registry.names("interactions"))):
         problems.append(
             ("extra_info.interaction_kwargs.name", f"unknown interaction {interaction.name!r} (known: {', '.join(sorted(known))})")
         )
@@ -106,6 +106,7 @@ def build_context(
     toolbox = ToolBox.from_plugins(
         list(tool_names if tool_names is not None else setup.tool_names), setup.tool_config,
         registry=registry, max_parallel_calls=setup.max_parallel_calls, tool_timeout_s=setup.tool_timeout_s,
+        specs=setup.tool_specs,
     )
     return LoopContext(
         engine=engine,
@@ -116,7 +117,7 @@ def build_context(
             for loop, parser in setup.tool_parser_by_loop.items()
         },
         toolbox=toolbox,
-        interactions=InteractionPool(setup.interaction_config, registry),
+        interactions=InteractionPool(setup.interaction_config, registry, specs=setup.interaction_specs),
         limits=setup.limits,
         sampling=setup.val_sampling if validation else setup.sampling,
         reward_fn=RewardTable(setup.reward, registry.prefer),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig, TrainConfig
+from agentrl.config.verl_files import InteractionSpec, ToolSpec, read_interaction_config, read_tool_config
 from agentrl.engines.base import SamplingParams
 
 __all__ = ["Limits", "RolloutSetup"]
@@ -59,9 +60,11 @@ class RolloutSetup:
     default_loop: str  # for rows without an agent_name
     tool_parser: str  # the parser of every loop not named in tool_parser_by_loop
     tool_parser_by_loop: dict[str, str]
-    tool_names: tuple[str, ...]  # the tools constructed once per context
+    tool_names: tuple[str, ...]  # the tools constructed once per context (offered to rows that name none)
     tool_config: dict[str, dict[str, Any]]  # constructor kwargs by tool name
+    tool_specs: tuple[ToolSpec, ...]  # the tools of agent.tool_config_path (verl's YAML)
     interaction_config: dict[str, dict[str, Any]]
+    interaction_specs: tuple[InteractionSpec, ...]  # the interactions of agent.interaction_config_path
     max_parallel_calls: int
     tool_timeout_s: float
     reward: RewardConfig
@@ -77,6 +80,8 @@ class RolloutSetup:
         """The setup of a validated config; ``weights_dir`` is where ``engine.weight_sync=disk``
         writes the policy for the engine (the trainer's run directory; unused without a trainer)."""
         agent, rollout = cfg.agent, cfg.rollout
+        tool_specs = tuple(read_tool_config(agent.tool_config_path)) if agent.tool_config_path else ()
+        interaction_specs = tuple(read_interaction_config(agent.interaction_config_path)) if agent.interaction_config_path else ()
         weight_sync: Literal["memory", "disk"] = "disk" if cfg.engine.weight_sync == "disk" else "memory"
         return cls(
             limits=Limits.from_config(agent, rollout, max_response_tokens=cfg.data.max_response_length),
@@ -86,9 +91,11 @@ class RolloutSetup:
             tool_parser=agent.tool_parser,
             tool_parser_by_loop=dict(agent.tool_parser_by_loop),
             # with no tool configured, the calculator: the built-in tasks' tool
-            tool_names=tuple(agent.tool_config) or ("calculator",),
+            tool_names=tuple(dict.fromkeys([s.name for s in tool_specs] + list(agent.tool_config))) or ("calculator",),
             tool_config={k: dict(v) for k, v in agent.tool_config.items()},
+            tool_specs=tool_specs,
             interaction_config={k: dict(v) for k, v in agent.interaction_config.items()},
+            interaction_specs=interaction_specs,
             max_parallel_calls=agent.max_parallel_calls,
             tool_timeout_s=agent.tool_timeout_s,
             reward=cfg.reward.model_copy(deep=True),

@@ -112,6 +112,10 @@ class AgentConfig(Section):
     # Per-tool constructor kwargs, by tool name: {calculator: {...}}.
     tool_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
     interaction_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # A verl tool YAML (tools: [{class_name, config, tool_schema}]): its tools, offered with its schemas.
+    tool_config_path: str | None = None
+    # A verl interaction YAML (interaction: [{name, class_name, config}]).
+    interaction_config_path: str | None = None
 
 
 class RewardConfig(Section):

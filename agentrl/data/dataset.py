@@ -117,7 +117,7 @@ def _unknown_plugins(
             if name not in tools:
                 yield f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools)) or 'none'})"
     spec = row.extra_info.interaction_kwargs
-    if interactions is not None and spec is not None and spec.name not in interactions:
+    if interactions is not None and spec is not None and spec.name is not None and spec.name not in interactions:
         yield "extra_info.interaction_kwargs.name", f"unknown interaction {spec.name!r} (known: {', '.join(sorted(interactions)) or 'none'})"
 
 

@@ -125,28 +125,63 @@ class Trainer:
             self.resume()
 
     # ------------------------------------------------------------------ phases
-    def rollout(self, rows, *, step: int, validation: bool) -> list[Trajectory]:
+    def rollout(self, rows, *, step: int, validation: bool, draw: int = 0) -> list[Trajectory]:
         cfg = self.cfg
         n = cfg.rollout.val_n if validation else cfg.rollout.n
+        purpose = ("val" if validation else "train") + (f".{draw}" if draw else "")  # draw: dynamic sampling's refills
         return self.actor.call_rank0(
-            "rollout", rows, n=n, seed=_seed_for(cfg.trainer.seed, step, "val" if validation else "train"),
-            group_prefix=f"{'val' if validation else 'train'}{step}/", validation=validation, policy_version=step,
+            "rollout", rows, n=n, seed=_seed_for(cfg.trainer.seed, step, purpose),
+            group_prefix=f"{purpose}{step}/", validation=validation, policy_version=step,
         )
+
+    def rollout_filtered(self, step: int, rows) -> tuple[list[Trajectory], list[Trajectory], list, dict[str, float]]:
+        """DAPO's dynamic sampling (``algorithm.filter_groups``): groups whose rewards are all
+        equal carry no advantage and are dropped; more rows are drawn and rolled out until
+        ``data.train_batch_size`` groups remain or ``max_num_gen_batches`` draws were made.
+        Returns the kept trajectories, every trajectory and row drawn (for the store) and the counts."""
+        cfg = self.cfg
+        kept: list[Trajectory] = []
+        every: list[Trajectory] = []
+        all_rows, drawn, dropped, draw = list(rows), 0, 0, 0
+        while True:
+            drawn_now = self.rollout(rows, step=step, validation=False, draw=draw)
+            every += drawn_now
+            usable = [t for t in drawn_now if t.response_ids]
+            index = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in usable))}
+            keep, counts = algo.dynamic_sampling_filter(
+                torch.tensor([t.reward for t in usable]), torch.tensor([index[t.group_id] for t in usable], dtype=torch.long)
+            )
+            kept += [usable[i] for i in keep.tolist()]
+            drawn, dropped, draw = drawn + counts["groups_drawn"], dropped + counts["groups_dropped"], draw + 1
+            groups = list(dict.fromkeys(t.group_id for t in kept))
+            if len(groups) >= cfg.data.train_batch_size or draw >= cfg.algorithm.filter_groups.max_num_gen_batches:
+                break
+            rows = self.dataset.next_batch()
+            all_rows += rows
+        chosen = set(groups[: cfg.data.train_batch_size])
+        metrics = {"dynamic_sampling/groups_drawn": float(drawn), "dynamic_sampling/groups_dropped": float(dropped),
+                   "dynamic_sampling/gen_batches": float(draw), "dynamic_sampling/groups_kept": float(len(chosen))}
+        # every group uniform even after the last draw: train on that draw (its advantages are all 0)
+        return [t for t in kept if t.group_id in chosen] or usable, every, all_rows, metrics
 
     def train_step(self, step: int, rows) -> dict[str, float]:
         """Rollout, the training step (``trainer.step``), weight sync; the rollouts go to the store."""
         timings: dict[str, float] = {}
         start = time.perf_counter()
+        sampling: dict[str, float] = {}
         with timed(timings, "rollout"):  # generation, tools, interactions and rewards
-            trajectories = self.rollout(rows, step=step, validation=False)
+            if self.cfg.algorithm.filter_groups.enable:
+                trajectories, drawn, rows, sampling = self.rollout_filtered(step, rows)
+            else:
+                trajectories = drawn = self.rollout(rows, step=step, validation=False)
         if self.store is not None:
-            self.store.write_step(step, trajectories, rows=rows)
+            self.store.write_step(step, drawn, rows=rows)
         result = self.step.online(trajectories, step=step)
         if result.updated_actor:
             with timed(timings, "weight_sync"):
                 self.actor.call_all("sync_weights", step + 1)
         wall = time.perf_counter() - start
-        metrics = {**result.metrics, **timings}
+        metrics = {**result.metrics, **sampling, **timings}
         metrics.update({
             "step": float(step),
             "tokens/per_s": float(result.batch.attention_mask.sum()) / wall,

@@ -34,7 +34,10 @@ from agentrl.errors import DataError
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch, collate
 from agentrl.trainer.workers import mini_batch_denominator
-from agentrl.trajectory import Trajectory
+from agentrl.trajectory import Trajectory, TrajectoryFinish
+
+# the ends that cut a response at a length limit (DAPO's overlong filter drops them)
+TRUNCATED = frozenset({TrajectoryFinish.LENGTH, TrajectoryFinish.RESPONSE_BUDGET})
 
 __all__ = [
     "Group", "LocalGroup", "Groups", "StepResult", "TrainingStep", "usable_trajectories", "is_on_policy",
@@ -97,7 +100,7 @@ def is_on_policy(cfg: TrainConfig) -> bool:
 
 def usable_trajectories(trajectories: Sequence[Trajectory], where: str) -> list[Trajectory]:
     """The trajectories with tokens to train on (a loop error's are left out of the loss)."""
-    usable = [t for t in trajectories if t.finish_reason != "loop_error" and t.response_ids]
+    usable = [t for t in trajectories if t.finish_reason is not TrajectoryFinish.LOOP_ERROR and t.response_ids]
     if not usable:
         reasons = sorted({f"{t.finish_reason}: {t.reward_info.get('error', '')}" for t in trajectories})
         raise DataError(f"{where}: none of the {len(trajectories)} trajectories has tokens to train on ({'; '.join(reasons)[:500]})")
@@ -117,27 +120,38 @@ def compute_advantages(batch: TrainBatch, cfg: TrainConfig, kl_coef: float | Non
         per_turn = torch.zeros_like(turn_rewards).scatter_add_(1, index, penalty * (batch.turn_ids >= 0))
         token_rewards, turn_rewards = penalized, turn_rewards + per_turn
         metrics["kl/reward_penalty_kl"] = float(kl)
-    scores = token_rewards.sum(-1)  # (B,)
-    est = alg.adv_estimator
-    returns = None
-    if est == "gae":
-        advantages, returns = algo.compute_gae(token_rewards, batch.values, mask, alg.gamma, alg.lam)
-    elif est in ("grpo", "drgrpo"):
-        advantages = algo.turn_level_advantages(
-            turn_rewards, batch.num_turns, batch.turn_ids, mask, batch.group_index, gamma=alg.turn_gamma,
-            norm_by_std=est == "grpo" and alg.norm_adv_by_std_in_grpo,
-        )
-    elif est == "rloo":
-        advantages = algo.compute_rloo_advantages(scores, batch.group_index).unsqueeze(1) * mask
-    elif est == "reinforce_plus_plus":
-        advantages = algo.compute_reinforce_pp_advantages(token_rewards, mask, alg.gamma)
-    elif est == "reinforce_plus_plus_baseline":
-        advantages = algo.compute_reinforce_pp_baseline_advantages(scores, mask, batch.group_index)
-    else:  # the schema forbids it; kept for a clear error if the two drift apart
-        raise ValueError(f"unknown adv_estimator {est!r}")
+    advantages, returns = algo.estimate_advantages(
+        alg.adv_estimator, token_rewards=token_rewards, response_mask=mask, group_ids=batch.group_index,
+        gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        rpp_reset_at_observations=alg.rpp_reset_at_observations, grpo_turn_credit=alg.grpo_turn_credit,
+        turn_gamma=alg.turn_gamma, values=batch.values, turn_rewards=turn_rewards, num_turns=batch.num_turns,
+        turn_ids=batch.turn_ids,
+    )
     metrics["advantages/mean"] = float(algo.masked_mean(advantages, mask))
     metrics["advantages/abs_max"] = float((advantages.abs() * mask).max())
-    return batch.replace(advantages=advantages, returns=returns if returns is not None else advantages), metrics
+    return batch.replace(advantages=advantages, returns=returns), metrics
+
+
+def overlong_shaping(batch: TrainBatch, trajectories: Sequence[Trajectory], cfg: TrainConfig) -> tuple[TrainBatch, dict[str, float]]:
+    """DAPO's length shaping, when configured: the soft overlong penalty joins each trajectory's
+    reward (on its last sampled token and its last turn), and overlong filtering leaves responses
+    that hit the length limit out of the loss."""
+    metrics: dict[str, float] = {}
+    buffer = cfg.algorithm.overlong_buffer
+    if buffer.enable:
+        lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+        penalty = algo.overlong_reward_penalty(lengths, cfg.data.max_response_length, buffer.len, buffer.penalty_factor)  # (B,)
+        last_turn = (batch.num_turns - 1).clamp(min=0).unsqueeze(1)  # (B, 1)
+        batch = batch.replace(
+            token_rewards=algo.add_to_last_sampled_token(batch.token_rewards, batch.response_mask, penalty),
+            turn_rewards=batch.turn_rewards.scatter_add(1, last_turn, penalty.unsqueeze(1)),
+        )
+        metrics["overlong/penalized_fraction"] = float((penalty < 0).float().mean())
+    if cfg.algorithm.overlong_filter:
+        truncated = torch.tensor([t.finish_reason in TRUNCATED for t in trajectories])
+        batch = batch.replace(response_mask=algo.overlong_filter_mask(truncated, batch.response_mask))
+        metrics["overlong/filtered_fraction"] = float(truncated.float().mean())
+    return batch, metrics
 
 
 def truncated_importance_weights(
@@ -277,6 +291,7 @@ class TrainingStep:
             group_size = max(Counter(t.group_id for t in usable).values())
         batch = collate(usable, pad_token_id=self.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
                         max_response_length=cfg.data.max_response_length)
+        batch, shaping_metrics = overlong_shaping(batch, usable, cfg)
         actor, micro = groups.actor, cfg.actor.ppo_micro_batch_size_per_gpu
         on_policy = on_policy and update_actor
         entropy = None
@@ -333,11 +348,13 @@ class TrainingStep:
             "trajectories/loop_errors": float(len(trajectories) - len(usable)),
         })
         metrics.update(weight_metrics)
+        metrics.update(shaping_metrics)
         if batch.ref_logprobs is not None:
             metrics["kl/policy_ref"] = float(algo.masked_mean(algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1"), mask))
             if self.kl_ctrl is not None:
-                if cfg.algorithm.use_kl_in_reward:
-                    self.kl_ctrl.update(metrics["kl/policy_ref"], len(batch))
+                if cfg.algorithm.use_kl_in_reward:  # fed what verl feeds it: the configured KL kind, per-sequence means
+                    kl = algo.kl_for_controller(batch.old_logprobs, batch.ref_logprobs, mask, cfg.algorithm.kl_penalty)
+                    self.kl_ctrl.update(float(kl), len(batch))
                 metrics["kl/coef"] = self.kl_ctrl.value
         if batch.values is not None:
             metrics["critic/explained_variance"] = explained_variance(batch.returns, batch.values, mask)

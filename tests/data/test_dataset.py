@@ -314,9 +314,11 @@ def test_data_validate_cli_names_an_uninstalled_tool_and_exits_1(tmp_path, capsy
     assert cli_main(["validate", str(write_rows(rows, tmp_path / "b.parquet"))]) == 0
 
 
-def test_interaction_kwargs_without_a_name_mean_verls_default_gsm8k(tmp_path):
+def test_interaction_kwargs_without_a_name_are_accepted_as_verls_rows_write_them(tmp_path):
     rows = make_rows(1)
     rows[0]["extra_info"]["interaction_kwargs"] = {"query": "What is 1 + 1?", "ground_truth": "2"}
-    [(_, row)] = list(RowDataset([write_rows(rows, tmp_path / "a.parquet")], batch_size=1, shuffle=False).next_batch())
-    assert row.extra_info.interaction_kwargs.name == "gsm8k"
+    path = write_rows(rows, tmp_path / "a.parquet")
+    assert validate_files([path], known_interactions={"gsm8k"}) == []
+    [(_, row)] = list(RowDataset([path], batch_size=1, shuffle=False).next_batch())
+    assert row.extra_info.interaction_kwargs.name is None
     assert row.extra_info.interaction_kwargs.model_extra == {"query": "What is 1 + 1?", "ground_truth": "2"}
