@@ -10,7 +10,7 @@ import importlib
 import json
 import sys
 
-from agentrl.errors import AgentrlError
+from agentrl.errors import AgentrlError, NotAvailable
 
 __all__ = ["main", "COMMANDS"]
 
@@ -38,10 +38,6 @@ BENCHMARKS: dict[str, str] = {
 
 # commands whose arguments are config overrides: their --help and --cfg job come from the schema
 CONFIG_COMMANDS = ("train", "sft", "rollout")
-
-
-class NotAvailable(AgentrlError):
-    """A subcommand whose module is not part of this installation."""
 
 
 def _resolve(target: str):

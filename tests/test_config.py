@@ -180,3 +180,22 @@ def test_every_shipped_yaml_config_validates():
         ("train", ["trainer=default"]),
     ]:
         validate_config(compose(name, overrides), check_files=False)
+
+
+@pytest.mark.parametrize(
+    "total_steps, total_epochs, steps_per_epoch, planned",
+    [(20, None, 3, 20), (20, 2, 3, 6), (5, 2, 3, 5), (6, 2, 3, 6), (0, 1, 3, 0)],
+)
+def test_total_epochs_caps_the_steps_as_in_verl(total_steps, total_epochs, steps_per_epoch, planned):
+    epochs = "null" if total_epochs is None else total_epochs
+    trainer = load_config("train", [f"trainer.total_steps={total_steps}", f"trainer.total_epochs={epochs}"]).trainer
+    assert trainer.planned_steps(steps_per_epoch) == planned
+
+
+def test_total_epochs_is_at_least_one_pass():
+    assert problems_of(["trainer.total_epochs=0"])["trainer.total_epochs"].startswith("Input should be greater than or equal to 1")
+
+
+@pytest.mark.parametrize("key", ["model.dtype", "trainer.colocate", "engine.servers", "engine.max_retries"])
+def test_removed_knobs_are_unknown_keys(key):
+    assert problems_of([f"{key}=1"])[key].startswith("unknown key")

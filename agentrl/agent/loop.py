@@ -334,7 +334,8 @@ class AgentLoop:
     def _finish(self, ep: Episode, finish: TrajectoryFinish, error: str | None) -> Trajectory:
         row = ep.row
         solution = self._solution_text(ep)
-        reward, info = 0.0, {}
+        reward = 0.0
+        info: dict[str, Any] = {}
         if ep.own_score is not None:
             reward = ep.own_score
         else:

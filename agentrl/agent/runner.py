@@ -201,7 +201,7 @@ class RolloutRunner:
             )
 
 
-def _progress_bar(total: int, progress: bool | str):
+def _progress_bar(total: int, progress: bool | str) -> Any:  # a tqdm bar or None
     if not progress:
         return None
     from tqdm.auto import tqdm

@@ -97,7 +97,9 @@ class ScriptedEngine:
     async def abort(self, rid: str) -> None:
         return None
 
-    async def update_weights(self, state_dict=None, *, path=None, version=None) -> None:
+    async def update_weights(
+        self, state_dict: Mapping[str, Any] | None = None, *, path: str | None = None, version: int | None = None
+    ) -> None:
         self.weight_version = version if version is not None else self.weight_version + 1
 
     async def health(self) -> bool:

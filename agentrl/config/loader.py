@@ -71,6 +71,7 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
         elif verl.warning is not None:
             log.warning("agentrl: %s", verl.warning)
         else:
+            assert verl.key is not None  # only a warning or an error drops the key
             value_overrides.append((prefix, verl.key, verl.value))
     if problems:
         raise ConfigError(problems)
@@ -93,7 +94,7 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+def _known_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     """Field names of the section a pydantic error location points into."""
     current: Any = model
     for part in loc[:-1]:

@@ -55,7 +55,6 @@ class ModelConfig(Section):
     # A local transformers checkpoint directory; null builds (or reuses) the tiny model below.
     path: str | None = None
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     # When set, overrides the tokenizer's chat template (path to a jinja file).
     chat_template: str | None = None
     gradient_checkpointing: bool = False
@@ -72,7 +71,6 @@ class DataConfig(Section):
     task_train_size: int = Field(2000, ge=1)
     task_val_size: int = Field(64, ge=1)
     train_batch_size: int = Field(16, ge=1)  # prompts per step
-    val_batch_size: int | None = None  # null: the whole validation set at once
     shuffle: bool = True
     seed: int = 0
     max_prompt_length: int = Field(512, ge=1)
@@ -80,14 +78,10 @@ class DataConfig(Section):
 
 
 class EngineConfig(Section):
+    # sglang is not wired into train/rollout yet: they refuse it with a clear error. Its settings
+    # (servers, retries, timeouts) are the constructor arguments of agentrl.engines.SGLangEngine.
     backend: Literal["builtin", "sglang"] = "builtin"
-    # sglang: base URLs of running servers; empty launches servers from `launch_args`.
-    servers: list[str] = Field(default_factory=list)
-    launch_args: list[str] = Field(default_factory=list)
-    num_servers: int = Field(1, ge=1)
     max_batch_size: int = Field(64, ge=1)  # builtin: sequences decoded together
-    request_timeout_s: float = Field(300.0, gt=0)
-    max_retries: int = Field(3, ge=0)
     weight_sync: Literal["auto", "memory", "disk", "nccl"] = "auto"
 
 
@@ -121,8 +115,8 @@ class AgentConfig(Section):
     malformed_call_policy: Literal["feedback", "penalize", "end"] = "feedback"
     malformed_call_penalty: float = -0.1
     # Per-tool constructor kwargs, by tool name: {calculator: {...}}.
-    tool_config: dict[str, dict] = Field(default_factory=dict)
-    interaction_config: dict[str, dict] = Field(default_factory=dict)
+    tool_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    interaction_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # A verl tool YAML (tools: [{class_name, config, tool_schema}]): its tools, offered with its schemas.
     tool_config_path: str | None = None
     # A verl interaction YAML (interaction: [{name, class_name, config}]).
@@ -262,7 +256,9 @@ class SFTConfig(Section):
 
 class TrainerConfig(Section):
     total_steps: int = Field(20, ge=0)
-    total_epochs: int | None = None  # when set, caps the steps at this many passes over the data
+    # when set, the run ends after this many passes over the training data if that comes before
+    # total_steps (verl's rule: steps = min(total_steps, total_epochs x batches per epoch))
+    total_epochs: int | None = Field(None, ge=1)
     critic_warmup: int = Field(0, ge=0)
     test_freq: int = Field(5, ge=0)  # validate every N steps (0: never)
     save_freq: int = Field(10, ge=0)  # checkpoint every N steps (0: never)
@@ -271,7 +267,6 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch threads of each worker process; null: the machine's cores / actor.world_size
     threads_per_worker: int | None = Field(None, ge=1)
-    colocate: bool = True  # actor and builtin engine share a process (in-memory weight sync)
     runs_root: str = "runs"
     run_name: str | None = None  # null: a timestamp
     resume: str | None = None  # a run directory to continue
@@ -281,11 +276,22 @@ class TrainerConfig(Section):
     # nothing is kept for replay (a 64-trajectory step's shard costs ~8 ms: encoding, parquet, fsync)
     save_rollouts: bool = True
 
+    def planned_steps(self, steps_per_epoch: int) -> int:
+        """The steps this run takes: total_steps, capped at total_epochs passes over the data."""
+        if self.total_epochs is None:
+            return self.total_steps
+        return min(self.total_steps, self.total_epochs * steps_per_epoch)
+
+
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+def _default_loggers() -> list[LoggerName]:
+    return ["console", "jsonl"]
+
 
 class LoggingConfig(Section):
-    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["console", "jsonl"]
-    )
+    loggers: list[LoggerName] = Field(default_factory=_default_loggers)
     progress: bool = True
     project: str = "agentrl"
 

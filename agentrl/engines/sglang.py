@@ -37,10 +37,12 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import httpx
-import torch
+
+if TYPE_CHECKING:  # tensors only pass through (weight sync imports torch itself)
+    import torch
 
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.errors import EngineError, EngineTimeout, EngineUnavailable

@@ -86,7 +86,8 @@ class Trainer:
         from agentrl.agent.setup import RolloutSetup
 
         setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights))
-        self.total_steps = cfg.trainer.total_steps
+        # trainer.total_epochs caps the run; written back so every later reader (LR schedule, loop, summary) agrees
+        self.total_steps = cfg.trainer.total_steps = cfg.trainer.planned_steps(len(self.dataset))
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,

@@ -29,6 +29,7 @@ import torch
 
 from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
+from agentrl.errors import WorkerDied
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.dist import (
@@ -543,10 +544,6 @@ class WorkerGroup:
 
         for w in self.workers:
             ray.kill(w)
-
-
-class WorkerDied(RuntimeError):
-    """A worker process of a group ended (the step cannot complete)."""
 
 
 def worker_env(threads: int) -> dict[str, str]:

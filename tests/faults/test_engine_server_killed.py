@@ -11,8 +11,8 @@ from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import AgentConfig, DataConfig, RolloutConfig, TrainConfig
 from agentrl.data.dataset import rows_from_dicts
-from agentrl.engines import SGLangEngine
 from agentrl.engines.launch import launch_servers, serve_specs
+from agentrl.engines.sglang import SGLangEngine
 from agentrl_data_prep.tasks import generate
 
 
