@@ -11,7 +11,7 @@ Matched settings: no KL (TRL's ``beta=0``), GRPO group normalization with the st
 (``scale_rewards="group"``), token-mean loss over the whole batch (TRL's ``dapo``), constant
 learning rate, gradient clipping at 1.0, fp32, no reference model, and the same work: TRL keeps
 no rollouts, so agentrl's side does not write its rollout store (``trainer.save_rollouts=false``;
-with it, ~8 ms a step at 1M). agentrl runs its real
+its cost: docs/benchmarks.md). agentrl runs its real
 training path: Ray actors, one actor rank (which trains the module unwrapped, see
 ``dist.shard_model``), the built-in engine colocated with the actor, the single-turn agent loop;
 TRL runs in this process with transformers' ``generate``.
@@ -33,11 +33,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from agentrl_benchmarks._scratch import private_ray_temp_dir, scratch_dir
 
 __all__ = ["main", "Settings"]
 
@@ -324,15 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(settings.threads)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="agentrl-bench-trainer-"))
-    work.mkdir(parents=True, exist_ok=True)
     # stdout carries only the JSON object (TRL prints its logs there).
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            out = _run_both(settings, work, with_trl=not args.skip_trl)
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with scratch_dir("trainer", keep=args.keep) as work, private_ray_temp_dir(), contextlib.redirect_stdout(sys.stderr):
+        out = _run_both(settings, work, with_trl=not args.skip_trl)
     out = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
     if not args.json:
         print(f"agentrl {out['agentrl_step_s']:.3f} s/step, TRL {out.get('trl_step_s', float('nan')):.3f} s/step", file=sys.stderr)
