@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import ast
+import io
+import re
 import shutil
 import subprocess
 import sys
+import tokenize
 import zipfile
 from pathlib import Path
 
@@ -92,3 +95,49 @@ def test_a_wheel_carries_the_benchmarks_under_their_installed_name_and_runs_them
         [sys.executable, "-m", "agentrl.cli", "bench", "agent-loop", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0 and run.stdout.startswith("usage: agentrl bench agent-loop"), run.stderr[-2000:]
+
+
+FIGURE = re.compile(
+    r"\d[\d,.]*\s?(ms|µs|tok/s|tokens/s|GFLOP/s|GB of|GB RSS|MiB above)\b"
+    r"|\d[\d,.-]*\s?[x×]\s+(faster|slower)"
+    r"|\d[\d.]*\s?[x×]\s+(static|SGLang|TRL)"
+)
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of the comments and docstrings of a Python file, the comments of a YAML file."""
+    text = path.read_text()
+    if path.suffix == ".yaml":
+        return [(n, line.partition("#")[2]) for n, line in enumerate(text.splitlines(), 1) if "#" in line]
+    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            first = node.body[0]
+            out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    return out
+
+
+def test_no_benchmark_figures_in_code_comments():
+    """Figures go stale in comments; they live in docs/benchmarks.md, the code keeps the reason."""
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for folder in ("agentrl", "agent_loops", "tools", "interactions", "data_prep", "configs", "benchmarks")
+        for path in sorted((REPO / folder).rglob("*"))
+        if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts
+        for number, line in _prose(path)
+        if FIGURE.search(line)
+    ]
+    assert found == []
+
+
+def test_the_figure_pattern_sees_the_figures_that_were_moved_out():
+    for moved in ("an 18M-parameter step takes 12 ms", "1,553 and 201 tok/s", "bf16 is 14-25x slower there",
+                  "ran about 1.5x slower", "2.87× static", "about 3.5 GB RSS together", "reserves ~15 GB of KV cache"):
+        assert FIGURE.search(moved), moved
+
+
+def test_docs_benchmarks_names_every_command_it_documents():
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    for name in cli.BENCHMARKS:
+        assert f"agentrl bench {name} --json" in text, name
+    assert "python -m agentrl_benchmarks.data_reader" in text
