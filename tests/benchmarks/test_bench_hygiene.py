@@ -7,7 +7,6 @@ when ``torch._dynamo`` is imported (``TORCHINDUCTOR_CACHE_DIR``); neither is the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -129,14 +128,4 @@ def test_private_ray_temp_dir_is_set_for_the_block_and_removed(tmp_path, monkeyp
         assert ray_dir is None and "RAY_TMPDIR" not in os.environ
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_trainer_smoke_leaves_the_temp_dir_empty(fresh_tmpdir, caches):
-    """agentrl's side (Ray actors, the colocated engine, a run directory) and TRL's when installed."""
-    args = ["trainer", "--json", "--steps", "2", "--prompts", "2", "--n", "4", "--max-new-tokens", "4", "--eval-prompts", "2", "--eval-samples", "2"]
-    if importlib.util.find_spec("trl") is None:
-        args.append("--skip-trl")
-    done = _run(args, fresh_tmpdir, caches, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout)["agentrl_step_s"] > 0
-    assert sorted(os.listdir(fresh_tmpdir)) == []
+# The trainer benchmark's smoke run asserts the same of its TMPDIR (tests/benchmarks/test_bench_trainer.py).
