@@ -243,14 +243,25 @@ def run_hf_static(model, sessions: list[Session], concurrency: int) -> tuple[int
     return generated, wall, requests, ttfts, {"padding_tokens": padding_tokens}
 
 
-def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int, vocab: int, log_dir: Path) -> tuple[int, float, int, list[float], dict]:
+SGLANG_READY_TIMEOUT_S = 600.0  # start-up on two shared cores can take minutes
+
+
+def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int, vocab: int, work: Path) -> tuple[int, float, int, list[float], dict]:
+    """A real SGLang server for this run; its log and its own temp files (SGLang makes IPC
+    files and a kernel cache there) go under ``work``, which the benchmark removes."""
+    from dataclasses import replace
+
     import httpx
 
-    from agentrl.engines.sglang_cpu.server import launch_sglang_cpu_server
+    from agentrl.engines.launch import launch_servers
+    from agentrl.engines.sglang_cpu.server import sglang_cpu_specs
 
-    threads = torch.get_num_threads()
+    server_tmp = work / "tmp"
+    server_tmp.mkdir(parents=True)
+    specs = sglang_cpu_specs(model_dir, threads=torch.get_num_threads(), extra_args=("--skip-tokenizer-init",))
+    specs = [replace(spec, env={**spec.env, "TMPDIR": str(server_tmp)}) for spec in specs]
     launched = time.perf_counter()
-    with launch_sglang_cpu_server(model_dir, threads=threads, extra_args=("--skip-tokenizer-init",), log_dir=log_dir) as servers:
+    with launch_servers(specs, ready_timeout_s=SGLANG_READY_TIMEOUT_S, log_dir=work / "logs") as servers:
         ready_s = time.perf_counter() - launched
         ttfts: list[float] = []
 
@@ -322,7 +333,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
                     model.save_pretrained(model_dir)
                 runner = {"builtin": lambda: run_builtin(model, sessions, concurrency),
                           "hf_static": lambda: run_hf_static(model, sessions, concurrency),
-                          "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size, work / f"sglang-logs-{size}-c{concurrency}")}[engine]  # fmt: skip
+                          "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size, work / f"sglang-{size}-c{concurrency}")}[engine]  # fmt: skip
                 generated, wall, requests, ttfts, extra = runner()
                 tps = generated / wall
                 if "prefill_tokens" in extra:

@@ -53,6 +53,26 @@ def test_engine_quick_smoke_leaves_the_temp_dir_empty(fresh_tmpdir, caches):
     assert sorted(os.listdir(fresh_tmpdir)) == []
 
 
+def _sglang_unavailable() -> str | None:
+    from agentrl.engines.sglang_cpu.env import unavailable_reason
+
+    return unavailable_reason()
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(_sglang_unavailable() is not None, reason=_sglang_unavailable() or "")
+def test_engine_with_real_sglang_leaves_the_temp_dir_empty(fresh_tmpdir, caches):
+    """The run that left model directories and server logs behind: SGLang also makes its IPC
+    files and a kernel cache in the temp dir of its processes."""
+    done = _run(
+        ["engine", "--json", "--quick", "--models", "1m", "--concurrency", "2", "--engines", "sglang", "--threads", "1"],
+        fresh_tmpdir, caches, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [row["engine"] for row in json.loads(done.stdout)["results"]] == ["sglang"]
+    assert sorted(os.listdir(fresh_tmpdir)) == []
+
+
 def test_engine_removes_the_model_it_saved_for_sglang_when_the_run_fails(tmp_path, monkeypatch, caches):
     """The SGLang rows save the model for the server first; a server that fails must not strand it."""
     fresh = tmp_path / "tmp"
@@ -63,7 +83,7 @@ def test_engine_removes_the_model_it_saved_for_sglang_when_the_run_fails(tmp_pat
     monkeypatch.setattr(engine_bench, "_sglang_unavailable", lambda: None)
     saved: list[Path] = []
 
-    def failing_server(model_dir, sessions, concurrency, vocab, log_dir):
+    def failing_server(model_dir, sessions, concurrency, vocab, work):
         assert (model_dir / "config.json").is_file() and model_dir.is_relative_to(fresh)
         saved.append(model_dir)
         raise RuntimeError("server exited during start-up")
