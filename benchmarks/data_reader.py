@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
 import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from agentrl_benchmarks._scratch import scratch_dir
 
 
 def _rss_mib() -> float:
@@ -62,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from agentrl.data.dataset import RowDataset
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "rows.parquet"
+    with scratch_dir("data-reader") as work:
+        path = work / "rows.parquet"
         started = time.perf_counter()
         write_synthetic(path, args.rows, args.row_group_size)
         write_s = time.perf_counter() - started

@@ -95,6 +95,18 @@ def test_engine_removes_the_model_it_saved_for_sglang_when_the_run_fails(tmp_pat
     assert sorted(os.listdir(fresh)) == []
 
 
+def test_data_reader_writes_its_parquet_file_under_the_scratch_dir_only(fresh_tmpdir, caches):
+    env = {**os.environ, **caches, "TMPDIR": str(fresh_tmpdir)}
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl_benchmarks.data_reader", "--rows", "3000", "--batch-size", "64", "--batches", "2", "--cache-mib", "16"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["rows"] == 3000 and result["row_groups"] == 3  # 1,024 rows a group
+    assert sorted(os.listdir(fresh_tmpdir)) == []
+
+
 def test_scratch_dir_is_removed_on_error(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(ValueError):
