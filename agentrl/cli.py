@@ -29,10 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 BENCHMARKS: dict[str, str] = {
-    "engine": "agentrl.engines.bench:main",
-    "agent-loop": "agentrl.agent.bench:main",
-    "trainer": "agentrl.trainer.bench:main",
-    "forward": "agentrl.trainer.bench_forward:main",
+    "engine": "agentrl_benchmarks.engine:main",
+    "agent-loop": "agentrl_benchmarks.agent_loop:main",
+    "trainer": "agentrl_benchmarks.trainer:main",
+    "forward": "agentrl_benchmarks.forward:main",
 }
 
 

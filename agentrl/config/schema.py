@@ -273,7 +273,7 @@ class TrainerConfig(Section):
     export_hf: bool = True  # save the final policy as a transformers checkpoint
     max_checkpoints: int = Field(2, ge=1)
     # every step's trajectories (train and validation) in rollouts/, the replay format; off:
-    # nothing is kept for replay (a 64-trajectory step's shard costs ~8 ms: encoding, parquet, fsync)
+    # nothing is kept for replay (a step's shard costs encoding, parquet and fsync; see docs/benchmarks.md)
     save_rollouts: bool = True
 
     def planned_steps(self, steps_per_epoch: int) -> int:

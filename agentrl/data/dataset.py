@@ -13,10 +13,8 @@ a batch through a small byte-bounded LRU cache of decoded row groups (kept as Ar
 only the rows asked for become Python objects). A random read therefore costs one row group:
 write files with small row groups (``write_rows`` uses 1,024 rows; HF ``datasets`` files, as
 verl's preprocessing writes them, already have about 1,000), and a file whose row group alone
-exceeds the cache budget is refused with a message saying how to rewrite it. Measured with
-``python -m agentrl.data.bench --rows 1000000`` (2 shared cores): a 591 MiB file of 10^6 rows,
-0.25 s per shuffled batch of 256, 164 row groups decoded per batch, the cache at its 256 MiB,
-resident memory 333 MiB above the start.
+exceeds the cache budget is refused with a message saying how to rewrite it. Time and memory
+per batch: ``python -m agentrl_benchmarks.data_reader``, figures in docs/benchmarks.md.
 
 ``state_dict()`` is the position (epoch, offset into the epoch's order, seed); loading it makes
 the following batches equal an uninterrupted run's.

@@ -75,7 +75,7 @@ class _Worker:
         self.mesh = init_distributed(
             rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, device=self.device
         )
-        # fp32 on CPU (bf16 is 14-25x slower there), bf16 compute on GPU
+        # fp32 on CPU (bf16 is many times slower there, see docs/benchmarks.md), bf16 compute on GPU
         self.param_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
