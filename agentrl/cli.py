@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tools": ("agentrl.agent.tools_cli:cli_main", "call a tool once: tools call NAME --arguments JSON"),
     "plugins": ("agentrl.cli:plugins_main", "list installed plugins: plugins list [--json] [--check]"),
     "data": ("agentrl.data.cli:cli_main", "prepare and validate datasets (gsm8k, tasks, validate)"),
+    "checkpoint": ("agentrl.trainer.checkpoint_io:cli_main", "convert an older (pickle) checkpoint: checkpoint convert DIR"),
 }
 
 BENCHMARKS: dict[str, str] = {
