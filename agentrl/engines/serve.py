@@ -363,14 +363,14 @@ class _Server:
         body = await _json_object(request)
         if isinstance(body, Response):
             return body
-        name = str(body.get("group_name", "weight_update_group"))
-        group = self.groups.get(name)
-        if group is None:
-            return _update_result(False, f"no weight update group {name!r}: call /init_weights_update_group first")
         try:
             names, dtypes, shapes = _tensor_announcement(body, self.engine.model.state_dict())
         except BadRequest as exc:
             return _update_result(False, str(exc))
+        name = str(body.get("group_name", "weight_update_group"))
+        group = self.groups.get(name)
+        if group is None:
+            return _update_result(False, f"no weight update group {name!r}: call /init_weights_update_group first")
         try:
             tensors = await asyncio.to_thread(receive_broadcast, group, names, dtypes, shapes, self.engine.device)
         except (KeyError, ValueError, RuntimeError) as exc:
