@@ -44,13 +44,15 @@ def _call_from_json(raw: str, body: str) -> ParsedCall:
         obj = json.loads(body)
     except json.JSONDecodeError as exc:
         return ParsedCall(raw=raw, error="bad_json", detail=f"the tool call is not valid JSON ({exc.msg} at position {exc.pos})")
+    except RecursionError:  # model output: nesting deeper than the parser's stack
+        return ParsedCall(raw=raw, error="bad_json", detail="the tool call is nested too deeply to parse")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ParsedCall(raw=raw, error="bad_json", detail='a tool call must be a JSON object {"name": ..., "arguments": {...}}')
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):  # some models emit arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return ParsedCall(raw=raw, name=obj["name"], error="bad_json", detail="the arguments string is not valid JSON")
     if not isinstance(arguments, dict):
         return ParsedCall(raw=raw, name=obj["name"], error="bad_json", detail="arguments must be a JSON object")
@@ -107,5 +109,5 @@ class ReactToolParser:
 def _loads_or_str(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return text
