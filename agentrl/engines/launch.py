@@ -86,6 +86,7 @@ class ServerProcess:
         with httpx.Client(timeout=30.0, headers=auth_headers(self.api_key)) as client:
             while True:
                 if not self.alive():
+                    self._drain_log()  # the copier may still hold the last lines, the ones that say why
                     raise EngineUnavailable(
                         f"server {self.url} exited with {self.process.returncode} during start-up "
                         f"(log {self.log_path}):\n{self.log_tail()}"
@@ -109,6 +110,10 @@ class ServerProcess:
                 pass
         self._signal(signal.SIGKILL)  # children the leader left behind
         self.process.wait()
+        self._drain_log()
+
+    def _drain_log(self) -> None:
+        """Wait (briefly) until the output copier has written everything the process printed."""
         if self._log_copier is not None:
             self._log_copier.join(timeout=5.0)
 

@@ -12,7 +12,8 @@ numbers, strings and tensors. ``write_state`` splits it into two files under
 Neither format can run code when read (pickle, which ``torch.load`` uses, can: a checkpoint
 from elsewhere could run any command on resume). ``read_state`` refuses, with a
 ``CheckpointError`` naming the file, anything that is not exactly what this module writes:
-a file that resolves outside the checkpoint directory (a symlink) or is not a regular file, a
+a file that resolves outside the run directory (``RUN`` of ``RUN/checkpoints/step_N``, else the
+checkpoint directory itself: a symlinked file or step directory) or is not a regular file, a
 truncated or malformed tensor file, JSON that is not the expected tree, tensors that the tree
 does not reference or references that the file lacks, and model tensors whose names, shapes or
 dtypes differ from the live model's. The checks read only the safetensors header, so every
@@ -117,6 +118,7 @@ def read_state(
     ``load_tensors=False`` checks everything but leaves each tensor as ``None`` (ranks that do
     not hold the full state)."""
     base = Path(directory)
+    root = base.parent.parent if base.parent.name == "checkpoints" else base  # the run directory
     folder = base / role
     if not folder.is_dir():
         legacy = base / f"{role}.pt"
@@ -127,9 +129,9 @@ def read_state(
                 f"(it loads the file with torch.load(weights_only=True) and writes {role}/{TENSORS_FILE} + {role}/{STATE_FILE})"
             )
         raise CheckpointError(f"{base}: no {role} state ({folder} is missing)")
-    state_path = _inside(base, folder / STATE_FILE)
-    tensors_path = _inside(base, folder / TENSORS_FILE)
-    doc = read_json(state_path, root=base)
+    state_path = _inside(root, folder / STATE_FILE)
+    tensors_path = _inside(root, folder / TENSORS_FILE)
+    doc = read_json(state_path, root=root)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("state"), dict):
         raise CheckpointError(f"{state_path}: not an {FORMAT} state file (format {doc.get('format') if isinstance(doc, dict) else None!r})")
     header = _tensor_header(tensors_path)
@@ -166,10 +168,10 @@ def read_json(path: str | Path, *, root: str | Path) -> Any:
 
 def _inside(root: Path, path: Path) -> Path:
     """``path`` resolved, if it is a regular file within ``root`` (resolved): a symlink out of the
-    checkpoint (to /etc/passwd, to another user's files) or a FIFO (which would block) is refused."""
+    run (to /etc/passwd, to another user's files) or a FIFO (which would block) is refused."""
     resolved, top = path.resolve(), root.resolve()
     if not resolved.is_relative_to(top):
-        raise CheckpointError(f"{path} resolves to {resolved}, outside the checkpoint directory {top}: refused")
+        raise CheckpointError(f"{path} resolves to {resolved}, outside {top}, where a checkpoint's files must stay: refused")
     if not resolved.is_file():
         raise CheckpointError(f"{path}: missing or not a regular file")
     return resolved

@@ -147,15 +147,20 @@ def test_a_truncated_tensor_file_is_refused(actor, saved, tmp_path):
     assert "damaged or truncated" in refused(actor, directory)
 
 
-def test_a_symlink_out_of_the_checkpoint_directory_is_refused(actor, saved, tmp_path):
+def test_a_symlink_out_of_the_run_directory_is_refused(actor, saved, tmp_path):
     outside = tmp_path / "elsewhere"
-    outside.mkdir()
-    shutil.copy(saved / "actor" / "tensors.safetensors", outside / "tensors.safetensors")
-    directory = copy_of(saved, tmp_path)
+    shutil.copytree(saved, outside / "step_1")
+    run = tmp_path / "run"
+    directory = Path(shutil.copytree(saved, run / "checkpoints" / "step_1"))
     link = directory / "actor" / "tensors.safetensors"
     link.unlink()
-    link.symlink_to(outside / "tensors.safetensors")
-    assert "outside the checkpoint directory" in refused(actor, directory)
+    link.symlink_to(outside / "step_1" / "actor" / "tensors.safetensors")  # one file
+    assert f"outside {run.resolve()}, where a checkpoint's files must stay" in refused(actor, directory)
+    (run / "checkpoints" / "step_2").symlink_to(outside / "step_1", target_is_directory=True)  # a whole step
+    assert f"outside {run.resolve()}, where a checkpoint's files must stay" in refused(actor, run / "checkpoints" / "step_2")
+    link.unlink()
+    link.symlink_to(directory / "actor" / "state.json")
+    assert "not a valid safetensors file" in refused(actor, directory)  # inside the run: followed, then checked as any file
 
 
 def test_a_state_file_referring_to_a_missing_tensor_is_refused(actor, saved, tmp_path):
