@@ -279,6 +279,8 @@ def convert_legacy(directory: str | Path) -> list[Path]:
             state = torch.load(_inside(base, legacy), weights_only=True, map_location="cpu")
         except Exception as exc:
             raise CheckpointError(f"{legacy}: refused by torch.load(weights_only=True), so it is not plain data: {exc}") from exc
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{legacy}: holds a {type(state).__name__}, not an agentrl worker state")
         if isinstance(state.get("rng"), torch.Tensor):
             state["rng"] = state["rng"].tolist()
         written.append(write_state(base, role, state))
