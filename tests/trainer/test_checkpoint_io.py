@@ -220,3 +220,24 @@ def test_the_critic_state_round_trips_and_is_checked_against_the_value_model(act
     (tmp_path / "other" / "actor").rename(tmp_path / "other" / "critic")
     with pytest.raises(CheckpointError, match="model tensors do not match the model: missing \\['backbone"):
         critic.load(str(tmp_path / "other"))
+
+
+@pytest.mark.ray
+def test_agentrl_train_refuses_to_resume_from_a_pickle_payload_and_runs_nothing(tmp_path):
+    """The issue's scenario end to end: `agentrl train trainer.resume=<run>` over a step whose actor.pt
+    carries an os.system payload stops with the conversion message; the command never ran."""
+    marker = tmp_path / "pwned"
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "data": {}, "kl_coef": 0.0, "rng": []}))
+    torch.save({"model": {}, "optimizer": {}, "scheduler": {}, "payload": RunsACommand(marker)}, step / "actor.pt")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "train", f"trainer.resume={run}", "trainer.total_steps=2", "data.train_batch_size=4",
+         "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4", "data.task_train_size=8", "data.task_val_size=4", "logging.progress=false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert done.returncode != 0
+    assert "pickle checkpoint of an older agentrl" in done.stderr and f"agentrl checkpoint convert {step}" in done.stderr
+    assert not marker.exists()
