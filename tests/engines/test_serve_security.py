@@ -178,10 +178,11 @@ def test_hostile_bodies_get_400_or_413_naming_the_field_and_the_server_keeps_ser
 
 def test_the_api_key_never_reaches_logs_the_rollout_store_or_a_report(model_dir, tiny_model_dir, tiny_tokenizer, tmp_path, caplog):
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
-    from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+    from agentrl.agent.setup import RolloutSetup
+    from agentrl.config.schema import AgentConfig, DataConfig, RolloutConfig, TrainConfig
     from agentrl.data.dataset import rows_from_dicts
+    from agentrl.data.rollout_store import RolloutStore
     from agentrl.engines.sglang import SGLangEngine
-    from agentrl.replay.store import RolloutStore
     from agentrl_data_prep.tasks import generate
 
     key = new_api_key()
@@ -191,8 +192,10 @@ def test_the_api_key_never_reaches_logs_the_rollout_store_or_a_report(model_dir,
                               ready_timeout_s=120, log_dir=logs)
     try:
         engine = SGLangEngine(launched.urls, api_key=key, max_retries=0)
-        ctx = build_context(engine, tiny_tokenizer, agent=AgentConfig(max_assistant_turns=2), rollout=RolloutConfig(max_new_tokens=8),
-                            reward=RewardConfig(), max_response_tokens=32)
+        setup = RolloutSetup.from_config(TrainConfig(
+            agent=AgentConfig(max_assistant_turns=2), rollout=RolloutConfig(max_new_tokens=8), data=DataConfig(max_response_length=32),
+        ))  # fmt: skip
+        ctx = build_context(engine, tiny_tokenizer, setup)
         rows = rows_from_dicts(generate("arith", 2, seed=1))
 
         async def main():
