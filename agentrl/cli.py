@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("agentrl.cli:plugins_main", "list installed plugins: plugins list [--json] [--check]"),
     "data": ("agentrl.data.cli:cli_main", "prepare and validate datasets (gsm8k, tasks, validate)"),
     "check-template": ("agentrl.agent.families:cli_main", "check a tokenizer's chat template: token drift, tool calls, stops"),
+    "checkpoint": ("agentrl.trainer.checkpoint_io:cli_main", "convert an older (pickle) checkpoint: checkpoint convert DIR"),
 }
 
 BENCHMARKS: dict[str, str] = {

@@ -59,6 +59,8 @@ def _call_from_json(raw: str, body: str) -> ParsedCall:
         obj = json.loads(body)
     except json.JSONDecodeError as exc:
         return ParsedCall(raw=raw, error="bad_json", detail=f"the tool call is not valid JSON ({exc.msg} at position {exc.pos})")
+    except RecursionError:  # model output: nesting deeper than the parser's stack
+        return ParsedCall(raw=raw, error="bad_json", detail="the tool call is nested too deeply to parse")
     return _call_from_obj(raw, obj)
 
 
@@ -69,7 +71,7 @@ def _call_from_obj(raw: str, obj: Any, arguments_key: str = "arguments") -> Pars
     if isinstance(arguments, str):  # some models emit arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return ParsedCall(raw=raw, name=obj["name"], error="bad_json", detail="the arguments string is not valid JSON")
     if not isinstance(arguments, dict):
         return ParsedCall(raw=raw, name=obj["name"], error="bad_json", detail="arguments must be a JSON object")
@@ -131,7 +133,7 @@ class ReactToolParser:
 def _loads_or_str(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return text
 
 
@@ -158,6 +160,8 @@ def _calls_from_json_list(raw: str, body: str, arguments_key: str = "arguments")
         obj, _ = _json_prefix(body.strip())
     except json.JSONDecodeError as exc:
         return [ParsedCall(raw=raw, error="bad_json", detail=f"the tool calls are not valid JSON ({exc.msg} at position {exc.pos})")]
+    except RecursionError:  # model output: nesting deeper than the parser's stack
+        return [ParsedCall(raw=raw, error="bad_json", detail="the tool calls are nested too deeply to parse")]
     items = obj if isinstance(obj, list) else [obj]
     if not items:
         return [ParsedCall(raw=raw, error="bad_json", detail="the list of tool calls is empty")]

@@ -31,7 +31,9 @@ from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
 from agentrl.errors import WorkerDied
 from agentrl.trainer import algorithms as algo
+from agentrl.errors import CheckpointError
 from agentrl.trainer.batch import TrainBatch
+from agentrl.trainer.checkpoint_io import expected_tensors, read_state, write_state
 from agentrl.trainer.dist import (
     drop_tied_duplicates,
     gather_model_state,
@@ -303,28 +305,25 @@ class ActorWorker(_Worker):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str) -> None:
-        """Collective: rank 0 writes the full model, optimizer and scheduler state."""
+        """Collective: rank 0 writes the full model, optimizer, scheduler and RNG state (safetensors +
+        JSON under ``directory/actor``, see checkpoint_io: no pickle)."""
         reshard(self.model)
         model_state = gather_model_state(self.model)
         optim_state = gather_optimizer_state(self.model, self.optimizer)
         if rank_is_zero(self.rank):
-            path = Path(directory)
-            path.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
-                 "rng": torch.get_rng_state()},
-                path / "actor.pt",
-            )
+            write_state(directory, "actor", {"model": model_state, "optimizer": optim_state,
+                                             "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state().tolist()})
 
     def load(self, directory: str) -> None:
-        """Collective: rank 0's full state is broadcast; the schedule is replicated on every rank."""
-        state = torch.load(Path(directory) / "actor.pt", weights_only=False)
+        """Collective: every rank checks the files (so all refuse a bad checkpoint together, before
+        any collective); rank 0's full state is broadcast; the schedule is replicated on every rank."""
         zero = rank_is_zero(self.rank)
+        state = read_state(directory, "actor", expect_model=expected_tensors(self.model), load_tensors=zero)
         load_model_state(self.model, state["model"] if zero else {})
         load_optimizer_state(self.model, self.optimizer, state["optimizer"] if zero else {})
         self.scheduler.load_state_dict(state["scheduler"])
         if zero:
-            torch.set_rng_state(state["rng"])
+            torch.set_rng_state(_rng_state(state["rng"], directory))
 
     def export_hf(self, directory: str) -> None:
         """Collective: rank 0 writes a transformers checkpoint (model + tokenizer) of the policy."""
@@ -446,17 +445,26 @@ class CriticWorker(_Worker):
                                      mode=loss_agg_mode, prefix="critic", micro_loss=micro_loss)
 
     def save(self, directory: str) -> None:
+        """Collective: rank 0 writes the value model, optimizer and scheduler under ``directory/critic``."""
         reshard(self.model)
         model_state = gather_model_state(self.model)
         optim_state = gather_optimizer_state(self.model, self.optimizer)
         if rank_is_zero(self.rank):
-            torch.save({"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, Path(directory) / "critic.pt")
+            write_state(directory, "critic", {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()})
 
     def load(self, directory: str) -> None:
-        state = torch.load(Path(directory) / "critic.pt", weights_only=False)
-        load_model_state(self.model, state["model"] if rank_is_zero(self.rank) else {})
-        load_optimizer_state(self.model, self.optimizer, state["optimizer"] if rank_is_zero(self.rank) else {})
+        zero = rank_is_zero(self.rank)
+        state = read_state(directory, "critic", expect_model=expected_tensors(self.model), load_tensors=zero)
+        load_model_state(self.model, state["model"] if zero else {})
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"] if zero else {})
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _rng_state(values: Any, directory: str) -> torch.Tensor:
+    """The CPU generator's state saved as a list of byte values."""
+    if not isinstance(values, list) or not all(isinstance(v, int) and 0 <= v < 256 for v in values):
+        raise CheckpointError(f"{directory}: actor/state.json: rng must be a list of byte values (0-255)")
+    return torch.tensor(values, dtype=torch.uint8)
 
 
 def train_on_mini_batches(worker, mini_batches, denominators, *, micro_size: int, mode: str, prefix: str, micro_loss,

@@ -8,7 +8,7 @@ ends all three. Per-request ``sampling_seed`` is ignored on this path: SGLang ho
 with ``--enable-deterministic-inference``, which refuses the ``torch_native`` attention backend.
 
     with launch_sglang_cpu_server(model_dir) as servers:
-        engine = SGLangEngine(servers.urls)
+        engine = SGLangEngine(servers.urls, api_key=servers.api_key)
 """
 
 from __future__ import annotations
