@@ -219,6 +219,10 @@ class TrainerConfig(Section):
     # every step's trajectories (train and validation) in rollouts/, the replay format; off:
     # nothing is kept for replay (a 64-trajectory step's shard costs ~8 ms: encoding, parquet, fsync)
     save_rollouts: bool = True
+    # Seconds a rank may wait on the others in one collective (and the driver on the ranks that
+    # have not answered a call the others finished) before the wait is a hang: an error naming the
+    # call and the ranks, with their Python stacks. null: wait forever.
+    collective_timeout_s: float | None = Field(600.0, gt=0)
 
 
 class LoggingConfig(Section):
