@@ -58,6 +58,8 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # What the driver adds to the collective timeout before it gives up on a rank: the rank's stack
 # dump fires at the timeout, and the file must be written.
 _STACK_GRACE_S = 3.0
+# The least time the ranks of a group get to start (``WorkerGroup``'s first call).
+_START_TIMEOUT_S = 600.0
 
 
 def _loss_scale(mask: torch.Tensor, mode: str, global_denominator: float, world_size: int) -> float:
@@ -598,7 +600,10 @@ class WorkerGroup:
 
         self.name, self.world_size = name, world_size
         self.timeout_s = collective_timeout_s
-        self.stacks_dir = Path(stacks_dir) if stacks_dir else Path(tempfile.gettempdir()) / "agentrl-stacks" / f"{name}-{os.getpid()}"
+        # stack files of calls in flight (removed when a call returns); by default in the temp dir
+        # under names of this driver's own
+        self.stacks_dir = Path(stacks_dir) if stacks_dir else Path(tempfile.gettempdir())
+        self._stacks_prefix = name if stacks_dir else f"agentrl-{os.getpid()}-{name}"
         self.broken: str | None = None  # set by a timeout: the ranks' collectives no longer line up
         remote = ray.remote(num_cpus=num_cpus, runtime_env={"env_vars": env})(cls)
         port = free_port()
@@ -607,11 +612,15 @@ class WorkerGroup:
                                              collective_timeout_s=collective_timeout_s, **kwargs)
             for rank in range(world_size)
         ]
-        self.call_all("ready")
+        # the ranks must all start (and join the process group) within the timeout: a rank that
+        # cannot be placed (no free CPU or GPU left in the cluster) is an error, not a wait
+        self._collect("ready", [self._remote(r, "ready") for r in range(world_size)], from_start=True)
+
+    def stacks_file(self, rank: int) -> Path:
+        return self.stacks_dir / f"{self._stacks_prefix}-rank{rank}-stacks.txt"
 
     def _remote(self, rank: int, method: str, *args: Any, **kwargs: Any):
-        stacks = str(self.stacks_dir / f"{self.name}-rank{rank}-stacks.txt")
-        return self.workers[rank].call.remote(method, stacks, *args, **kwargs)
+        return self.workers[rank].call.remote(method, str(self.stacks_file(rank)), *args, **kwargs)
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The same call on every rank; returns each rank's result."""
@@ -635,9 +644,10 @@ class WorkerGroup:
         except ray.exceptions.RayActorError as exc:
             raise WorkerDied(f"a worker of the {self.name} group died: {exc}") from exc
 
-    def _collect(self, method: str, refs: list[Any]) -> list[Any]:
+    def _collect(self, method: str, refs: list[Any], from_start: bool = False) -> list[Any]:
         """Every rank's answer to ``method``; once one rank has answered, the others get
-        ``timeout_s`` (and a grace for their stack dumps) to answer too."""
+        ``timeout_s`` (and a grace for their stack dumps) to answer too (``from_start``: every
+        rank gets ``timeout_s`` from now)."""
         import ray
 
         if self.broken is not None:
@@ -646,22 +656,24 @@ class WorkerGroup:
             return self.get(refs)
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending, answered, failed = set(refs), {}, {}
-        deadline = None
+        # starting takes longer than any collective: processes, imports and weights on a loaded machine
+        deadline = time.monotonic() + max(self.timeout_s, _START_TIMEOUT_S) if from_start else None
         while pending:
             clocked = [r for r in pending if not (method in _RANK0_TAIL and rank_of[r] == 0)]
             wait = None if deadline is None or not clocked else max(0.0, deadline - time.monotonic())
             done, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
             if not done:
                 missing = sorted(rank_of[r] for r in pending)
-                stacks = [str(p) for p in sorted(self.stacks_dir.glob(f"{self.name}-rank*-stacks.txt"))]
+                stacks = [str(self.stacks_file(r)) for r in range(len(refs)) if self.stacks_file(r).is_file()]
                 finished = sorted(answered)
                 errors = "".join(f"\n  rank {rank} failed: {str(error).strip().splitlines()[-1][:300]}" for rank, error in sorted(failed.items()))
                 self.broken = f"`{method}` timed out"
                 raise CollectiveTimeout(
                     f"{self.name} group: `{method}` hangs: rank(s) {missing} of {self.world_size} did not answer within "
-                    f"{self.timeout_s:g} s of rank(s) {sorted(finished + list(failed))} (trainer.collective_timeout_s)."
-                    f"{errors}\n  Python stacks of the ranks in the call: "
-                    + (", ".join(stacks) if stacks else f"none written under {self.stacks_dir}")
+                    + (f"{max(self.timeout_s, _START_TIMEOUT_S):g} s of their start." if from_start else
+                       f"{self.timeout_s:g} s of rank(s) {sorted(finished + list(failed))} (trainer.collective_timeout_s).")
+                    + f"{errors}\n  Python stacks of the ranks in the call: "
+                    + (", ".join(stacks) if stacks else f"none written under {self.stacks_dir} (a rank that never started?)")
                 )
             for ref in done:
                 pending.discard(ref)
