@@ -591,12 +591,12 @@ class WorkerGroup:
 
     def __init__(self, cls: type, *, world_size: int, num_cpus: float, env: dict[str, str], name: str,
                  collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S, stacks_dir: str | None = None,
-                 **kwargs: Any):
+                 placement: str = "PACK", **kwargs: Any):
         import tempfile
 
         import ray
-
-        from agentrl.trainer.dist import free_port
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.world_size = name, world_size
         self.timeout_s = collective_timeout_s
@@ -606,11 +606,23 @@ class WorkerGroup:
         self.stacks_dir = Path(stacks_dir) if stacks_dir else Path(tempfile.gettempdir())
         self._stacks_prefix = name if stacks_dir else f"agentrl-{os.getpid()}-{name}"
         self.broken: str | None = None  # set by a timeout: the ranks' collectives no longer line up
+        # One bundle per rank, on one node where it fits (PACK) or over several (SPREAD); the
+        # process group meets at rank 0's node, whose address and free port are asked there.
+        self.placement = placement_group([{"CPU": num_cpus}] * world_size, strategy=placement)
+        start_wait = max(self.timeout_s or _START_TIMEOUT_S, _START_TIMEOUT_S)
+        ready, _ = ray.wait([self.placement.ready()], timeout=start_wait)
+        if not ready:
+            ray.util.remove_placement_group(self.placement)
+            raise CollectiveTimeout(f"{name} group: {world_size} ranks of {num_cpus:g} CPU could not be placed ({placement}) "
+                                    f"within {start_wait:g} s: the cluster has not the free resources")
+        in_bundle = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r) for r in range(world_size)]
+        meeting = ray.remote(_rendezvous).options(scheduling_strategy=in_bundle[0], num_cpus=0)
+        master_addr, port = ray.get(meeting.remote(), timeout=start_wait)
         remote = ray.remote(num_cpus=num_cpus, runtime_env={"env_vars": env})(cls)
-        port = free_port()
         self.workers = [
-            remote.options(name=None).remote(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-                                             collective_timeout_s=collective_timeout_s, **kwargs)
+            remote.options(name=None, scheduling_strategy=in_bundle[rank]).remote(
+                rank=rank, world_size=world_size, master_addr=master_addr, master_port=port,
+                collective_timeout_s=collective_timeout_s, **kwargs)
             for rank in range(world_size)
         ]
         # the ranks must all start (and join the process group) within the timeout: a rank that
@@ -692,11 +704,27 @@ class WorkerGroup:
             raise failed[min(failed)]
         return [answered[rank] for rank in range(len(refs))]
 
+    def node_ids(self) -> list[str]:
+        """The Ray node each rank runs on."""
+        import ray
+
+        return self.get([w.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()) for w in self.workers])
+
     def kill(self) -> None:
         import ray
 
         for w in self.workers:
             ray.kill(w)
+        ray.util.remove_placement_group(self.placement)
+
+
+def _rendezvous() -> tuple[str, int]:
+    """(this node's address, a free port on it): where the process group of a group meets."""
+    import ray
+
+    from agentrl.trainer.dist import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
 
 
 class WorkerDied(RuntimeError):
