@@ -4,7 +4,8 @@ The model writes ``Thought:`` / ``Action:`` / ``Action Input:`` lines, or ``Fina
 Generation stops at every line break (token ids containing a newline), so an action is run as
 soon as its input line is complete; its result is appended as an ``Observation: ...`` line
 (masked) inside the same assistant message, and the model continues. The tools are described
-in the system prompt as text. The trajectory reward judges the final answer.
+in the system prompt as text. The trajectory reward judges the final answer. The parser is the
+configured one (``agent.tool_parser_by_loop.react``, by default ``react``).
 
 When the final answer ends the episode, the end-of-turn token and the template's separator are
 appended as masked template glue, so the stream equals the chat template's rendering of
@@ -16,10 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd, LoopContext
-from agentrl.agent.tool_parsers import ReactToolParser
+from agentrl.agent.loop import AgentLoop, Episode, LoopContext
 from agentrl.data.row import Row
 from agentrl.engines.base import FinishReason
+from agentrl.trajectory import TrajectoryFinish
 
 INSTRUCTIONS = (
     "Answer the question. You can use these tools:\n{tools}\n"
@@ -38,7 +39,6 @@ def describe_tools(schemas: list[dict[str, Any]]) -> str:
 
 class ReactLoop(AgentLoop):
     name = "react"
-    parser = ReactToolParser()
 
     def initial_messages(self, row: Row, ctx: LoopContext, tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         messages = row.messages()
@@ -55,7 +55,7 @@ class ReactLoop(AgentLoop):
     def _solution_text(self, episode: Episode) -> str:
         return episode.final_answer if episode.final_answer is not None else super()._solution_text(episode)
 
-    async def play(self, episode: Episode) -> str:
+    async def play(self, episode: Episode) -> TrajectoryFinish:
         renderer = episode.ctx.renderer
         stops = tuple(newline_token_ids(renderer)) + (renderer.eos_id,)
         message = {"role": "assistant", "content": ""}
@@ -68,18 +68,16 @@ class ReactLoop(AgentLoop):
             message["content"] += text
             segment += text
             if result.finish_reason is FinishReason.LENGTH:
-                return "length"
-            parsed = self.parser.parse(segment)
+                return TrajectoryFinish.LENGTH
+            parsed = episode.parser.parse(segment)
             if parsed.final_answer is not None or episode.last_stopped_on_eos:
                 episode.final_answer = parsed.final_answer
                 if not episode.last_stopped_on_eos:
                     episode.builder.append_template([renderer.eos_id] + renderer.separator_ids)
-                return "stop"
+                return TrajectoryFinish.STOP
             if not parsed.calls:
                 continue_turn = True  # the line was a thought: keep writing the same turn
                 continue
-            if episode.assistant_turns >= episode.ctx.limits.max_assistant_turns:
-                raise EpisodeEnd("max_assistant_turns")
             outcomes = await episode.call_tools(turn_index, parsed)
             observation = "".join(f"Observation: {episode.truncate_tool_text(o.text)}\n" for o in outcomes)
             episode.observe_ids(renderer.encode(observation), "tool", [])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from agentrl.agent.loop import AgentLoop, Episode
 from agentrl.engines.base import FinishReason
+from agentrl.trajectory import TrajectoryFinish
 
 
 class SingleTurnLoop(AgentLoop):
@@ -12,7 +13,7 @@ class SingleTurnLoop(AgentLoop):
     def prompt_tools(self, tool_schemas):
         return None
 
-    async def play(self, episode: Episode) -> str:
+    async def play(self, episode: Episode) -> TrajectoryFinish:
         _, result, text = await episode.generate()
         episode.messages.append({"role": "assistant", "content": text})
-        return "length" if result.finish_reason is FinishReason.LENGTH else "stop"
+        return TrajectoryFinish.LENGTH if result.finish_reason is FinishReason.LENGTH else TrajectoryFinish.STOP

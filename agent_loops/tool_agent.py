@@ -7,31 +7,26 @@ may reply and let the model try again), else it ends the episode.
 
 from __future__ import annotations
 
-from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd, ask_interaction
+from agentrl.agent.loop import AgentLoop, Episode, ask_interaction
 from agentrl.engines.base import FinishReason
+from agentrl.trajectory import TrajectoryFinish
 
 
 class ToolAgentLoop(AgentLoop):
     name = "tool_agent"
 
-    async def play(self, episode: Episode) -> str:
-        parser = episode.ctx.parser
-        limits = episode.ctx.limits
-        while True:
+    async def play(self, episode: Episode) -> TrajectoryFinish:
+        while True:  # the episode ends it when a turn limit is reached
             turn, result, text = await episode.generate()
             turn_index = len(episode.builder.turns) - 1
-            parsed = parser.parse(text)
+            parsed = episode.parser.parse(text)
             message = {"role": "assistant", "content": parsed.content}
             if parsed.calls:
                 message["tool_calls"] = [call.as_message_call() for call in parsed.calls]
             episode.messages.append(message)
             if result.finish_reason is FinishReason.LENGTH:
-                return "length"
+                return TrajectoryFinish.LENGTH
             if parsed.calls:
-                if episode.assistant_turns >= limits.max_assistant_turns:
-                    # no turn is left to read the results: the calls are not executed
-                    episode.counts["tool_calls_unexecuted"] += len(parsed.calls)
-                    raise EpisodeEnd("max_assistant_turns")
                 outcomes = await episode.call_tools(turn_index, parsed)
                 results = [{"role": "tool", "content": episode.truncate_tool_text(o.text)} for o in outcomes]
                 episode.observe(results, "tool")
@@ -39,4 +34,4 @@ class ToolAgentLoop(AgentLoop):
             if episode.interaction is not None:
                 await ask_interaction(episode, turn)
                 continue
-            return "stop"
+            return TrajectoryFinish.STOP

@@ -35,6 +35,10 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
+# commands whose arguments are config overrides: their --help and --cfg job come from the schema
+CONFIG_COMMANDS = ("train", "sft", "rollout")
+
+
 class NotAvailable(AgentrlError):
     """A subcommand whose module is not part of this installation."""
 
@@ -100,8 +104,12 @@ def plugins_main(argv: list[str]) -> int:
 
 
 def bench_main(argv: list[str]) -> int:
+    usage = f"usage: agentrl bench {{{'|'.join(BENCHMARKS)}}} [--json] [...]  (agentrl bench NAME --help for its options)"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not argv or argv[0] not in BENCHMARKS:
-        print(f"usage: agentrl bench {{{'|'.join(BENCHMARKS)}}} [--json] [...]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     return int(_resolve(BENCHMARKS[argv[0]])(argv[1:]) or 0)
 
@@ -121,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
+        if command in CONFIG_COMMANDS and ({"-h", "--help", "--cfg"} & set(rest)):
+            from agentrl.config.help import config_command_main
+
+            return config_command_main(command, rest, COMMANDS[command][1])
         return int(_resolve(COMMANDS[command][0])(rest) or 0)
     except AgentrlError as exc:
         # Errors agentrl raises on purpose are messages for the user, not tracebacks.

@@ -48,9 +48,12 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-__all__ = ["TINY_SIZES", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir"]
+if TYPE_CHECKING:
+    from agentrl.config.schema import TrainConfig
+
+__all__ = ["TINY_SIZES", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model"]
 
 BUILDER_VERSION = "1"
 VOCAB_SIZE = 2048
@@ -243,3 +246,10 @@ def tiny_model_dir(size: str = "1m", seed: int = 0, cache_root: str | Path | Non
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def resolve_model(cfg: "TrainConfig") -> Path:
+    """The model a job starts from: ``model.path``, else the tiny model of ``model.tiny``."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    return tiny_model_dir(cfg.model.tiny.size, seed=cfg.model.tiny.seed)

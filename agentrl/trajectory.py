@@ -14,13 +14,68 @@ turn they judge, with that turn's token span, so the trainer can place them on i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal
 
 from agentrl.errors import TrajectoryError
 
-__all__ = ["Turn", "ToolCallRecord", "Trajectory", "TrajectoryBuilder", "TurnRole"]
+__all__ = ["Turn", "ToolCallRecord", "Trajectory", "TrajectoryBuilder", "TrajectoryFinish", "TurnRole"]
 
 TurnRole = Literal["assistant", "tool", "user"]
+
+
+class TrajectoryFinish(str, Enum):
+    """Why an episode ended: ``Trajectory.finish_reason``, stored as its string value and
+    counted in the ``finish/<value>`` metrics. Not to be confused with
+    ``agentrl.engines.base.FinishReason``, why one *generate call* stopped (stop, length,
+    abort); the loops turn the engine's ``length`` and ``abort`` into the members of the same
+    value below.
+
+    * ``stop``: the loop finished normally (the model answered; react: a final answer or an
+      end-of-turn token).
+    * ``length``: the engine stopped a turn at ``rollout.max_new_tokens``.
+    * ``max_assistant_turns``: ``agent.max_assistant_turns`` used up, and the loop wanted another
+      assistant turn or an observation that only a further turn could read (tool calls of the
+      last turn are then not executed: metric ``tool_calls_unexecuted``).
+    * ``max_user_turns``: the interaction answered, but ``agent.max_user_turns`` were used up.
+    * ``response_budget``: ``data.max_response_length`` (the whole response, sampled and
+      observed) leaves no room for the next turn or observation.
+    * ``trajectory_timeout``: ``agent.trajectory_timeout_s`` elapsed.
+    * ``malformed_tool_call``: a call could not be understood and
+      ``agent.malformed_call_policy`` is ``end``.
+    * ``interaction_done``: the interaction said the episode is over.
+    * ``interaction_error``: the interaction raised (start, respond or calculate_score); the
+      error is in ``reward_info["error"]``.
+    * ``engine_error``: the engine failed a request after its retries; error in ``reward_info``.
+    * ``abort``: the engine aborted a request (e.g. the server went away or was asked to stop).
+    * ``loop_error``: the loop itself raised; the trajectory is empty, the error is in
+      ``reward_info``, and the trainer drops it (``RolloutRunner``).
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    MAX_ASSISTANT_TURNS = "max_assistant_turns"
+    MAX_USER_TURNS = "max_user_turns"
+    RESPONSE_BUDGET = "response_budget"
+    TRAJECTORY_TIMEOUT = "trajectory_timeout"
+    MALFORMED_TOOL_CALL = "malformed_tool_call"
+    INTERACTION_DONE = "interaction_done"
+    INTERACTION_ERROR = "interaction_error"
+    ENGINE_ERROR = "engine_error"
+    ABORT = "abort"
+    LOOP_ERROR = "loop_error"
+
+    def __str__(self) -> str:  # the value, in f-strings and metric names too (as enum.StrEnum)
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str, *, where: str = "finish_reason") -> "TrajectoryFinish":
+        """The member with this value; an unknown value is a ``TrajectoryError`` naming ``where``."""
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise TrajectoryError(f"{where}: unknown finish reason {value!r} (known: {known})") from None
 
 
 @dataclass(slots=True)
@@ -66,7 +121,7 @@ class Trajectory:
     logprobs: list[float]
     turns: list[Turn]
     messages: list[dict[str, Any]]
-    finish_reason: str  # stop | length | max_assistant_turns | max_user_turns | response_budget | timeout | ...
+    finish_reason: TrajectoryFinish  # a plain string is converted (and checked) on construction
     reward: float = 0.0  # trajectory reward
     reward_info: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
@@ -75,6 +130,7 @@ class Trajectory:
     ground_truth: str | None = None
 
     def __post_init__(self) -> None:
+        self.finish_reason = TrajectoryFinish.parse(self.finish_reason, where=f"trajectory {self.row_id}: finish_reason")
         n = len(self.response_ids)
         if len(self.response_mask) != n or len(self.logprobs) != n:
             raise TrajectoryError(

@@ -63,7 +63,8 @@ def test_verl_dotted_names_are_translated():
 def test_unsupported_verl_option_is_named():
     problems = problems_of(["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1"])
     assert problems == {
-        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "this verl option is not supported by agentrl"
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "this verl option is not supported by agentrl: "
+        "give actor.optim.lr_warmup_steps (a step count) instead"
     }
 
 

@@ -168,11 +168,12 @@ def make_row(**fields) -> Row:
 def test_custom_loop_from_the_distribution_runs_a_rollout(dist_path, tiny_tokenizer):
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.scripted import ScriptedEngine
-    from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+    from agentrl.agent.setup import RolloutSetup
+    from agentrl.config.schema import DataConfig, TrainConfig
 
     engine = ScriptedEngine(tiny_tokenizer, {"r": ["hello"]})
-    ctx = build_context(engine, tiny_tokenizer, agent=AgentConfig(), rollout=RolloutConfig(), reward=RewardConfig(),
-                        max_response_tokens=64, tool_names=["shout"])
+    setup = RolloutSetup.from_config(TrainConfig(data=DataConfig(max_response_length=64)))
+    ctx = build_context(engine, tiny_tokenizer, setup, tool_names=["shout"])
     [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r", make_row(agent_name="one_shot"))]))
     assert (t.agent_name, t.reward, t.finish_reason) == ("one_shot", 0.75, "stop")
     assert t.messages[-1] == {"role": "assistant", "content": "hello"}
@@ -181,12 +182,13 @@ def test_custom_loop_from_the_distribution_runs_a_rollout(dist_path, tiny_tokeni
 def test_plugin_tool_and_interaction_drive_the_builtin_tool_loop(dist_path, tiny_tokenizer):
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.scripted import ScriptedEngine
-    from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+    from agentrl.agent.setup import RolloutSetup
+    from agentrl.config.schema import DataConfig, TrainConfig
 
     call = '<tool_call>\n{"name": "shout", "arguments": {"text": "hi"}}\n</tool_call>'
     engine = ScriptedEngine(tiny_tokenizer, {"r": [call, "done"]})
-    ctx = build_context(engine, tiny_tokenizer, agent=AgentConfig(), rollout=RolloutConfig(), reward=RewardConfig(),
-                        max_response_tokens=256, tool_names=["shout"])
+    setup = RolloutSetup.from_config(TrainConfig(data=DataConfig(max_response_length=256)))
+    ctx = build_context(engine, tiny_tokenizer, setup, tool_names=["shout"])
     row = make_row(agent_name="tool_agent", extra_info={"tools_kwargs": {"shout": {}}, "interaction_kwargs": {"name": "always_right"}})
     [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r", row)]))
     assert t.finish_reason == "interaction_done"

@@ -79,7 +79,8 @@ def run_benchmark(*, trajectories: int, tool_turns: int, concurrency: int, infli
 
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.scripted import ScriptedEngine
-    from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+    from agentrl.agent.setup import RolloutSetup
+    from agentrl.config.schema import AgentConfig, DataConfig, TrainConfig
     from agentrl.data.dataset import rows_from_dicts
     from agentrl.tiny import tiny_model_dir
     from agentrl_data_prep.tasks import generate
@@ -90,12 +91,13 @@ def run_benchmark(*, trajectories: int, tool_turns: int, concurrency: int, infli
         for i in range(tool_turns)
     ]
     script = lambda row_id, index, request: calls[index] if index < tool_turns else "#### 42"  # noqa: E731
-    agent = AgentConfig(max_assistant_turns=tool_turns + 1)
-    rollout = RolloutConfig()
+    rollout_setup = RolloutSetup.from_config(
+        TrainConfig(agent=AgentConfig(max_assistant_turns=tool_turns + 1), data=DataConfig(max_response_length=4096))
+    )
 
     def setup(hold: int):
         engine = _TimingEngine(ScriptedEngine(tokenizer, script, record_requests=False), hold_until=hold)
-        ctx = build_context(engine, tokenizer, agent=agent, rollout=rollout, reward=RewardConfig(), max_response_tokens=4096)
+        ctx = build_context(engine, tokenizer, rollout_setup)
         return engine, ctx
 
     # warm-up rows (own ids, so the script starts afresh for the measured rows): the first

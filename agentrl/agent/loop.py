@@ -7,18 +7,19 @@ created once and released always, the interaction finalized always, the per-traj
 timeout, engine failures recorded as ``engine_error``, rewards, and metrics. A loop that needs
 full control may override ``run`` itself.
 
-Every append goes through the episode, which checks the token limits each time:
+Every turn starts through the episode (``generate``, ``call_tools``, ``observe``), and each of
+them asks ``Episode.check_turn`` first - the one place the turn limits are checked, so a loop
+(a plugin's too) never checks them itself:
 
-* ``max_assistant_turns`` / ``max_user_turns``: no further turn of that kind is started;
+* ``max_assistant_turns`` / ``max_user_turns``: no further turn of that kind is started, and no
+  observation is added (no tool executed) when no assistant turn is left to read it;
 * ``max_response_tokens`` (the whole response, sampled and observed): the next generation gets
   at most what is left, and an observation that does not fit ends the episode;
 * ``max_tool_response_tokens``: each tool result is cut to this many tokens with a visible
   ``...[truncated N tokens]`` marker;
 * ``tool_timeout_s`` per call and ``trajectory_timeout_s`` per episode.
 
-``finish_reason`` names what ended it: stop, length, max_assistant_turns, max_user_turns,
-response_budget, trajectory_timeout, malformed_tool_call, interaction_done,
-interaction_error, engine_error, abort.
+What ended an episode is a ``agentrl.trajectory.TrajectoryFinish`` (documented there).
 """
 
 from __future__ import annotations
@@ -27,55 +28,50 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from agentrl.agent.render import ChatRenderer
+from agentrl.agent.setup import Limits
 from agentrl.agent.tool_parsers import ParsedTurn, ToolParser
 from agentrl.agent.tools_runtime import CallOutcome, InteractionPool, InteractionSession, ToolBox, ToolSession
 from agentrl.data.row import Row
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.errors import EngineError
 from agentrl.rewards import score_to_float
-from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, Turn
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, TrajectoryFinish, Turn, TurnRole
 
-__all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd", "ask_interaction"]
+__all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd", "TrajectoryFinish", "ask_interaction"]
 
 # compute_score(data_source, solution, ground_truth, extra_info) -> float | {"score": float, ...}
 RewardFn = Callable[[str, str, Any, dict[str, Any]], Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_assistant_turns: int = 8
-    max_user_turns: int = 4
-    max_response_tokens: int = 512
-    max_new_tokens: int = 128  # per assistant turn
-    max_tool_response_tokens: int = 256
-    trajectory_timeout_s: float = 600.0
-    malformed_call_policy: str = "feedback"  # feedback | penalize | end
-    malformed_call_penalty: float = -0.1
-
-
 @dataclass(slots=True)
 class LoopContext:
-    """What a loop needs, built once per worker and shared by its trajectories."""
+    """What a loop needs, built once per worker (``agentrl.agent.runner.build_context``, from a
+    ``RolloutSetup``) and shared by its trajectories."""
 
     engine: Engine
     renderer: ChatRenderer
-    parser: ToolParser
+    parser: ToolParser  # of every loop not in parser_by_loop
     toolbox: ToolBox
     interactions: InteractionPool
-    limits: Limits = field(default_factory=Limits)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    reward_fn: Callable[[str], RewardFn | None] = lambda data_source: None  # data_source -> reward function
+    limits: Limits
+    sampling: SamplingParams
+    reward_fn: Callable[[str], RewardFn | None]  # data_source -> reward function
+    parser_by_loop: Mapping[str, ToolParser] = field(default_factory=dict)  # loop name -> its parser
     policy_version: int = 0
+
+    def parser_for(self, loop_name: str) -> ToolParser:
+        return self.parser_by_loop.get(loop_name, self.parser)
 
 
 class EpisodeEnd(Exception):
     """Raised inside ``play`` to end the episode with a finish reason."""
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
+    def __init__(self, reason: TrajectoryFinish | str):
+        reason = TrajectoryFinish.parse(reason, where="EpisodeEnd")
+        super().__init__(reason.value)
         self.reason = reason
 
 
@@ -95,8 +91,10 @@ class Episode:
         interaction: InteractionSession | None,
         messages: list[dict[str, Any]],
         prompt_ids: list[int],
+        parser: ToolParser | None = None,
     ):
         self.row, self.ctx = row, ctx
+        self.parser = parser if parser is not None else ctx.parser  # the playing loop's (LoopContext.parser_for)
         self.row_id, self.group_id, self.sample_index, self.seed = row_id, group_id, sample_index, seed
         self.session_id = f"{row_id}#{sample_index}"
         self.tools, self.interaction = tools, interaction
@@ -117,17 +115,39 @@ class Episode:
     def assistant_turns(self) -> int:
         return self.counts["assistant_turns"]
 
+    @property
+    def user_turns(self) -> int:
+        return self.counts["user_turns"]
+
+    @property
+    def tokens_left(self) -> int:
+        """What ``max_response_tokens`` leaves for the rest of the response."""
+        return self.ctx.limits.max_response_tokens - len(self.builder)
+
+    def check_turn(self, role: TurnRole | None, tokens: int = 1) -> int:
+        """The one check of every turn limit, made before anything is added to the episode:
+        a new turn of ``role`` (None: more of the current assistant turn) of ``tokens`` tokens
+        (for an assistant turn: at least one). Ends the episode (``EpisodeEnd``) when a limit
+        forbids it; returns the response tokens left after it."""
+        limits = self.ctx.limits
+        if role == "user" and self.user_turns >= limits.max_user_turns:
+            raise EpisodeEnd(TrajectoryFinish.MAX_USER_TURNS)
+        # an assistant turn cannot start, and an observation would be read by no turn
+        if role is not None and self.assistant_turns >= limits.max_assistant_turns:
+            raise EpisodeEnd(TrajectoryFinish.MAX_ASSISTANT_TURNS)
+        left = self.tokens_left - tokens
+        if left < 0:
+            raise EpisodeEnd(TrajectoryFinish.RESPONSE_BUDGET)
+        return left
+
     async def generate(
         self, *, stop_token_ids: tuple[int, ...] | None = None, continue_turn: bool = False
     ) -> tuple[Turn, GenerateResult, str]:
         """Sample the next assistant turn (or, with ``continue_turn``, more of the current one);
         returns the turn, the engine result and the text of the newly sampled tokens."""
         limits = self.ctx.limits
-        if not continue_turn and self.assistant_turns >= limits.max_assistant_turns:
-            raise EpisodeEnd("max_assistant_turns")
-        budget = limits.max_response_tokens - len(self.builder)
-        if budget <= 0:
-            raise EpisodeEnd("response_budget")
+        # the tokens this turn may sample: what is left after its first one, plus that one
+        budget = self.check_turn(None if continue_turn else "assistant") + 1
         base = self.ctx.sampling
         sampling = SamplingParams(
             max_new_tokens=min(limits.max_new_tokens, budget),
@@ -148,7 +168,7 @@ class Episode:
         except EngineError as exc:
             self.counts["engine_errors"] += 1
             self.error = str(exc)
-            raise EpisodeEnd("engine_error") from exc
+            raise EpisodeEnd(TrajectoryFinish.ENGINE_ERROR) from exc
         finally:
             self.gen_time += time.perf_counter() - start
         turns_before = len(self.builder.turns)
@@ -161,20 +181,21 @@ class Episode:
             ids = ids[:-1]
         text = self.ctx.renderer.decode(ids)
         if result.finish_reason is FinishReason.ABORT:
-            raise EpisodeEnd("abort")
+            raise EpisodeEnd(TrajectoryFinish.ABORT)
         return turn, result, text
 
     # ----------------------------------------------------------------- observations
-    def observe(self, messages: list[dict[str, Any]], role: str) -> Turn:
+    def observe(self, messages: list[dict[str, Any]], role: TurnRole) -> Turn:
         """Append tool or user messages as a masked delta (ends the episode if it cannot fit)."""
         ids = self.ctx.renderer.observation_ids(messages, after_eos=self.last_stopped_on_eos)
         return self.observe_ids(ids, role, messages)
 
-    def observe_ids(self, ids: list[int], role: str, messages: list[dict[str, Any]]) -> Turn:
-        if len(self.builder) + len(ids) > self.ctx.limits.max_response_tokens:
-            raise EpisodeEnd("response_budget")
+    def observe_ids(self, ids: list[int], role: TurnRole, messages: list[dict[str, Any]]) -> Turn:
+        self.check_turn(role, len(ids))
+        if role == "user":
+            self.counts["user_turns"] += 1
         self.messages.extend(messages)
-        return self.builder.append_observed(ids, role)  # type: ignore[arg-type]
+        return self.builder.append_observed(ids, role)
 
     def truncate_tool_text(self, text: str) -> str:
         limit = self.ctx.limits.max_tool_response_tokens
@@ -187,7 +208,15 @@ class Episode:
         return self.ctx.renderer.decode(ids[:limit]) + f"...[truncated {len(ids) - limit} tokens]"
 
     async def call_tools(self, turn_index: int, parsed: ParsedTurn) -> list[CallOutcome]:
-        """Execute a turn's calls, apply the malformed-call policy, record and count everything."""
+        """Execute a turn's calls, apply the malformed-call policy, record and count everything.
+
+        With no assistant turn left to read their results, the calls are not executed (metric
+        ``tool_calls_unexecuted``) and the episode ends with ``max_assistant_turns``."""
+        try:
+            self.check_turn("tool", 0)
+        except EpisodeEnd:
+            self.counts["tool_calls_unexecuted"] += len(parsed.calls)
+            raise
         start = time.perf_counter()
         outcomes = await self.tools.execute_all(parsed.calls)
         self.tool_time += time.perf_counter() - start
@@ -209,7 +238,7 @@ class Episode:
         if malformed:
             policy = self.ctx.limits.malformed_call_policy
             if policy == "end":
-                raise EpisodeEnd("malformed_tool_call")
+                raise EpisodeEnd(TrajectoryFinish.MALFORMED_TOOL_CALL)
             if policy == "penalize":
                 turn.reward = (turn.reward or 0.0) + self.ctx.limits.malformed_call_penalty
         return outcomes
@@ -218,8 +247,7 @@ class Episode:
 class AgentLoop:
     """Base of every agent loop. Subclasses implement ``play``; ``run`` keeps the invariants."""
 
-    name: str = "base"
-    parser_name: str | None = None  # a loop may insist on its own parser (react does)
+    name: str = "base"  # also the key of agent.tool_parser_by_loop
 
     def initial_messages(self, row: Row, ctx: LoopContext, tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return row.messages()
@@ -228,7 +256,9 @@ class AgentLoop:
         """The tools rendered by the chat template (None: the loop describes them itself)."""
         return tool_schemas or None
 
-    async def play(self, episode: Episode) -> str:
+    async def play(self, episode: Episode) -> TrajectoryFinish:
+        """Play the episode; return how it finished (or raise ``EpisodeEnd``). The episode checks
+        the limits: a ``generate``, ``call_tools`` or ``observe`` that a limit forbids raises."""
         raise NotImplementedError
 
     async def run(
@@ -255,15 +285,16 @@ class AgentLoop:
             prompt_ids = ctx.renderer.prompt_ids(messages, self.prompt_tools(schemas))
             episode = Episode(
                 row, ctx, row_id=row_id, group_id=group_id, sample_index=sample_index, seed=seed, tools=tools,
-                interaction=interaction, messages=messages, prompt_ids=prompt_ids,
+                interaction=interaction, messages=messages, prompt_ids=prompt_ids, parser=ctx.parser_for(self.name),
             )
             try:
                 finish, error = await self._play(episode, interaction)
-                if interaction is not None and finish != "interaction_error":
+                if interaction is not None and finish is not TrajectoryFinish.INTERACTION_ERROR:
                     try:
                         episode.interaction_score = await interaction.score()
                     except Exception as exc:
-                        finish, error = "interaction_error", f"calculate_score failed: {type(exc).__name__}: {exc}"
+                        finish = TrajectoryFinish.INTERACTION_ERROR
+                        error = f"calculate_score failed: {type(exc).__name__}: {exc}"
             finally:
                 if interaction is not None:
                     await interaction.__aexit__(None, None, None)  # finalize, always
@@ -272,14 +303,14 @@ class AgentLoop:
                 episode.last_stopped_on_eos
                 and episode.builder.turns
                 and episode.builder.turns[-1].role == "assistant"
-                and len(episode.builder) + len(sep) <= ctx.limits.max_response_tokens
+                and len(sep) <= episode.tokens_left
             ):
                 # the separator the template writes after the final end-of-turn token
                 episode.builder.append_template(sep)
             await tools.collect_rewards()
         return self._finish(episode, finish, error)
 
-    async def _play(self, episode: Episode, interaction: InteractionSession | None) -> tuple[str, str | None]:
+    async def _play(self, episode: Episode, interaction: InteractionSession | None) -> tuple[TrajectoryFinish, str | None]:
         """Start the interaction and play the episode under the trajectory timeout; returns
         (finish reason, error)."""
         try:
@@ -288,15 +319,16 @@ class AgentLoop:
                     await interaction.__aenter__()
                 except Exception as exc:
                     raise InteractionFailure(f"start failed: {type(exc).__name__}: {exc}") from exc
-            return await asyncio.wait_for(self.play(episode), episode.ctx.limits.trajectory_timeout_s), None
+            finish = await asyncio.wait_for(self.play(episode), episode.ctx.limits.trajectory_timeout_s)
+            return TrajectoryFinish.parse(finish, where=f"agent loop {self.name!r}: play() returned"), None
         except EpisodeEnd as end:
             return end.reason, episode.error
         except asyncio.TimeoutError:
-            return "trajectory_timeout", None
+            return TrajectoryFinish.TRAJECTORY_TIMEOUT, None
         except InteractionFailure as exc:
-            return "interaction_error", str(exc)
+            return TrajectoryFinish.INTERACTION_ERROR, str(exc)
 
-    def _finish(self, ep: Episode, finish: str, error: str | None) -> Trajectory:
+    def _finish(self, ep: Episode, finish: TrajectoryFinish, error: str | None) -> Trajectory:
         row = ep.row
         solution = self._solution_text(ep)
         reward, info = 0.0, {}
@@ -355,11 +387,7 @@ async def ask_interaction(ep: Episode, turn: Turn) -> bool:
     for key, value in response.metrics.items():
         ep.counts[f"interaction/{key}"] += value  # type: ignore[assignment]
     if response.done:
-        raise EpisodeEnd("interaction_done")
-    if ep.counts["user_turns"] >= ep.ctx.limits.max_user_turns:
-        raise EpisodeEnd("max_user_turns")
-    if ep.assistant_turns >= ep.ctx.limits.max_assistant_turns:
-        raise EpisodeEnd("max_assistant_turns")
-    ep.counts["user_turns"] += 1
+        raise EpisodeEnd(TrajectoryFinish.INTERACTION_DONE)
+    ep.check_turn("user", 0)  # before rendering: the turn limits end the episode first
     ep.observe([{"role": "user", "content": response.text}], "user")
     return True

@@ -16,25 +16,40 @@ import sys
 import time
 from collections import Counter
 
-from agentrl.config import load_config
+from agentrl.config import TrainConfig, load_config
 
-__all__ = ["cli_main"]
+__all__ = ["cli_main", "require_builtin_engine"]
+
+
+def require_builtin_engine(cfg: TrainConfig) -> None:
+    """``train`` and ``rollout`` drive the built-in engine; say so instead of ignoring the setting."""
+    from agentrl.errors import ConfigError
+
+    if cfg.engine.backend != "builtin":
+        raise ConfigError([("engine.backend", f"{cfg.engine.backend!r} is not wired into agentrl train/rollout yet; "
+                            "use engine=builtin (SGLang servers work through agentrl.engines.SGLangEngine in the agent layer)")])
+    if cfg.engine.weight_sync == "nccl":
+        raise ConfigError([("engine.weight_sync", "nccl is for remote GPU engines, not wired into agentrl train yet; use memory or disk")])
 
 
 def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+    from agentrl.agent.setup import RolloutSetup
     from agentrl.data.dataset import RowDataset
+    from agentrl.data.prepare import prepare_data
+    from agentrl.data.rollout_store import RolloutStore
     from agentrl.engines.builtin import BuiltinEngine
-    from agentrl.trainer.run import _to_yaml, make_run_dir, prepare_data, require_builtin_engine, resolve_model
-    from agentrl.replay.store import RolloutStore
+    from agentrl.plugins import PluginRegistry
+    from agentrl.rundir import make_run_dir
+    from agentrl.tiny import resolve_model
 
     cfg = load_config("rollout", argv)
     require_builtin_engine(cfg)
-    run_dir = make_run_dir(cfg)
-    (run_dir / "config.yaml").write_text(_to_yaml(cfg))  # replay finds the tokenizer and loops here
-    files, _ = prepare_data(cfg, run_dir)  # validated before any generation
+    run = make_run_dir(cfg)
+    run.write_config(cfg)  # replay finds the tokenizer and loops here
+    files, _ = prepare_data(cfg, run.data)  # validated before any generation
     dataset = RowDataset(files, batch_size=1, shuffle=False, seed=cfg.data.seed, drop_last=False)
     rows = [dataset.row(i) for i in range(dataset.num_rows)]
     model_path = resolve_model(cfg)
@@ -42,13 +57,13 @@ def cli_main(argv: list[str]) -> int:
     started = time.perf_counter()
     engine = BuiltinEngine(model_path, max_batch_size=cfg.engine.max_batch_size, seed=cfg.trainer.seed)
     try:
-        ctx = build_context(engine, tokenizer, agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward,
-                            max_response_tokens=cfg.data.max_response_length)
-        runner = RolloutRunner(ctx, LoopTable(cfg.agent.default_loop), max_concurrency=cfg.rollout.max_concurrency)
+        setup = RolloutSetup.from_config(cfg)
+        ctx = build_context(engine, tokenizer, setup)
+        runner = RolloutRunner(ctx, LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer)), max_concurrency=setup.max_concurrency)
         trajectories = asyncio.run(runner.run(rows, n=cfg.rollout.n, seed=cfg.trainer.seed, progress=cfg.logging.progress and "rollout"))
     finally:
         engine.close()
-    path = RolloutStore(run_dir / "rollouts").write_step(0, trajectories, rows=rows)
+    path = RolloutStore(run.rollouts).write_step(0, trajectories, rows=rows)
     finishes = Counter(t.finish_reason for t in trajectories)
     summary = {
         "trajectories": len(trajectories),
@@ -56,7 +71,7 @@ def cli_main(argv: list[str]) -> int:
         "finish_reasons": dict(finishes),
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.write_summary(summary)
     print(json.dumps(summary, indent=2))
     print(f"rollouts: {path}")
     return 0

@@ -4,8 +4,9 @@ Each row is run ``n`` times (one group: GRPO/RLOO compare the samples of a row);
 chosen per row by ``agent_name`` (verl's names accepted), else the configured default.
 Trajectories come back in a deterministic order (row order, then sample index), each with its
 own seed derived from (seed, group, sample), so results do not depend on scheduling. A loop
-that raises does not lose its trajectory silently: it comes back with ``finish_reason`` set to
-``loop_error`` and the error in ``reward_info`` (the trainer counts and drops those).
+that raises does not lose its trajectory silently: it comes back with ``finish_reason``
+``TrajectoryFinish.LOOP_ERROR`` and the error in ``reward_info`` (the trainer counts and drops
+those).
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import inspect
 import zlib
 from typing import Any, Callable, Iterable, Sequence
 
-from agentrl.agent.loop import AgentLoop, Limits, LoopContext, RewardFn
+from agentrl.agent.loop import AgentLoop, LoopContext, RewardFn
 from agentrl.agent.render import ChatRenderer
+from agentrl.agent.setup import RolloutSetup
 from agentrl.agent.tools_runtime import InteractionPool, ToolBox
-from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+from agentrl.config.schema import RewardConfig
 from agentrl.data.row import Row
-from agentrl.engines.base import Engine, SamplingParams
+from agentrl.engines.base import Engine
 from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry
 from agentrl.rewards import resolve_reward
-from agentrl.trajectory import Trajectory
+from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 __all__ = ["RolloutRunner", "LoopTable", "RewardTable", "check_agent_names", "check_row_plugins", "build_context"]
 
@@ -68,7 +70,7 @@ def check_row_plugins(row: Row, registry: PluginRegistry | None = None) -> list[
         if name not in tools:
             problems.append((f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools))})"))
     interaction = row.extra_info.interaction_kwargs
-    if interaction is not None and interaction.name not in (known := set(registry.names("interactions"))):
+    if interaction is not None and interaction.name is not None and interaction.name not in (known := set(registry.names("interactions"))):
         problems.append(
             ("extra_info.interaction_kwargs.name", f"unknown interaction {interaction.name!r} (known: {', '.join(sorted(known))})")
         )
@@ -96,47 +98,29 @@ class RewardTable:
 
 
 def build_context(
-    engine: Engine,
-    tokenizer: Any,
-    *,
-    agent: AgentConfig,
-    rollout: RolloutConfig,
-    reward: RewardConfig,
-    max_response_tokens: int,
-    registry: PluginRegistry | None = None,
-    tool_names: Sequence[str] | None = None,
-    validation: bool = False,
+    engine: Engine, tokenizer: Any, setup: RolloutSetup, *, validation: bool = False, tool_names: Sequence[str] | None = None
 ) -> LoopContext:
-    """Wire the config sections into a ``LoopContext`` (tools constructed here, once)."""
-    registry = registry or PluginRegistry()
-    names = list(tool_names) if tool_names is not None else list(agent.tool_config) or ["calculator"]
+    """The ``LoopContext`` of a setup (tools and parsers constructed here, once); ``tool_names``
+    replaces the setup's tools (replay re-runs construct the tools its stored rows name)."""
+    registry = PluginRegistry(setup.plugin_prefer)
     toolbox = ToolBox.from_plugins(
-        names, agent.tool_config, registry=registry, max_parallel_calls=agent.max_parallel_calls,
-        tool_timeout_s=agent.tool_timeout_s,
+        list(tool_names if tool_names is not None else setup.tool_names), setup.tool_config,
+        registry=registry, max_parallel_calls=setup.max_parallel_calls, tool_timeout_s=setup.tool_timeout_s,
+        specs=setup.tool_specs,
     )
-    parser_cls = registry.load("tool_parsers", agent.tool_parser)
     return LoopContext(
         engine=engine,
         renderer=ChatRenderer(tokenizer),
-        parser=parser_cls(),
+        parser=registry.load("tool_parsers", setup.tool_parser)(),
+        parser_by_loop={
+            registry.canonical("agent_loops", loop): registry.load("tool_parsers", parser)()
+            for loop, parser in setup.tool_parser_by_loop.items()
+        },
         toolbox=toolbox,
-        interactions=InteractionPool(agent.interaction_config, registry),
-        limits=Limits(
-            max_assistant_turns=agent.max_assistant_turns,
-            max_user_turns=agent.max_user_turns,
-            max_response_tokens=max_response_tokens,
-            max_new_tokens=rollout.max_new_tokens,
-            max_tool_response_tokens=agent.max_tool_response_tokens,
-            trajectory_timeout_s=agent.trajectory_timeout_s,
-            malformed_call_policy=agent.malformed_call_policy,
-            malformed_call_penalty=agent.malformed_call_penalty,
-        ),
-        sampling=SamplingParams(
-            temperature=rollout.val_temperature if validation else rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-        ),
-        reward_fn=RewardTable(reward, registry.prefer),
+        interactions=InteractionPool(setup.interaction_config, registry, specs=setup.interaction_specs),
+        limits=setup.limits,
+        sampling=setup.val_sampling if validation else setup.sampling,
+        reward_fn=RewardTable(setup.reward, registry.prefer),
     )
 
 
@@ -199,7 +183,7 @@ class RolloutRunner:
             return Trajectory(
                 row_id=row_id, group_id=group_id, sample_index=sample, data_source=row.data_source,
                 agent_name=loop.name, prompt_ids=[], response_ids=[], response_mask=[], logprobs=[], turns=[],
-                messages=row.messages(), finish_reason="loop_error", reward=0.0,
+                messages=row.messages(), finish_reason=TrajectoryFinish.LOOP_ERROR, reward=0.0,
                 reward_info={"error": f"{type(exc).__name__}: {exc}"}, policy_version=self.ctx.policy_version,
                 ground_truth=row.ground_truth,
             )

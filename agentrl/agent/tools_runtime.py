@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import jsonschema
 
 from agentrl.agent.interaction import Interaction, InteractionResponse
 from agentrl.agent.tool import Tool, ToolResult
 from agentrl.agent.tool_parsers import ParsedCall
+from agentrl.agent.verl_yaml import build_interaction, build_tool
+from agentrl.config.verl_files import InteractionSpec, ToolSpec
 from agentrl.errors import PluginError, ToolError
 from agentrl.plugins import PluginRegistry
 
@@ -30,13 +32,16 @@ __all__ = ["ToolBox", "ToolSession", "CallOutcome", "InteractionPool", "Interact
 
 def validate_arguments(tool: type[Tool] | Tool, arguments: dict[str, Any]) -> str | None:
     """None when ``arguments`` match the tool's JSON schema, else what is wrong (for the model)."""
-    validator = _validator(type(tool) if isinstance(tool, Tool) else tool)
+    return _first_problem(_validator(type(tool) if isinstance(tool, Tool) else tool), tool.name, arguments)
+
+
+def _first_problem(validator: Any, name: str, arguments: dict[str, Any]) -> str | None:
     if validator.is_valid(arguments):
         return None
     errors = sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
     err = errors[0]
     where = ".".join(str(p) for p in err.path) or "arguments"
-    return f"invalid arguments for {tool.name}: {where}: {err.message}"
+    return f"invalid arguments for {name}: {where}: {err.message}"
 
 
 _VALIDATORS: dict[type, Any] = {}
@@ -76,6 +81,7 @@ class ToolBox:
         tool_timeout_s: float = 30.0,
         registry: PluginRegistry | None = None,
         tool_config: dict[str, dict[str, Any]] | None = None,
+        specs: Sequence[ToolSpec] = (),
     ):
         self.tools = tools
         self._schemas: dict[tuple[str, ...], list[dict[str, Any]]] = {}
@@ -83,6 +89,10 @@ class ToolBox:
         self.tool_timeout_s = tool_timeout_s
         self._registry = registry
         self._tool_config = tool_config or {}
+        # tools defined by a verl tool YAML: their own name and schema, whatever class runs them
+        self._specs = {spec.name: spec for spec in specs}
+        self._schema_of: dict[str, dict[str, Any]] = {s.name: s.schema for s in specs if s.schema is not None}
+        self._validators: dict[str, Any] = {}
 
     @classmethod
     def from_plugins(
@@ -91,17 +101,23 @@ class ToolBox:
         tool_config: dict[str, dict[str, Any]] | None = None,
         *,
         registry: PluginRegistry | None = None,
+        specs: Sequence[ToolSpec] = (),
         **kwargs: Any,
     ) -> "ToolBox":
-        box = cls({}, registry=registry or PluginRegistry(), tool_config=tool_config, **kwargs)
+        box = cls({}, registry=registry or PluginRegistry(), tool_config=tool_config, specs=specs, **kwargs)
         for name in names:
             box.ensure(name)
         return box
 
     def ensure(self, name: str) -> Tool:
-        """The worker's tool ``name``, loaded and constructed on first use."""
+        """The worker's tool ``name``, loaded and constructed on first use: a tool of the verl
+        YAML by that name first, else the plugin."""
         tool = self.tools.get(name)
         if tool is not None:
+            return tool
+        spec = self._specs.get(name)
+        if spec is not None:
+            tool = self.tools[name] = build_tool(spec, self._registry or PluginRegistry())
             return tool
         if self._registry is None:
             known = ", ".join(sorted(self.tools)) or "none"
@@ -112,12 +128,28 @@ class ToolBox:
         tool = self.tools[name] = tool_cls(**self._tool_config.get(name, {}))
         return tool
 
+    def schema_of(self, name: str) -> dict[str, Any]:
+        """The function schema the model is offered for tool ``name``."""
+        return self._schema_of.get(name) or self.tools[name].schema()
+
+    def parameters_of(self, name: str) -> dict[str, Any]:
+        return self.schema_of(name)["function"].get("parameters") or {"type": "object", "properties": {}}
+
+    def validate(self, name: str, arguments: dict[str, Any]) -> str | None:
+        """None when ``arguments`` match tool ``name``'s offered schema, else what is wrong."""
+        if name not in self._schema_of:
+            return validate_arguments(self.tools[name], arguments)
+        validator = self._validators.get(name)
+        if validator is None:
+            validator = self._validators[name] = jsonschema.Draft202012Validator(self.parameters_of(name))
+        return _first_problem(validator, name, arguments)
+
     def schemas(self, names: list[str]) -> list[dict[str, Any]]:
         """The tools' function schemas (cached per tool list; do not mutate)."""
         key = tuple(names)
         schemas = self._schemas.get(key)
         if schemas is None:
-            schemas = self._schemas[key] = [self.tools[n].schema() for n in names if n in self.tools]
+            schemas = self._schemas[key] = [self.schema_of(n) for n in names if n in self.tools]
         return schemas
 
     def session(self, instance_id: str, tools_kwargs: dict[str, Any]) -> "ToolSession":
@@ -205,8 +237,8 @@ class ToolSession:
             known = ", ".join(self.enabled) or "none"
             return CallOutcome(call, f"Error: unknown tool {name!r} (available: {known})", error="unknown_tool")
         tool = self.box.tools[name]
-        arguments = _map_plain_input(tool, call.arguments or {})
-        problem = validate_arguments(tool, arguments)
+        arguments = _map_plain_input(self.box.parameters_of(name), call.arguments or {})
+        problem = self.box.validate(name, arguments)
         if problem is not None:
             return CallOutcome(call, f"Error: {problem}", error="invalid_arguments")
         start = time.perf_counter()
@@ -239,25 +271,36 @@ async def _with_timeout(awaitable: Any, seconds: float) -> Any:
         return await awaitable
 
 
-def _map_plain_input(tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
+def _map_plain_input(parameters: dict[str, Any], arguments: dict[str, Any]) -> dict[str, Any]:
     """ReAct's plain-text ``Action Input`` goes to the tool's only required parameter."""
     if set(arguments) != {"__input__"}:
         return arguments
-    required = tool.parameters.get("required") or list(tool.parameters.get("properties", {}))
+    required = parameters.get("required") or list(parameters.get("properties", {}))
     if len(required) == 1:
         return {required[0]: arguments["__input__"]}
     return arguments
 
 
+VERL_DEFAULT_INTERACTION = "gsm8k"  # what verl's loops attach to a row whose interaction_kwargs name none
+
+
 class InteractionPool:
     """The interactions of one worker, by name, each constructed once (lazily)."""
 
-    def __init__(self, config: dict[str, dict[str, Any]] | None = None, registry: PluginRegistry | None = None):
+    def __init__(
+        self,
+        config: dict[str, dict[str, Any]] | None = None,
+        registry: PluginRegistry | None = None,
+        specs: Sequence[InteractionSpec] = (),
+    ):
         self._config = config or {}
         self._registry = registry or PluginRegistry()
         self._instances: dict[str, Interaction] = {}
+        self._specs = {spec.name: spec for spec in specs}  # from a verl interaction YAML
 
     def get(self, name: str) -> Interaction:
+        if name not in self._instances and name in self._specs:
+            self._instances[name] = build_interaction(self._specs[name], self._registry)
         if name not in self._instances:
             cls = self._registry.load("interactions", name)
             if not (isinstance(cls, type) and issubclass(cls, Interaction)):
@@ -265,9 +308,16 @@ class InteractionPool:
             self._instances[name] = cls(**self._config.get(name, {}))
         return self._instances[name]
 
-    def session(self, instance_id: str, interaction_kwargs: dict[str, Any]) -> "InteractionSession":
+    def session(self, instance_id: str, interaction_kwargs: dict[str, Any]) -> "InteractionSession | None":
+        """The row's interaction, or None when it names none and no interaction YAML is
+        configured (verl attaches an unnamed row's interaction, its default gsm8k, only then)."""
         kwargs = dict(interaction_kwargs)
-        return InteractionSession(self.get(kwargs.pop("name")), instance_id, kwargs)
+        name = kwargs.pop("name", None)
+        if name is None:
+            if not self._specs:
+                return None
+            name = VERL_DEFAULT_INTERACTION
+        return InteractionSession(self.get(name), instance_id, kwargs)
 
 
 class InteractionSession:

@@ -7,13 +7,14 @@ suggestion), wrong types, missing files, inconsistent numbers and unknown plugin
 The YAML files hold the choices of each preset; the defaults live in the schema. An override
 of a key that no YAML file mentions is still accepted (it is added, then validated), so every
 schema knob can be set from the command line without a ``+`` prefix. verl's dotted names
-(``actor_rollout_ref.actor.clip_ratio=...``) are translated to agentrl's.
+(``actor_rollout_ref.actor.clip_ratio=...``) go through the one table in ``agentrl.config.verl``.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import logging
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -21,38 +22,18 @@ from typing import Any, Callable, Iterable
 from pydantic import BaseModel, ValidationError
 
 from agentrl.config.schema import TrainConfig
+from agentrl.config.verl import translate
+from agentrl.config.verl_files import read_interaction_config, read_tool_config
 from agentrl.errors import ConfigError, PluginError
 
-__all__ = ["config_dir", "compose", "validate_config", "load_config", "VERL_PREFIXES"]
+__all__ = ["config_dir", "compose", "validate_config", "load_config"]
 
-# verl's config tree, mapped onto agentrl's flat sections (longest prefix first).
-VERL_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("actor_rollout_ref.actor.", "actor."),
-    ("actor_rollout_ref.rollout.multi_turn.", "agent."),
-    ("actor_rollout_ref.rollout.", "rollout."),
-    ("actor_rollout_ref.model.", "model."),
-    ("actor_rollout_ref.ref.", "actor."),
-    ("custom_reward_function.", "reward."),
-)
-_VERL_RENAMES = {
-    "actor.optim.lr_warmup_steps_ratio": None,  # not supported: say so instead of ignoring it
-    "agent.max_tool_response_length": "agent.max_tool_response_tokens",
-    "rollout.response_length": "rollout.max_new_tokens",
-    "actor.grad_clip": "actor.optim.grad_clip",
-}
+log = logging.getLogger(__name__)
 
 
 def config_dir() -> Path:
     """The directory of the installed YAML configs (the package ``agentrl_configs``)."""
     return Path(str(resources.files("agentrl_configs")))
-
-
-def _translate(key: str) -> str | None:
-    for verl_prefix, ours in VERL_PREFIXES:
-        if key.startswith(verl_prefix):
-            key = ours + key[len(verl_prefix) :]
-            break
-    return _VERL_RENAMES.get(key, key)
 
 
 def _split_override(text: str) -> tuple[str, str, str]:
@@ -84,11 +65,13 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
         if "." not in key and key in groups:
             group_overrides.append(text)
             continue
-        translated = _translate(key)
-        if translated is None:
-            problems.append((key, "this verl option is not supported by agentrl"))
-            continue
-        value_overrides.append((prefix, translated, value))
+        verl = translate(key, value)  # verl's names: mapped, accepted without effect, or refused
+        if verl.error is not None:
+            problems.append((key, verl.error))
+        elif verl.warning is not None:
+            log.warning("agentrl: %s", verl.warning)
+        else:
+            value_overrides.append((prefix, verl.key, verl.value))
     if problems:
         raise ConfigError(problems)
 
@@ -185,6 +168,13 @@ def _check_lengths(cfg: TrainConfig) -> list[tuple[str, str]]:
     return []
 
 
+def _check_overlong_buffer(cfg: TrainConfig) -> list[tuple[str, str]]:
+    buffer = cfg.algorithm.overlong_buffer
+    if buffer.enable and buffer.len >= cfg.data.max_response_length:
+        return [("algorithm.overlong_buffer.len", f"{buffer.len} must be below data.max_response_length = {cfg.data.max_response_length}")]
+    return []
+
+
 def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
     problems = []
     for key, paths in (
@@ -199,6 +189,13 @@ def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
         problems.append(("model.path", f"not a transformers checkpoint directory (no config.json): {cfg.model.path}"))
     if cfg.model.chat_template is not None and not Path(cfg.model.chat_template).is_file():
         problems.append(("model.chat_template", f"file not found: {cfg.model.chat_template}"))
+    for key, read in (("agent.tool_config_path", read_tool_config), ("agent.interaction_config_path", read_interaction_config)):
+        path = getattr(cfg.agent, key.split(".")[1])
+        if path is not None:
+            try:
+                read(path, key)
+            except ConfigError as exc:  # verl's YAML: every problem, named with its entry and field
+                problems += exc.problems
     if cfg.trainer.resume is not None and not Path(cfg.trainer.resume).is_dir():
         problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
     if not cfg.data.train_files and cfg.data.task is None:
@@ -216,6 +213,8 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
         ("reward.default", "rewards", cfg.reward.default),
     ]
     wanted += [(f"reward.by_data_source.{k}", "rewards", v) for k, v in cfg.reward.by_data_source.items()]
+    wanted += [(f"agent.tool_parser_by_loop.{k}", "agent_loops", k) for k in cfg.agent.tool_parser_by_loop]
+    wanted += [(f"agent.tool_parser_by_loop.{k}", "tool_parsers", v) for k, v in cfg.agent.tool_parser_by_loop.items()]
     wanted += [(f"agent.tool_config.{k}", "tools", k) for k in cfg.agent.tool_config]
     wanted += [(f"agent.interaction_config.{k}", "interactions", k) for k in cfg.agent.interaction_config]
     problems = []
@@ -227,7 +226,7 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     return problems
 
 
-CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_files, _check_plugins)
+CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_overlong_buffer, _check_files, _check_plugins)
 
 
 def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainConfig:

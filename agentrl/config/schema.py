@@ -25,7 +25,10 @@ __all__ = [
     "AgentConfig",
     "RewardConfig",
     "KLControlConfig",
+    "FilterGroupsConfig",
+    "OverlongBufferConfig",
     "AlgorithmConfig",
+    "RolloutCorrectionConfig",
     "OptimConfig",
     "ActorConfig",
     "CriticConfig",
@@ -101,7 +104,9 @@ class RolloutConfig(Section):
 
 class AgentConfig(Section):
     default_loop: str = "tool_agent"  # used when a row has no agent_name
-    tool_parser: str = "hermes"
+    tool_parser: str = "hermes"  # the parser of every loop not in tool_parser_by_loop
+    # Loops that write calls in a format of their own: loop name -> parser name.
+    tool_parser_by_loop: dict[str, str] = Field(default_factory=lambda: {"react": "react"})
     max_assistant_turns: int = Field(8, ge=1)
     max_user_turns: int = Field(4, ge=0)
     max_tool_response_tokens: int = Field(256, ge=1)
@@ -113,6 +118,10 @@ class AgentConfig(Section):
     # Per-tool constructor kwargs, by tool name: {calculator: {...}}.
     tool_config: dict[str, dict] = Field(default_factory=dict)
     interaction_config: dict[str, dict] = Field(default_factory=dict)
+    # A verl tool YAML (tools: [{class_name, config, tool_schema}]): its tools, offered with its schemas.
+    tool_config_path: str | None = None
+    # A verl interaction YAML (interaction: [{name, class_name, config}]).
+    interaction_config_path: str | None = None
 
 
 class RewardConfig(Section):
@@ -129,15 +138,40 @@ class KLControlConfig(Section):
     horizon: int = Field(10000, ge=1)
 
 
+class FilterGroupsConfig(Section):
+    # DAPO's dynamic sampling (verl's algorithm.filter_groups): drop groups whose rewards are all
+    # equal and draw more batches until train_batch_size groups remain (algorithms.dynamic_sampling_filter)
+    enable: bool = False
+    max_num_gen_batches: int = Field(10, ge=1)  # batches drawn per step at most
+
+
+class OverlongBufferConfig(Section):
+    # DAPO's soft overlong punishment (verl's overlong_buffer): the reward falls linearly by up to
+    # penalty_factor over the last `len` tokens before data.max_response_length
+    enable: bool = False
+    len: int = Field(128, ge=1)
+    penalty_factor: float = Field(1.0, ge=0)
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
-    turn_gamma: float = Field(1.0, ge=0, le=1)  # discount between assistant turns (critic-free credit)
+    # grpo/drgrpo: false is verl's outcome GRPO (a trajectory's summed reward, normalised in its
+    # group); true is agentrl's per-turn credit (discounted turn returns normalised over the
+    # group's turns, with turn_gamma). See docs/algorithms.md, "Deliberate differences".
+    grpo_turn_credit: bool = False
+    turn_gamma: float = Field(1.0, ge=0, le=1)  # discount between assistant turns (grpo_turn_credit)
+    # reinforce_plus_plus: true is verl's (the running return restarts at every observed token);
+    # false lets it run through observations to the earlier turns
+    rpp_reset_at_observations: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "k1"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False  # DAPO: truncated responses are left out of the loss
 
 
 class OptimConfig(Section):
@@ -148,6 +182,13 @@ class OptimConfig(Section):
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
+
+
+class RolloutCorrectionConfig(Section):
+    # Truncated importance sampling of trainer vs engine logprobs (algorithms.rollout_correction_weights)
+    level: Literal["token", "sequence"] | None = None  # null: off
+    cap: float = Field(2.0, gt=0)  # verl's rollout_is_threshold
+    outlier_threshold: float | None = Field(None, gt=1)  # ratios outside [1/t, t] get weight 0
 
 
 class ActorConfig(Section):
@@ -164,7 +205,21 @@ class ActorConfig(Section):
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    # seq-mean-token-sum-norm's constant divisor (verl's name); null: data.max_response_length
+    loss_scale_factor: int | None = Field(None, ge=1)
+    # verl's policy_loss.loss_mode: vanilla (PPO clip), gspo (sequence ratio), cispo (clipped IS weight)
+    policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+
+    @model_validator(mode="after")
+    def _gspo_aggregates_by_sequence(self) -> "ActorConfig":
+        if self.policy_loss == "gspo" and self.loss_agg_mode != "seq-mean-token-mean":
+            raise ValueError(
+                f"actor.policy_loss=gspo needs actor.loss_agg_mode=seq-mean-token-mean (GSPO's sequence-level "
+                f"loss), got {self.loss_agg_mode!r}"
+            )
+        return self
 
 
 class CriticConfig(Section):
@@ -175,6 +230,7 @@ class CriticConfig(Section):
     ppo_micro_batch_size_per_gpu: int = Field(8, ge=1)
     ppo_epochs: int = Field(1, ge=1)
     cliprange_value: float = Field(0.5, gt=0)
+    loss_scale_factor: int | None = Field(None, ge=1)  # as actor.loss_scale_factor (null: data.max_response_length)
 
 
 class SFTConfig(Section):
@@ -259,6 +315,9 @@ class TrainConfig(Section):
     def _resolve_derived(self) -> "TrainConfig":
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
+        for section in (self.actor, self.critic):
+            if section.loss_scale_factor is None:
+                section.loss_scale_factor = self.data.max_response_length
         return self
 
     @property

@@ -3,6 +3,8 @@
     agentrl data gsm8k --input FILE --output OUT.parquet --variant V [--strict] [--limit N]   (= python -m data_prep.gsm8k)
     agentrl data tasks --task arith --n 1000 --output-dir DIR                                 (= python -m data_prep.tasks)
     agentrl data validate FILE... [--default-agent NAME]                                      (every bad row, then exit 1)
+
+``validate`` also names every row whose agent_name, tools or interaction is not installed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ def _validate(argv: list[str]) -> int:
     parser.add_argument("files", nargs="+", help="parquet files of rows")
     parser.add_argument("--default-agent", default=None, help="the loop that runs rows without agent_name (checked too)")
     args = parser.parse_args(argv)
-    problems = validate_files(args.files, known_agent_names=known_agent_names(), default_agent=args.default_agent)
+    from agentrl.plugins import PluginRegistry
+
+    registry = PluginRegistry()
+    problems = validate_files(
+        args.files, known_agent_names=known_agent_names(), default_agent=args.default_agent,
+        known_tools=registry.names("tools"), known_interactions=registry.names("interactions"),
+    )
     for problem in problems:
         print(problem)
     if problems:
@@ -40,6 +48,9 @@ def _validate(argv: list[str]) -> int:
 
 
 def cli_main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if not argv or argv[0] not in ("gsm8k", "tasks", "validate"):
         print(__doc__.strip(), file=sys.stderr)
         return 2

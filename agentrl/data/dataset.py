@@ -67,12 +67,16 @@ def validate_files(
     *,
     known_agent_names: Collection[str] | None = None,
     default_agent: str | None = None,
+    known_tools: Collection[str] | None = None,
+    known_interactions: Collection[str] | None = None,
     max_reported: int = MAX_REPORTED,
 ) -> list[DataError]:
     """Every problem in ``paths``, in file and row order: missing or unreadable files, rows that
-    fail validation, and (when ``known_agent_names`` is given) rows whose ``agent_name`` - or,
-    for rows without one, ``default_agent`` - is not among them. At most ``max_reported``
-    problems are listed; one more entry then says how many were left out."""
+    fail validation, and (for each ``known_*`` given) rows naming a plugin that is not among
+    them: an ``agent_name`` (or, for rows without one, ``default_agent``), a tool (the keys of
+    ``extra_info.tools_kwargs``) or an interaction (``extra_info.interaction_kwargs.name``).
+    At most ``max_reported`` problems are listed; one more entry then says how many were left
+    out."""
     found = _Problems(max_reported)
     known = set(known_agent_names) if known_agent_names is not None else None
     known_text = ", ".join(sorted(known)) if known is not None else ""
@@ -92,6 +96,8 @@ def validate_files(
                     defaulted += 1
                 elif known is not None and row.agent_name not in known:
                     found.add(DataError(f"unknown agent_name {row.agent_name!r} (known: {known_text})", file=path, row=index, field="agent_name"))
+                for field, problem in _unknown_plugins(row, known_tools, known_interactions):
+                    found.add(DataError(problem, file=path, row=index, field=field))
         except DataError as err:
             found.add(err)
     if known is not None and default_agent is not None and default_agent not in known and first_defaulted:
@@ -101,6 +107,18 @@ def validate_files(
             f"{defaulted} rows have no agent_name", file=file, row=index, field="agent_name",
         ))
     return found.report()
+
+
+def _unknown_plugins(
+    row: Row, tools: Collection[str] | None, interactions: Collection[str] | None
+) -> Iterator[tuple[str, str]]:
+    if tools is not None:
+        for name in row.extra_info.tools_kwargs:
+            if name not in tools:
+                yield f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools)) or 'none'})"
+    spec = row.extra_info.interaction_kwargs
+    if interactions is not None and spec is not None and spec.name is not None and spec.name not in interactions:
+        yield "extra_info.interaction_kwargs.name", f"unknown interaction {spec.name!r} (known: {', '.join(sorted(interactions)) or 'none'})"
 
 
 class _Problems:

@@ -4,8 +4,9 @@ Importable from here (lazily: ``import agentrl.replay`` loads neither pyarrow no
 
     from agentrl.replay import RolloutStore, TrajectoryFilter, render_report, ReplayEngine, rerun_trajectories
 
-* ``store``: ``RolloutStore`` - parquet shards per (split, step, writer), atomic, filtered reads;
-* ``report``: ``render_report`` - the static HTML report (plots over steps, trajectories);
+* ``RolloutStore`` (``agentrl.data.rollout_store``) - parquet shards per (split, step, writer),
+  atomic, filtered reads; the trainer and ``agentrl rollout`` write it, so it sits below them;
+* ``render_report`` (``agentrl.report``) - the static HTML report (plots over steps, trajectories);
 * ``rescore``: new rewards from another reward plugin into a new store;
 * ``train``: updates from stored trajectories with truncated importance ratios;
 * ``rerun``: ``ReplayEngine`` and ``rerun_trajectories`` - stored trajectories back through their loops;
@@ -18,11 +19,11 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "RolloutStore": "agentrl.replay.store",
-    "StoredTrajectory": "agentrl.replay.store",
-    "TrajectoryFilter": "agentrl.replay.store",
-    "SCHEMA_VERSION": "agentrl.replay.store",
-    "render_report": "agentrl.replay.report",
+    "RolloutStore": "agentrl.data.rollout_store",
+    "StoredTrajectory": "agentrl.data.rollout_store",
+    "TrajectoryFilter": "agentrl.data.rollout_store",
+    "SCHEMA_VERSION": "agentrl.data.rollout_store",
+    "render_report": "agentrl.report",
     "rescore_store": "agentrl.replay.rescore",
     "rescore_trajectory": "agentrl.replay.rescore",
     "ReplayEngine": "agentrl.replay.rerun",

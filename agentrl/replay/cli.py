@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from agentrl.errors import AgentrlError, ConfigError, DataError
-from agentrl.replay.store import RolloutStore, StoredTrajectory, TrajectoryFilter
-from agentrl.trajectory import Trajectory
+from agentrl.rundir import RunDir
+from agentrl.data.rollout_store import RolloutStore, StoredTrajectory, TrajectoryFilter
+from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 __all__ = ["cli_main", "open_store", "parse_steps", "format_trajectory", "metrics_by_step"]
 
@@ -46,8 +47,8 @@ def open_store(path: str | Path) -> RolloutStore:
     path = Path(path)
     if not path.is_dir():
         raise DataError("not a directory", file=str(path))
-    if not any(path.glob("*.parquet")) and (path / "rollouts").is_dir():
-        path = path / "rollouts"
+    if not any(path.glob("*.parquet")) and RunDir(path).rollouts.is_dir():
+        path = RunDir(path).rollouts
     return RolloutStore(path)
 
 
@@ -76,13 +77,14 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", help="train, val, ... (default: every split)")
     p.add_argument("--step", help="A:B (A <= step < B), A:, :B or one step")
     p.add_argument("--data-source", action="append", help="keep this data source (repeatable)")
-    p.add_argument("--finish-reason", action="append", help="keep this finish reason (repeatable)")
+    p.add_argument("--finish-reason", action="append", choices=[r.value for r in TrajectoryFinish], metavar="F",
+                   help=f"keep this finish reason (repeatable): {', '.join(r.value for r in TrajectoryFinish)}")
     p.add_argument("--min-reward", type=float)
     p.add_argument("--max-reward", type=float)
 
 
 def _run_config_path(store: RolloutStore) -> Path | None:
-    for candidate in (store.root / "config.yaml", store.root.parent / "config.yaml"):
+    for candidate in (RunDir(store.root).config, RunDir(store.root.parent).config):
         if candidate.is_file():
             return candidate
     return None
@@ -114,7 +116,7 @@ def _tokenizer(store: RolloutStore, explicit: str | None, *, required: bool, cfg
         cfg = _config_from(store, None, (), "rollout")
     if cfg is None and not required:
         return None
-    from agentrl.trainer.run import resolve_model
+    from agentrl.tiny import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(cfg))
 
@@ -204,7 +206,7 @@ def _show(args: argparse.Namespace) -> int:
 def metrics_by_step(store: RolloutStore, where: TrajectoryFilter | None = None) -> list[dict[str, Any]]:
     """Per-step metrics computed from the stored trajectories (validation keys prefixed
     ``val/``), one step in memory at a time."""
-    from agentrl.trainer.run import trajectory_metrics
+    from agentrl.trainer.step import trajectory_metrics
 
     where = where or TrajectoryFilter()
     keys = store.read_table(["split", "step"], where)
@@ -220,19 +222,17 @@ def metrics_by_step(store: RolloutStore, where: TrajectoryFilter | None = None) 
 
 
 def _report(args: argparse.Namespace) -> int:
-    from agentrl.replay.report import render_report
+    from agentrl.report import render_report
 
     store = open_store(args.dir)
     where = _filter(args)
     rows = metrics_by_step(store, where)
-    jsonl = store.root.parent / "metrics.jsonl"
-    if jsonl.is_file():  # a run directory: the trainer's own metrics (losses, KL, mismatch) join in
+    run = RunDir(store.root.parent)
+    if run.metrics.is_file():  # a run directory: the trainer's own metrics (losses, KL, mismatch) join in
         by_step = {r["step"]: r for r in rows}
-        for line in jsonl.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                by_step.setdefault(record["step"], {"step": record["step"]}).update(
-                    {k: v for k, v in record.items() if k not in by_step.get(record["step"], {})})
+        for record in run.read_metrics():
+            by_step.setdefault(record["step"], {"step": record["step"]}).update(
+                {k: v for k, v in record.items() if k not in by_step.get(record["step"], {})})
         rows = [by_step[s] for s in sorted(by_step)]
     samples: list[Trajectory] = []
     if rows and args.samples > 0:
@@ -269,11 +269,11 @@ def _rescore(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from agentrl.config import load_config
     from agentrl.replay.train import train_from_store
-    from agentrl.trainer.run import make_run_dir
+    from agentrl.rundir import make_run_dir
 
     store = open_store(args.dir)
     cfg = load_config("train", args.overrides)
-    out = Path(args.output) if args.output else make_run_dir(cfg)
+    out = Path(args.output) if args.output else make_run_dir(cfg).path
     summary = train_from_store(store, cfg, out, split=args.split, steps=parse_steps(args.step), max_ratio=args.max_ratio,
                                epochs=args.epochs)
     print(json.dumps(summary, indent=2))
@@ -286,6 +286,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _rerun(args: argparse.Namespace) -> int:
     from agentrl.agent.runner import LoopTable, build_context
+    from agentrl.agent.setup import RolloutSetup
     from agentrl.replay.rerun import rerun_trajectories
 
     store = open_store(args.dir)
@@ -294,8 +295,7 @@ def _rerun(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(store, args.tokenizer, required=True, cfg=cfg)
     tool_names = sorted({name for r in records if r.row is not None for name in r.row.extra_info.tools_kwargs} | set(cfg.agent.tool_config))
     # the engine is ReplayEngine, set per wave by rerun_trajectories()
-    ctx = build_context(None, tokenizer, agent=cfg.agent, rollout=cfg.rollout, reward=cfg.reward,  # type: ignore[arg-type]
-                        max_response_tokens=cfg.data.max_response_length, tool_names=tool_names or None)
+    ctx = build_context(None, tokenizer, RolloutSetup.from_config(cfg), tool_names=tool_names or None)  # type: ignore[arg-type]
     differing: Counter[str] = Counter()
 
     def report(result) -> None:

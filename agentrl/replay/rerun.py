@@ -25,7 +25,7 @@ from agentrl.agent.loop import LoopContext
 from agentrl.agent.runner import LoopTable
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.errors import DataError, EngineError
-from agentrl.replay.store import StoredTrajectory
+from agentrl.data.rollout_store import StoredTrajectory
 from agentrl.trajectory import Trajectory
 
 __all__ = ["ReplayEngine", "Difference", "RerunResult", "compare_trajectories", "rerun_trajectories"]

@@ -20,7 +20,7 @@ from typing import Callable
 from agentrl.config.schema import RewardConfig
 from agentrl.data.row import Row
 from agentrl.errors import DataError
-from agentrl.replay.store import RolloutStore, TrajectoryFilter, shard_name
+from agentrl.data.rollout_store import RolloutStore, TrajectoryFilter, shard_name
 from agentrl.rewards import score_to_float
 from agentrl.trajectory import Trajectory
 

@@ -26,7 +26,11 @@ import torch
 
 from agentrl.config import TrainConfig, load_config
 from agentrl.errors import DataError
+from agentrl.rundir import RunDir, make_run_dir
+from agentrl.tiny import resolve_model
 from agentrl.trainer.batch import TrainBatch, collate_sequences
+from agentrl.trainer.logging import MetricsLogger
+from agentrl.trainer.step import Group, shards
 
 __all__ = ["tokenize_conversations", "sft_batches", "run_sft_on_actor", "cli_main"]
 
@@ -105,14 +109,13 @@ def _conversations(cfg: TrainConfig) -> tuple[list[list[dict[str, Any]]], list[l
 
 
 def run_sft_on_actor(
-    actor, cfg: TrainConfig, model_path: str, tokenizer: Any, pad_id: int, log, run_dir: Path, *, export_every: int = 0
+    actor: Group, cfg: TrainConfig, model_path: str, tokenizer: Any, pad_id: int, log: MetricsLogger, run_dir: Path, *,
+    export_every: int = 0,
 ) -> dict[str, float]:
     """SFT epochs on an actor worker group; returns the last metrics. With ``export_every`` the
     policy is exported as a transformers checkpoint every that many steps, to
-    ``run_dir/policies/step_N`` (loadable with ``model.path=``)."""
+    ``policies/step_N`` in the run directory (loadable with ``model.path=``)."""
     from tqdm.auto import tqdm
-
-    from agentrl.trainer.run import _shards
 
     train, heldout = _conversations(cfg)
     tools = tool_schemas(cfg)
@@ -125,13 +128,13 @@ def run_sft_on_actor(
     if heldout:
         check = sft_batches(tokenize_conversations(tokenizer, heldout, tools=tools, max_length=cfg.sft.max_length),
                             batch_size=len(heldout), pad_token_id=pad_id, epochs=1, seed=0)[0]
-        check_shards = _shards(check, W)
+        check_shards = shards(check, W)
     actor.call_all("reset_optimizer", cfg.sft.optim, len(batches))
     metrics: dict[str, float] = {}
     bar = tqdm(batches, desc="SFT", unit="step", disable=not cfg.logging.progress)
     for i, batch in enumerate(bar):
         tokens = float(batch.response_mask.sum())
-        results = actor.call_sharded("sft_step", _shards(batch, W), tokens, cfg.sft.micro_batch_size)
+        results = actor.call_sharded("sft_step", shards(batch, W), tokens, cfg.sft.micro_batch_size)
         metrics = {
             "sft/loss": sum(r["sft/loss_sum"] for r in results) / tokens,
             "sft/grad_norm": results[0]["sft/grad_norm"],
@@ -146,7 +149,7 @@ def run_sft_on_actor(
             stop = metrics["sft/heldout_greedy_success"] >= cfg.sft.stop_at_success
         log.log(-(len(batches) - i), metrics)  # SFT steps are logged before RL step 0
         if export_every and (i + 1) % export_every == 0 and i + 1 < len(batches):
-            actor.call_all("export_hf", str(run_dir / "policies" / f"step_{i + 1}"))
+            actor.call_all("export_hf", str(RunDir(run_dir).policy_at(i + 1)))
         if stop:
             print(f"SFT: stopped at step {i + 1} of {len(batches)}: held-out greedy success "
                   f"{metrics['sft/heldout_greedy_success']:.2f} >= sft.stop_at_success = {cfg.sft.stop_at_success}", flush=True)
@@ -157,15 +160,13 @@ def run_sft_on_actor(
 def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
-    from agentrl.trainer.logging import MetricsLogger
-    from agentrl.trainer.run import _to_yaml, make_run_dir, resolve_model
     from agentrl.trainer.workers import ActorWorker, WorkerGroup, init_local_ray, worker_env
 
     cfg = load_config("sft", argv)
     started = time.perf_counter()
-    run_dir = make_run_dir(cfg)
-    (run_dir / "config.yaml").write_text(_to_yaml(cfg))
-    log = MetricsLogger(run_dir, cfg.logging)
+    run = make_run_dir(cfg)
+    run.write_config(cfg)
+    log = MetricsLogger(run.path, cfg.logging)
     model_path = str(resolve_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -180,17 +181,16 @@ def cli_main(argv: list[str]) -> int:
             name="actor", model_path=model_path, config=cfg.actor, total_steps=1, rollout_setup=None,
             share_prompts=cfg.model.share_prompt_forward, device=cfg.trainer.device, seed=cfg.trainer.seed,
         )
-        metrics = run_sft_on_actor(actor, cfg, model_path, tokenizer, pad_id, log, run_dir, export_every=cfg.trainer.save_freq)
-        checkpoint = run_dir / "checkpoints" / "final"
-        actor.call_all("save", str(checkpoint))
-        actor.call_all("export_hf", str(run_dir / "policy"))
+        metrics = run_sft_on_actor(actor, cfg, model_path, tokenizer, pad_id, log, run.path, export_every=cfg.trainer.save_freq)
+        actor.call_all("save", str(run.checkpoint("final")))
+        actor.call_all("export_hf", str(run.policy))
     finally:
         log.close()
         ray.shutdown()
     summary = {"final_loss": metrics.get("sft/loss"), "steps": int(metrics.get("sft/step", 0)), "wall_s": round(time.perf_counter() - started, 1)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.write_summary(summary)
     print(json.dumps(summary, indent=2))
-    print(f"run directory: {run_dir}")
+    print(f"run directory: {run.path}")
     return 0
 
 

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import TrainBatch
@@ -63,17 +64,17 @@ _START_TIMEOUT_S = 600.0
 
 
 def _loss_scale(mask: torch.Tensor, mode: str, global_denominator: float, world_size: int) -> float:
-    """Turns a micro-batch's own loss mean into its share of the mini-batch's mean over all ranks
-    (FSDP averages gradients over ranks, hence the factor ``world_size``)."""
-    if mode == "token-mean":
-        local = float(mask.sum())
-    else:
-        local = float((mask.sum(-1) > 0).sum())
-    return local / max(global_denominator, 1.0) * world_size
+    """Turns a micro-batch's own aggregated loss into its share of the mini-batch's loss over all
+    ranks: its own denominator over the mini-batch's (``algo.loss_denominator``: tokens,
+    sequences, or 1 for seq-mean-token-sum-norm, a plain sum), times ``world_size`` since FSDP
+    averages gradients over ranks. The scaled micro-batch losses sum to the whole mini-batch's
+    ``aggregate_loss`` however the rows are split."""
+    return algo.loss_denominator(mask, mode) / max(global_denominator, 1.0) * world_size
 
 
 def mini_batch_denominator(mask: torch.Tensor, mode: str) -> float:
-    return float(mask.sum()) if mode == "token-mean" else float((mask.sum(-1) > 0).sum())
+    """The whole mini-batch's denominator for ``_loss_scale`` (``algo.loss_denominator``)."""
+    return algo.loss_denominator(mask, mode)
 
 
 class _Worker:
@@ -155,7 +156,7 @@ class ActorWorker(_Worker):
         model_path: str,
         config: ActorConfig,
         total_steps: int,
-        rollout_setup: dict[str, Any] | None = None,
+        rollout_setup: RolloutSetup | None = None,
         gradient_checkpointing: bool = False,
         temperature: float = 1.0,
         share_prompts: bool = True,
@@ -178,12 +179,13 @@ class ActorWorker(_Worker):
             self._start_engine(rollout_setup)
 
     # ------------------------------------------------------------------ rollout (rank 0)
-    def _start_engine(self, setup: dict[str, Any]) -> None:
+    def _start_engine(self, setup: RolloutSetup) -> None:
         from torch.distributed.fsdp import FSDPModule
         from transformers import AutoTokenizer
 
         from agentrl.agent.runner import LoopTable, build_context
         from agentrl.engines.builtin import BuiltinEngine
+        from agentrl.plugins import PluginRegistry
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         # The engine computes in the trainer's compute dtype. An unwrapped policy already in it (one
@@ -191,31 +193,28 @@ class ActorWorker(_Worker):
         # copies nothing (``weights_changed``). Otherwise (FSDP2 shards, bf16 compute over fp32
         # parameters) the engine loads its own copy and syncs by copy.
         self.shares_model = (
-            setup["weight_sync"] == "memory" and not isinstance(self.model, FSDPModule)
+            setup.weight_sync == "memory" and not isinstance(self.model, FSDPModule)
             and all(p.dtype == self.param_dtype for p in self.model.parameters())
         )
         self.engine = BuiltinEngine(
             self.model if self.shares_model else self.model_path, device=str(self.device), dtype=self.param_dtype,
-            max_batch_size=setup["max_batch_size"], seed=setup["seed"],
+            max_batch_size=setup.engine_max_batch_size, seed=setup.seed,
             # the rollout's event loop runs on this process's training thread: one OpenMP team
             # for both (see "Where the steps run" in builtin.py)
             steps_on="event_loop",
         )
         self.contexts = {
-            validation: build_context(
-                self.engine, self.tokenizer, agent=setup["agent"], rollout=setup["rollout"], reward=setup["reward"],
-                max_response_tokens=setup["max_response_tokens"], validation=validation,
-            )
-            for validation in (False, True)
+            validation: build_context(self.engine, self.tokenizer, setup, validation=validation) for validation in (False, True)
         }
-        self.loops = LoopTable(setup["agent"].default_loop)
+        self.loops = LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer))
 
     def rollout(self, rows: Sequence[tuple[str, Any]], *, n: int, seed: int, group_prefix: str, validation: bool, policy_version: int, progress: bool | str = False):
         from agentrl.agent.runner import RolloutRunner
 
         ctx = self.contexts[validation]
         ctx.policy_version = policy_version
-        runner = RolloutRunner(ctx, self.loops, max_concurrency=self.rollout_setup["max_concurrency"])
+        assert self.rollout_setup is not None, "rollout() on an actor built without a rollout_setup"
+        runner = RolloutRunner(ctx, self.loops, max_concurrency=self.rollout_setup.max_concurrency)
         return asyncio.run(runner.run(rows, n=n, seed=seed, group_prefix=group_prefix, progress=progress))
 
     def sync_weights(self, version: int) -> None:
@@ -226,8 +225,9 @@ class ActorWorker(_Worker):
         that the engine reloads (``update_weights(path=...)``), the path SGLang servers take
         (``/update_weights_from_disk``).
         """
-        if self.rollout_setup is not None and self.rollout_setup["weight_sync"] == "disk":
-            directory = self.rollout_setup["weights_dir"]
+        if self.rollout_setup is not None and self.rollout_setup.weight_sync == "disk":
+            directory = self.rollout_setup.weights_dir
+            assert directory is not None, "engine.weight_sync=disk: the rollout setup has no weights_dir"
             self.export_hf(directory)
             if self.engine is not None:
                 asyncio.run(self.engine.update_weights(path=directory, version=version))
@@ -294,14 +294,25 @@ class ActorWorker(_Worker):
             if _seen is not None:
                 old = logprobs.detach()  # the weights that sampled are the ones being updated: ratio 1
                 _seen.append((old.cpu(), entropy.detach().cpu()))
-            loss, pg = algo.ppo_policy_loss(logprobs, old, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode)
-            metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()}}
+            weights, rc_metrics = None, {}
+            rc = cfg.rollout_correction
+            if rc.level is not None:  # truncated IS: the trainer's logprobs against the engine's
+                weights, rc_metrics = algo.rollout_correction_weights(
+                    old, m.engine_logprobs, mask, rc.level, rc.cap, rc.outlier_threshold)
+            loss, pg = algo.policy_loss(
+                cfg.policy_loss, logprobs, old, m.advantages, mask, clip_ratio_low=low, clip_ratio_high=high,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, norm_length=cfg.loss_scale_factor,
+                rollout_is_weights=weights,
+            )
+            metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()},
+                       **{f"rollout_corr/{k}": v.item() for k, v in rc_metrics.items()}}
             if cfg.entropy_coeff != 0:
-                ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode)
+                ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode, cfg.loss_scale_factor)
                 loss = loss - cfg.entropy_coeff * ent
                 metrics["actor/entropy_loss"] = ent.item()
             if use_kl_loss:
-                kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+                kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask,
+                                         cfg.loss_agg_mode, cfg.loss_scale_factor)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.item()
             return loss, metrics
@@ -489,7 +500,8 @@ class CriticWorker(_Worker):
         cfg = self.config
 
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value, loss_agg_mode)
+            loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value,
+                                            loss_agg_mode, cfg.loss_scale_factor)
             return loss, {"critic/vf_loss": loss.item(), "critic/vf_clipfrac": metrics["vf_clipfrac"].item()}
 
         return train_on_mini_batches(self, mini_batches, denominators, micro_size=cfg.ppo_micro_batch_size_per_gpu,

@@ -9,16 +9,15 @@ import pytest
 
 from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.scripted import ScriptedEngine
-from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+from agentrl.agent.setup import RolloutSetup
+from agentrl.config.schema import AgentConfig, DataConfig, TrainConfig
 from agentrl.data.row import Row
 
 @pytest.fixture
 def make_ctx(tiny_tokenizer):
     def build(engine, *, tools=("calculator",), limits: dict | None = None, agent: dict | None = None, tokenizer=None):
-        ctx = build_context(
-            engine, tokenizer or tiny_tokenizer, agent=AgentConfig(**(agent or {})), rollout=RolloutConfig(),
-            reward=RewardConfig(), max_response_tokens=512, tool_names=list(tools),
-        )
+        setup = RolloutSetup.from_config(TrainConfig(agent=AgentConfig(**(agent or {})), data=DataConfig(max_response_length=512)))
+        ctx = build_context(engine, tokenizer or tiny_tokenizer, setup, tool_names=list(tools))
         if limits:
             ctx.limits = dataclasses.replace(ctx.limits, **limits)
         return ctx

@@ -7,7 +7,7 @@ import sys
 
 from agent_helpers import CALL_12x34, make_row
 
-from agentrl.replay.store import RolloutStore
+from agentrl.data.rollout_store import RolloutStore
 
 
 def test_trajectories_round_trip_exactly_through_the_store(run_rows, tmp_path):

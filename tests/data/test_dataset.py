@@ -287,3 +287,38 @@ def test_a_row_group_larger_than_the_cache_is_refused_with_a_fix(tmp_path):
     path = write_rows(make_rows(200), tmp_path / "one_group.parquet", row_group_size=200)
     with pytest.raises(DataError, match=r"row group 0 holds 200 rows .* rewrite the file with smaller row groups"):
         RowDataset([path], batch_size=2, cache_bytes=1000)
+
+
+def test_rows_naming_tools_or_interactions_that_are_not_known_are_reported_with_their_field(tmp_path):
+    rows = make_rows(3)
+    rows[1]["extra_info"]["tools_kwargs"]["telescope"] = {"create_kwargs": {}}
+    rows[2]["extra_info"]["interaction_kwargs"] = {"name": "oracle"}
+    path = write_rows(rows, tmp_path / "a.parquet")
+    assert validate_files([path]) == []  # nothing known given: nothing checked
+    problems = validate_files([path], known_tools={"calculator"}, known_interactions={"gsm8k"})
+    assert [(p.row, p.field) for p in problems] == [(1, "extra_info.tools_kwargs.telescope"), (2, "extra_info.interaction_kwargs.name")]
+    assert str(problems[0]).endswith("unknown tool 'telescope' (known tools: calculator)")
+    assert str(problems[1]).endswith("unknown interaction 'oracle' (known: gsm8k)")
+
+
+def test_data_validate_cli_names_an_uninstalled_tool_and_exits_1(tmp_path, capsys):
+    from agentrl.data.cli import cli_main
+
+    rows = make_rows(2)
+    rows[1]["extra_info"]["tools_kwargs"]["telescope"] = {"create_kwargs": {}}
+    path = write_rows(rows, tmp_path / "a.parquet")
+    assert cli_main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "row 1" in out and "extra_info.tools_kwargs.telescope" in out and "unknown tool 'telescope'" in out
+    rows[1]["extra_info"]["tools_kwargs"] = {"calculator": {"create_kwargs": {}}}
+    assert cli_main(["validate", str(write_rows(rows, tmp_path / "b.parquet"))]) == 0
+
+
+def test_interaction_kwargs_without_a_name_are_accepted_as_verls_rows_write_them(tmp_path):
+    rows = make_rows(1)
+    rows[0]["extra_info"]["interaction_kwargs"] = {"query": "What is 1 + 1?", "ground_truth": "2"}
+    path = write_rows(rows, tmp_path / "a.parquet")
+    assert validate_files([path], known_interactions={"gsm8k"}) == []
+    [(_, row)] = list(RowDataset([path], batch_size=1, shuffle=False).next_batch())
+    assert row.extra_info.interaction_kwargs.name is None
+    assert row.extra_info.interaction_kwargs.model_extra == {"query": "What is 1 + 1?", "ground_truth": "2"}

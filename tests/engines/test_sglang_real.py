@@ -19,7 +19,8 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.tools_runtime import ToolBox
-from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+from agentrl.agent.setup import RolloutSetup
+from agentrl.config.schema import DataConfig, RewardConfig, RolloutConfig, TrainConfig
 from agentrl.data.row import Row
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
@@ -239,11 +240,10 @@ def tool_user_model_dir(served_model_dir, tmp_path_factory) -> Path:
 
 
 async def _rollout(engine, tokenizer) -> Trajectory:
-    ctx = build_context(
-        engine, tokenizer, agent=AgentConfig(), rollout=RolloutConfig(max_new_tokens=48),
-        reward=RewardConfig(default="exact_number"), max_response_tokens=256, tool_names=["calculator"],
-        validation=True,  # greedy: the val temperature is 0
-    )  # fmt: skip
+    setup = RolloutSetup.from_config(TrainConfig(
+        rollout=RolloutConfig(max_new_tokens=48), reward=RewardConfig(default="exact_number"), data=DataConfig(max_response_length=256),
+    ))  # fmt: skip
+    ctx = build_context(engine, tokenizer, setup, tool_names=["calculator"], validation=True)  # greedy: the val temperature is 0
     [trajectory] = await RolloutRunner(ctx, LoopTable("tool_agent")).run([("row-0", Row.model_validate(ROW))])
     return trajectory
 

@@ -9,7 +9,8 @@ import pytest
 
 from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.scripted import ScriptedEngine
-from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig
+from agentrl.agent.setup import RolloutSetup
+from agentrl.config.schema import DataConfig, RewardConfig, TrainConfig
 from agentrl.data.row import Row
 from replay_data import SCRIPT, make_row
 
@@ -17,8 +18,8 @@ from replay_data import SCRIPT, make_row
 @pytest.fixture
 def make_ctx(tiny_tokenizer):
     def build(engine, *, limits: dict | None = None, reward: str = "gsm8k"):
-        ctx = build_context(engine, tiny_tokenizer, agent=AgentConfig(), rollout=RolloutConfig(),
-                            reward=RewardConfig(default=reward), max_response_tokens=512, tool_names=["calculator"])
+        setup = RolloutSetup.from_config(TrainConfig(reward=RewardConfig(default=reward), data=DataConfig(max_response_length=512)))
+        ctx = build_context(engine, tiny_tokenizer, setup, tool_names=["calculator"])
         if limits:
             ctx.limits = dataclasses.replace(ctx.limits, **limits)
         return ctx
@@ -53,7 +54,7 @@ def sample_rows():
 @pytest.fixture
 def scripted_store(rollout, sample_rows, tmp_path):
     """A store of two training steps and one validation step from SCRIPT's rows (rows stored)."""
-    from agentrl.replay.store import RolloutStore
+    from agentrl.data.rollout_store import RolloutStore
 
     store = RolloutStore(tmp_path / "rollouts")
     for step in range(2):

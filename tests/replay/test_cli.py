@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from agentrl.replay.cli import cli_main, parse_steps
 
 
@@ -48,6 +50,13 @@ def test_step_ranges_parse_like_slices():
 def test_a_bad_step_range_is_named(scripted_store, capsys):
     assert cli_main(["show", str(scripted_store.root), "--step", "a:b"]) == 2
     assert "--step: expected A:B" in capsys.readouterr().err
+
+
+def test_an_unknown_finish_reason_is_refused_listing_the_known_ones(scripted_store, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["show", str(scripted_store.root), "--finish-reason", "timeout"])
+    assert exit_.value.code == 2
+    assert "argument --finish-reason: invalid choice: 'timeout' (choose from 'stop', 'length', " in capsys.readouterr().err
 
 
 def test_rerun_command_matches_then_flags_changed_limits_and_exits_1(scripted_store, tiny_model_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from agentrl.replay.cli import cli_main
-from agentrl.replay.report import render_report
+from agentrl.report import render_report
 
 
 def metric_rows():

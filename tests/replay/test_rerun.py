@@ -12,7 +12,7 @@ from agentrl.agent.tool import ToolResult
 from agentrl.engines.base import FinishReason, GenerateRequest, SamplingParams
 from agentrl.errors import DataError, EngineError
 from agentrl.replay.rerun import ReplayEngine, rerun_trajectories
-from agentrl.replay.store import RolloutStore
+from agentrl.data.rollout_store import RolloutStore
 from agentrl_tools.calculator import CalculatorTool
 
 

@@ -11,7 +11,7 @@ from replay_data import call, make_row
 from agentrl.errors import DataError
 from agentrl.replay.cli import cli_main
 from agentrl.replay.rescore import rescore_store
-from agentrl.replay.store import RolloutStore, TrajectoryFilter
+from agentrl.data.rollout_store import RolloutStore, TrajectoryFilter
 
 
 @pytest.fixture

@@ -11,14 +11,15 @@ import sys
 import textwrap
 import time
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from replay_data import SCRIPT
 from v1_format import write_trajectories
 
-from agentrl.errors import DataError
-from agentrl.replay.store import SCHEMA_VERSION, RolloutStore, TrajectoryFilter
-from agentrl.trajectory import ToolCallRecord, Trajectory, Turn
+from agentrl.errors import DataError, TrajectoryError
+from agentrl.data.rollout_store import SCHEMA_VERSION, RolloutStore, TrajectoryFilter, shard_name, trajectories_to_table
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, Turn
 
 
 def odd_trajectory(**changes) -> Trajectory:
@@ -99,6 +100,25 @@ def test_filters_select_by_step_range_source_reward_finish_reason_and_split(tmp_
     assert [t.row_id for t in store.iter_trajectories(limit=3)] == ["a0", "b0", "a1"]
 
 
+def test_finish_reasons_are_stored_as_their_values_and_read_back_as_members(tmp_path):
+    store = RolloutStore(tmp_path)
+    path = store.write_step(0, [odd_trajectory()])
+    assert pq.read_table(path, columns=["finish_reason"]).column(0).to_pylist() == ["max_assistant_turns"]
+    [t] = store.iter_trajectories(finish_reason="max_assistant_turns")
+    assert t.finish_reason is TrajectoryFinish.MAX_ASSISTANT_TURNS
+
+
+def test_the_store_refuses_an_unknown_finish_reason_in_a_filter_or_a_shard(tmp_path):
+    store = RolloutStore(tmp_path)
+    with pytest.raises(TrajectoryError, match=r"TrajectoryFilter.finish_reason: unknown finish reason 'timeout' \(known: stop, "):
+        list(store.iter_trajectories(finish_reason=["stop", "timeout"]))  # a misspelling would select nothing
+    table = trajectories_to_table([odd_trajectory()])
+    column = table.schema.get_field_index("finish_reason")
+    pq.write_table(table.set_column(column, "finish_reason", pa.array(["timeout"])), tmp_path / shard_name("train", 0, 0))
+    with pytest.raises(TrajectoryError, match="trajectory row é/1: finish_reason: unknown finish reason 'timeout'"):
+        list(store.iter_trajectories())
+
+
 def test_shards_outside_the_step_range_are_never_opened(tmp_path):
     store = _store_with_variety(tmp_path)
     (tmp_path / "train-step000000-w000.parquet").write_bytes(b"not parquet at all")
@@ -116,7 +136,7 @@ def test_read_table_returns_only_the_columns_asked_for(tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys
-    from agentrl.replay.store import RolloutStore
+    from agentrl.data.rollout_store import RolloutStore
     from agentrl.trajectory import Trajectory, Turn
     n = 2000
     t = Trajectory(row_id="r", group_id="g", sample_index=0, data_source="d", agent_name="tool_agent", prompt_ids=[1] * 50,

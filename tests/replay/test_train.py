@@ -17,11 +17,11 @@ from replay_data import SCRIPT
 from torch.testing import assert_close
 
 from agentrl.config.schema import TrainConfig
-from agentrl.replay.store import RolloutStore
-from agentrl.replay.train import LocalGroup, ReplayGroups, replay_step, truncated_importance_weights
+from agentrl.data.rollout_store import RolloutStore
+from agentrl.replay.train import replay_step, truncated_importance_weights
 from agentrl.trainer.batch import collate
 from agentrl.trainer.dist import free_port
-from agentrl.trainer.run import compute_advantages
+from agentrl.trainer.step import Groups, LocalGroup, TrainingStep, compute_advantages
 from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
 
 
@@ -80,7 +80,7 @@ def test_replay_update_with_the_policys_own_logprobs_equals_the_online_update(ac
     batch, _ = compute_advantages(collate(trajectories, pad_token_id=pad), CFG, None)
     expected, _, _ = online.update_on_policy(batch, mini_batch_denominator(batch.response_mask, "token-mean"), use_kl_loss=False)
 
-    got = replay_step(ReplayGroups(LocalGroup(replay)), stored_with_logprobs(trajectories, own, tmp_path), CFG,
+    got = replay_step(Groups(LocalGroup(replay)), stored_with_logprobs(trajectories, own, tmp_path), CFG,
                       pad_token_id=pad, max_ratio=2.0)
     assert got["replay/ratio_mean"] == 1.0 and got["logprob_mismatch/max"] == 0.0 and got["replay/truncated_fraction"] == 0.0
     assert got["actor/pg_loss"] == pytest.approx(expected["actor/pg_loss"], abs=1e-7)
@@ -89,7 +89,7 @@ def test_replay_update_with_the_policys_own_logprobs_equals_the_online_update(ac
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
 
     # an engine that gave every token 1 nat less: ratio e, truncated to 2, so each token's loss counts twice
-    off = replay_step(ReplayGroups(LocalGroup(truncated)), stored_with_logprobs(trajectories, own, tmp_path, shift=-1.0), CFG,
+    off = replay_step(Groups(LocalGroup(truncated)), stored_with_logprobs(trajectories, own, tmp_path, shift=-1.0), CFG,
                       pad_token_id=pad, max_ratio=2.0)
     assert off["replay/truncated_fraction"] == 1.0
     assert off["logprob_mismatch/mean"] == pytest.approx(1.0, abs=1e-6)
@@ -119,3 +119,36 @@ def test_replay_train_command_trains_each_stored_step_and_reports_the_mismatch(s
     assert (out / "policy" / "config.json").is_file()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["source_steps"] == [0, 1] and summary["updates"] == 2 and summary["max_ratio"] == 1.5
+
+
+def graded(trajectories):
+    """The trajectories with sample 1 of each group judged wrong: nonzero GRPO advantages."""
+    return [dataclasses.replace(t, reward=0.0) if t.sample_index == 1 else t for t in trajectories]
+
+
+@pytest.mark.parametrize("mini_batch", [1, 3], ids=["off-policy-minibatches", "on-policy"])
+def test_the_online_step_and_the_replay_step_give_the_same_update_on_the_same_stored_batch(
+        mini_batch, actors, rollout, sample_rows, tiny_tokenizer, tmp_path):
+    cfg = CFG.model_copy(update={"actor": CFG.actor.model_copy(update={"ppo_mini_batch_size": mini_batch})})
+    online, replay = actors(), actors()
+    before = {k: v.clone() for k, v in online.full_state().items()}
+    trajectories = graded(rollout(SCRIPT, sample_rows, n=2))
+    pad = tiny_tokenizer.pad_token_id
+    own, _ = online.compute_logprobs(collate(trajectories, pad_token_id=pad), 4)
+    stored = stored_with_logprobs(trajectories, own, tmp_path)  # the policy's own logprobs, read back from the store
+
+    # online as Trainer.train_step calls it (on-policy when the config allows); replay as `agentrl replay train`
+    got_online = TrainingStep(cfg, Groups(LocalGroup(online)), pad_token_id=pad).online(trajectories, step=0).metrics
+    got_replay = TrainingStep(cfg, Groups(LocalGroup(replay)), pad_token_id=pad).replay(stored, max_ratio=2.0).metrics
+
+    assert got_online["timing/actor_update_s"] > 0 and ("timing/old_logprobs_s" in got_online) == (mini_batch == 1)
+    assert got_online["advantages/abs_max"] > 0.5 and got_online["actor/grad_norm"] > 0
+    assert got_replay["replay/ratio_mean"] == 1.0 and got_replay["replay/truncated_fraction"] == 0.0
+    a, b = online.full_state(), replay.full_state()
+    assert max(float((a[k] - before[k]).abs().max()) for k in a) > 5e-3  # the policy moved (Adam, lr 1e-2)
+    # on-policy, online takes its old logprobs from the update's own forward, replay from a forward
+    # before it: the same numbers on one rank in fp32, so the very same update either way
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert got_replay["actor/pg_loss"] == got_online["actor/pg_loss"]
+    shared = [k for k in got_online if not k.startswith(("timing/", "logprob_mismatch/", "actor/"))]
+    assert shared and all(got_replay[k] == got_online[k] for k in shared), [k for k in shared if got_replay[k] != got_online[k]]

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 from agentrl.config.schema import TrainConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import collate
-from agentrl.trainer.run import _pad_rows, _shards, compute_advantages, trajectory_metrics
+from agentrl.trainer.step import compute_advantages, pad_rows, shards, trajectory_metrics
 from agentrl.trajectory import Trajectory, Turn
 
 
@@ -37,7 +37,7 @@ def test_grpo_in_the_step_uses_turn_level_credit():
         traj("g", 1, [("assistant", 3, None)], reward=0.0),
     ]
     batch = collate(trajectories, pad_token_id=0)
-    out, _ = compute_advantages(batch, cfg_with(adv_estimator="grpo", turn_gamma=0.5), kl_coef=None)
+    out, _ = compute_advantages(batch, cfg_with(adv_estimator="grpo", turn_gamma=0.5, grpo_turn_credit=True), kl_coef=None)
     # turn returns: A = [0 + .5*1, 1] = [.5, 1], B = [0]; group mean .5, std .5
     a = out.advantages
     assert_close(a[0, :2], torch.full((2,), 0.0), atol=1e-4, rtol=0)
@@ -48,9 +48,12 @@ def test_grpo_in_the_step_uses_turn_level_credit():
 
 def test_gae_in_the_step_needs_values_and_returns_them():
     trajectories = [traj("g", 0, [("assistant", 3, None)], reward=1.0)]
-    batch = collate(trajectories, pad_token_id=0).replace(values=torch.zeros(1, 3))
+    batch = collate(trajectories, pad_token_id=0).replace(values=torch.tensor([[0.0, 0.5, 0.0]]))
     out, _ = compute_advantages(batch, cfg_with(adv_estimator="gae", gamma=1.0, lam=1.0), kl_coef=None)
-    assert_close(out.advantages, torch.ones(1, 3))
+    # raw GAE [1, .5, 1] (returns A + V = 1), whitened over the mask as verl: mean 5/6, unbiased
+    # std sqrt(1/12) -> [1/sqrt(3), -2/sqrt(3), 1/sqrt(3)]
+    s = 3 ** -0.5
+    assert_close(out.advantages, torch.tensor([[s, -2 * s, s]]))
     assert_close(out.returns, torch.ones(1, 3))
 
 
@@ -89,7 +92,23 @@ def test_trajectory_metrics_count_turns_tools_errors_and_finishes():
 def test_rows_padded_for_sharding_carry_no_loss():
     trajectories = [traj("g", i, [("assistant", 2, None)], reward=float(i)) for i in range(3)]
     batch = collate(trajectories, pad_token_id=0)
-    padded = _pad_rows(batch, 2)
+    padded = pad_rows(batch, 2)
     assert len(padded) == 4 and padded.response_mask[3].sum() == 0
-    shards = _shards(batch, 2)
-    assert [len(s) for s in shards] == [2, 2]
+    parts = shards(batch, 2)
+    assert [len(s) for s in parts] == [2, 2]
+
+
+def test_a_step_without_tokens_to_train_on_is_an_error_naming_the_step_and_the_reasons():
+    import dataclasses
+
+    import pytest
+
+    from agentrl.errors import DataError
+    from agentrl.trainer.step import usable_trajectories
+
+    ok = traj("g", 0, [("assistant", 2, None)], reward=1.0)
+    failed = dataclasses.replace(ok, sample_index=1, finish_reason="loop_error", reward_info={"error": "OSError: no sandbox slot"})
+    empty = dataclasses.replace(ok, sample_index=2, response_ids=[], response_mask=[], logprobs=[], turns=[])
+    assert usable_trajectories([failed, ok, empty], "step 3") == [ok]
+    with pytest.raises(DataError, match=r"step 3: none of the 2 trajectories has tokens to train on \(loop_error: OSError: no sandbox slot; stop: \)"):
+        usable_trajectories([failed, empty], "step 3")

@@ -65,7 +65,7 @@ def test_shortened_quickstart_writes_the_run_directory(short_run):
 
 
 def test_the_runs_rollout_store_holds_every_step_with_its_rows(short_run):
-    from agentrl.replay.store import RolloutStore, TrajectoryFilter
+    from agentrl.data.rollout_store import RolloutStore, TrajectoryFilter
 
     store = RolloutStore(short_run / "rollouts")
     assert store.steps("train") == [0, 1, 2]

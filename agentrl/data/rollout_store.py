@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from agentrl.data.row import Row
 from agentrl.errors import DataError
-from agentrl.trajectory import ToolCallRecord, Trajectory, Turn
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, Turn
 
 __all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
            "trajectories_to_table", "shard_name"]
@@ -84,6 +84,12 @@ class TrajectoryFilter:
     finish_reason: str | Sequence[str] | None = None
     min_reward: float | None = None
     max_reward: float | None = None
+
+    def __post_init__(self) -> None:
+        # a misspelt reason would select nothing, silently: refuse it, listing the known ones
+        reasons = [self.finish_reason] if isinstance(self.finish_reason, str) else self.finish_reason or []
+        for reason in reasons:
+            TrajectoryFinish.parse(reason, where="TrajectoryFilter.finish_reason")
 
     def expression(self) -> ds.Expression | None:
         parts: list[ds.Expression] = []
@@ -140,7 +146,7 @@ def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | Non
         "sample_index": t.sample_index, "data_source": t.data_source, "agent_name": t.agent_name,
         "prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "response_mask": t.response_mask, "logprobs": t.logprobs,
         "turns": [{"role": x.role, "start": x.start, "end": x.end, "reward": x.reward} for x in t.turns],
-        "messages": json.dumps(t.messages), "finish_reason": t.finish_reason, "reward": float(t.reward),
+        "messages": json.dumps(t.messages), "finish_reason": t.finish_reason.value, "reward": float(t.reward),
         "reward_info": json.dumps(t.reward_info, default=str),
         "tool_calls": [
             {"turn": c.turn, "name": c.name, "arguments": json.dumps(c.arguments), "raw": c.raw, "result": c.result,

@@ -1,0 +1,108 @@
+"""``RolloutSetup``: the typed seam between the validated config and the agent loops.
+
+The trainer builds one ``RolloutSetup`` from the config (``RolloutSetup.from_config``) and hands
+it, whole, to the process that hosts the engine (a Ray actor: the object pickles); ``agentrl
+rollout`` and replay build theirs the same way. ``agentrl.agent.runner.build_context`` turns it
+into the ``LoopContext`` the loops read. Nothing here has a default of its own: every value comes
+from the config schema, the one place defaults live.
+
+Following ``agent.max_assistant_turns`` from the command line: ``config/loader.py`` validates it
+against ``config/schema.py`` (``AgentConfig``), ``Limits.from_config`` below copies it, and
+``Episode.check_turn`` in ``agent/loop.py`` is the one place it is checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig, TrainConfig
+from agentrl.config.verl_files import InteractionSpec, ToolSpec, read_interaction_config, read_tool_config
+from agentrl.engines.base import SamplingParams
+
+__all__ = ["Limits", "RolloutSetup"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """What one episode may spend; checked by the episode on every append (see ``Episode``)."""
+
+    max_assistant_turns: int
+    max_user_turns: int
+    max_response_tokens: int  # the whole response, sampled and observed
+    max_new_tokens: int  # per assistant turn
+    max_tool_response_tokens: int
+    trajectory_timeout_s: float
+    malformed_call_policy: Literal["feedback", "penalize", "end"]
+    malformed_call_penalty: float
+
+    @classmethod
+    def from_config(cls, agent: AgentConfig, rollout: RolloutConfig, *, max_response_tokens: int) -> "Limits":
+        return cls(
+            max_assistant_turns=agent.max_assistant_turns,
+            max_user_turns=agent.max_user_turns,
+            max_response_tokens=max_response_tokens,
+            max_new_tokens=rollout.max_new_tokens,
+            max_tool_response_tokens=agent.max_tool_response_tokens,
+            trajectory_timeout_s=agent.trajectory_timeout_s,
+            malformed_call_policy=agent.malformed_call_policy,
+            malformed_call_penalty=agent.malformed_call_penalty,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutSetup:
+    """Everything needed to host an engine and run the agent loops, built once from the config."""
+
+    limits: Limits
+    sampling: SamplingParams  # training rollouts (max_new_tokens and stop ids are set per turn)
+    val_sampling: SamplingParams  # validation rollouts
+    default_loop: str  # for rows without an agent_name
+    tool_parser: str  # the parser of every loop not named in tool_parser_by_loop
+    tool_parser_by_loop: dict[str, str]
+    tool_names: tuple[str, ...]  # the tools constructed once per context (offered to rows that name none)
+    tool_config: dict[str, dict[str, Any]]  # constructor kwargs by tool name
+    tool_specs: tuple[ToolSpec, ...]  # the tools of agent.tool_config_path (verl's YAML)
+    interaction_config: dict[str, dict[str, Any]]
+    interaction_specs: tuple[InteractionSpec, ...]  # the interactions of agent.interaction_config_path
+    max_parallel_calls: int
+    tool_timeout_s: float
+    reward: RewardConfig
+    plugin_prefer: dict[str, dict[str, str]]  # plugins.prefer: which distribution wins a name
+    max_concurrency: int  # trajectories in flight
+    engine_max_batch_size: int  # builtin engine: sequences decoded together
+    seed: int  # the builtin engine's sampling generator
+    weight_sync: Literal["memory", "disk"]  # how the trainer's weights reach a colocated engine
+    weights_dir: str | None  # the checkpoint directory of weight_sync=disk (set by the trainer)
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None) -> "RolloutSetup":
+        """The setup of a validated config; ``weights_dir`` is where ``engine.weight_sync=disk``
+        writes the policy for the engine (the trainer's run directory; unused without a trainer)."""
+        agent, rollout = cfg.agent, cfg.rollout
+        tool_specs = tuple(read_tool_config(agent.tool_config_path)) if agent.tool_config_path else ()
+        interaction_specs = tuple(read_interaction_config(agent.interaction_config_path)) if agent.interaction_config_path else ()
+        weight_sync: Literal["memory", "disk"] = "disk" if cfg.engine.weight_sync == "disk" else "memory"
+        return cls(
+            limits=Limits.from_config(agent, rollout, max_response_tokens=cfg.data.max_response_length),
+            sampling=SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k),
+            val_sampling=SamplingParams(temperature=rollout.val_temperature, top_p=rollout.top_p, top_k=rollout.top_k),
+            default_loop=agent.default_loop,
+            tool_parser=agent.tool_parser,
+            tool_parser_by_loop=dict(agent.tool_parser_by_loop),
+            # with no tool configured, the calculator: the built-in tasks' tool
+            tool_names=tuple(dict.fromkeys([s.name for s in tool_specs] + list(agent.tool_config))) or ("calculator",),
+            tool_config={k: dict(v) for k, v in agent.tool_config.items()},
+            tool_specs=tool_specs,
+            interaction_config={k: dict(v) for k, v in agent.interaction_config.items()},
+            interaction_specs=interaction_specs,
+            max_parallel_calls=agent.max_parallel_calls,
+            tool_timeout_s=agent.tool_timeout_s,
+            reward=cfg.reward.model_copy(deep=True),
+            plugin_prefer={k: dict(v) for k, v in cfg.plugins.prefer.items()},
+            max_concurrency=rollout.max_concurrency,
+            engine_max_batch_size=cfg.engine.max_batch_size,
+            seed=cfg.trainer.seed,
+            weight_sync=weight_sync,
+            weights_dir=weights_dir,
+        )

@@ -1,0 +1,57 @@
+"""A job's data from its config: the training files and the validation rows, all validated
+before any compute is spent (every problem reported at once, naming its file, row and field)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentrl.data.dataset import parse_row, row_uid, validate_files
+from agentrl.data.io import iter_raw_rows, write_rows
+from agentrl.data.row import Row
+from agentrl.errors import DataError
+
+if TYPE_CHECKING:
+    from agentrl.config.schema import TrainConfig
+
+__all__ = ["prepare_data"]
+
+
+def prepare_data(cfg: "TrainConfig", data_dir: Path) -> tuple[list[str], list[tuple[str, Row]]]:
+    """(training files, validation rows as (uid, row)). Without ``data.train_files`` the
+    built-in ``data.task`` is generated into ``data_dir`` (its test split for validation when
+    no ``data.val_files`` are given)."""
+    if cfg.data.train_files:
+        files = list(cfg.data.train_files)
+    else:
+        from agentrl_data_prep.tasks import generate
+
+        files = [str(write_rows(generate(cfg.data.task, cfg.data.task_train_size, cfg.data.seed, "train"), data_dir / "train.parquet"))]
+    val_files = list(cfg.data.val_files)
+    if not val_files and cfg.data.task is not None and not cfg.data.train_files:
+        from agentrl_data_prep.tasks import generate
+
+        val_files = [str(write_rows(generate(cfg.data.task, cfg.data.task_val_size, cfg.data.seed, "test"), data_dir / "val.parquet"))]
+    from agentrl.config.verl_files import read_interaction_config, read_tool_config
+    from agentrl.plugins import PluginRegistry
+
+    registry = PluginRegistry(cfg.plugins.prefer)
+    # a row may name a plugin that is installed or one that a verl YAML file defines
+    yaml_tools = [s.name for s in read_tool_config(cfg.agent.tool_config_path)] if cfg.agent.tool_config_path else []
+    yaml_interactions = (
+        [s.name for s in read_interaction_config(cfg.agent.interaction_config_path)] if cfg.agent.interaction_config_path else []
+    )
+    problems = validate_files(
+        files + val_files, known_agent_names=registry.accepted_names("agent_loops"), default_agent=cfg.agent.default_loop,
+        known_tools=set(registry.names("tools")) | set(yaml_tools),
+        known_interactions=set(registry.names("interactions")) | set(yaml_interactions),
+    )
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        raise DataError(f"invalid data ({len(problems)} problems):\n{lines}")
+    val_rows = []
+    for path in val_files:
+        for index, raw in iter_raw_rows(path):
+            row = parse_row(raw, file=path, index=index)
+            val_rows.append((row_uid(row, path, index), row))
+    return files, val_rows

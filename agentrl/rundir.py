@@ -1,0 +1,163 @@
+"""The run directory: where ``agentrl train``, ``sft``, ``rollout`` and ``replay train`` write.
+
+    <trainer.runs_root>/<trainer.run_name>/     (the name defaults to the start time)
+      config.yaml          the resolved config (replay finds the tokenizer and loops here)
+      metrics.jsonl        one JSON object per logged step
+      rollouts/            the rollout store (parquet shards, the replay format)
+      checkpoints/step_N/  trainer state, written whole or not at all; the last few are kept
+      checkpoints/final/   the end of ``agentrl sft``
+      policy/              the trained policy as a transformers checkpoint
+      policies/step_N/     policies exported along the way (``agentrl sft``, ``trainer.save_freq``)
+      sft_policy/          the SFT warm start's policy (``agentrl train``)
+      engine_weights/      the checkpoint the engine reloads (``engine.weight_sync=disk``)
+      data/                generated task data
+      summary.json         the job's summary
+      report.html          metrics over steps and sample trajectories
+
+A foundation module: it knows paths and files, not workers, engines or stores, so every layer
+can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+if TYPE_CHECKING:
+    from agentrl.config.schema import TrainConfig
+    from agentrl.trajectory import Trajectory
+
+__all__ = ["RunDir", "make_run_dir", "config_yaml"]
+
+TRAINER_STATE = "trainer_state.json"  # a checkpoint is complete when this file is in it
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.path / "rollouts"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def policy(self) -> Path:
+        return self.path / "policy"
+
+    @property
+    def sft_policy(self) -> Path:
+        return self.path / "sft_policy"
+
+    @property
+    def engine_weights(self) -> Path:
+        return self.path / "engine_weights"
+
+    @property
+    def data(self) -> Path:
+        return self.path / "data"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def report(self) -> Path:
+        return self.path / "report.html"
+
+    def policy_at(self, step: int) -> Path:
+        return self.path / "policies" / f"step_{step}"
+
+    def checkpoint(self, step: int | str) -> Path:
+        return self.checkpoints / f"step_{step}" if isinstance(step, int) else self.checkpoints / step
+
+    # ------------------------------------------------------------------ files
+    def write_config(self, cfg: "TrainConfig") -> Path:
+        self.config.write_text(config_yaml(cfg))
+        return self.config
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        self.summary.write_text(json.dumps(summary, indent=2))
+        return self.summary
+
+    def write_report(self, samples: Sequence["Trajectory"], summary: dict[str, Any], *,
+                     decode: Callable[[list[int]], str] | None = None) -> Path:
+        """``report.html``: the metrics over steps and a few trajectories, turn by turn."""
+        from agentrl.report import render_report
+
+        page = render_report(self.read_metrics(), samples, f"agentrl run {self.name}", decode=decode, summary=summary)
+        self.report.write_text(page)
+        return self.report
+
+    # ------------------------------------------------------------------ checkpoints
+    def latest_checkpoint(self) -> Path | None:
+        """The complete ``step_N`` checkpoint with the largest N (an interrupted one is ignored)."""
+        found = [p for p in self.checkpoints.glob("step_*") if not p.name.endswith(".tmp") and (p / TRAINER_STATE).is_file()]
+        return max(found, key=_step_of) if found else None
+
+    @contextmanager
+    def new_checkpoint(self, step: int, *, keep: int) -> Iterator[Path]:
+        """A directory to write ``checkpoints/step_<step>`` into. It appears whole on exit (an
+        interrupted write leaves only ``step_<step>.tmp``, which ``latest_checkpoint`` skips);
+        then all but the last ``keep`` checkpoints are deleted."""
+        directory = self.checkpoint(step)
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        yield tmp
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+        for old in sorted(self.checkpoints.glob("step_*"), key=_step_of)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[1].removesuffix(".tmp"))
+
+
+def make_run_dir(cfg: "TrainConfig") -> RunDir:
+    """``trainer.resume`` when set (the run continues there), else a new directory under
+    ``trainer.runs_root`` named ``trainer.run_name`` (or the start time), ``-1``, ``-2``, ...
+    appended when that name is taken."""
+    if cfg.trainer.resume is not None:
+        return RunDir(Path(cfg.trainer.resume))
+    name = cfg.trainer.run_name or time.strftime("%Y%m%d-%H%M%S")
+    path = Path(cfg.trainer.runs_root).expanduser().resolve() / name
+    suffix = 1
+    while path.exists():
+        path = path.with_name(f"{name}-{suffix}")
+        suffix += 1
+    path.mkdir(parents=True)
+    return RunDir(path)
+
+
+def config_yaml(cfg: "TrainConfig") -> str:
+    """The validated config as YAML (every default filled in), loadable with ``load_config``."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(json.loads(cfg.model_dump_json())))
