@@ -94,11 +94,9 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
             layout = packed.layout(batch, lengths, [segments[i] for i in bucket.tolist()])
             yield layout.rows, layout.cols, model.get_output_embeddings()(packed.packed_hidden(model, layout))
         return
-    agree = needs_agreement(model)
     buckets = length_buckets(lengths)
-    use_cache = len(first) < len(batch)
-    calls = 0
-    if agree:
+    use_cache, padding = len(first) < len(batch), 0
+    if needs_agreement(model):
         use_cache = share_prompts and batch.prompt_length > 0  # the same graph shape on every rank
         calls = int(use_cache) + sum(1 for rows in buckets if not (use_cache and int(lengths[rows].max()) == 1))
         padding = agree_max(calls, batch.input_ids.device) - calls
@@ -110,9 +108,8 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
         keep = (torch.arange(width)[None, :] < lengths[rows][:, None]).to(out.device)  # (n, width)
         cols = torch.arange(width, device=out.device).expand(len(rows), -1)
         yield rows.to(out.device)[:, None].expand(-1, width)[keep], cols[keep], out[keep]
-    if agree:
-        for _ in range(padding):
-            yield _empty_call(model, batch)
+    for _ in range(padding):
+        yield _empty_call(model, batch)
 
 
 def _empty_call(model: torch.nn.Module, batch: TrainBatch):
