@@ -275,6 +275,10 @@ class TrainerConfig(Section):
     # every step's trajectories (train and validation) in rollouts/, the replay format; off:
     # nothing is kept for replay (a step's shard costs encoding, parquet and fsync; see docs/benchmarks.md)
     save_rollouts: bool = True
+    # Seconds a rank may wait on the others in one collective (and the driver on the ranks that
+    # have not answered a call the others finished) before the wait is a hang: an error naming the
+    # call and the ranks, with their Python stacks. null: wait forever.
+    collective_timeout_s: float | None = Field(600.0, gt=0)
 
     def planned_steps(self, steps_per_epoch: int) -> int:
         """The steps this run takes: total_steps, capped at total_epochs passes over the data."""
