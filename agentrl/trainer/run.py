@@ -82,7 +82,8 @@ class Trainer:
         init_local_ray()
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
-        dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)
+        dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
+                    stacks_dir=str(run_dir))
         from agentrl.agent.setup import RolloutSetup
 
         setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights))

@@ -32,6 +32,7 @@ import torch
 from agentrl.config.schema import TrainConfig
 from agentrl.errors import DataError
 from agentrl.trainer import algorithms as algo
+from agentrl.trainer.balance import balanced_shards
 from agentrl.trainer.batch import TrainBatch, collate
 from agentrl.trainer.workers import mini_batch_denominator
 from agentrl.trajectory import Trajectory, TrajectoryFinish
@@ -234,7 +235,7 @@ def update(group: Group, batch: TrainBatch, mini_size: int, epochs: int, mode: s
     group's ranks; the ranks' metrics averaged."""
     minis = [mb for _ in range(epochs) for mb in batch.split(mini_size)]
     denominators = [mini_batch_denominator(mb.response_mask, mode) for mb in minis]
-    per_mini = [shards(mb, group.world_size) for mb in minis]
+    per_mini = [balanced_shards(mb, group.world_size).shards for mb in minis]
     per_rank = [[mini[rank] for mini in per_mini] for rank in range(group.world_size)]
     results = group.call_sharded("update", per_rank, denominators, **kwargs)
     return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
@@ -297,18 +298,20 @@ class TrainingStep:
         entropy = None
         if not on_policy:
             with timed(timings, "old_logprobs"):
-                parts = actor.call_sharded("compute_logprobs", shards(batch, actor.world_size), micro)
-                old, entropy = (torch.cat([p[i] for p in parts])[: len(batch)] for i in (0, 1))
+                split = balanced_shards(batch, actor.world_size)
+                parts = actor.call_sharded("compute_logprobs", split.shards, micro)
+                old, entropy = (split.gather([p[i] for p in parts]) for i in (0, 1))
                 batch = batch.replace(old_logprobs=old)
         if groups.reference is not None:
             with timed(timings, "ref_logprobs"):
-                ref = groups.reference.call_sharded("compute_logprobs", shards(batch, groups.reference.world_size), micro)
-                batch = batch.replace(ref_logprobs=torch.cat(ref)[: len(batch)])
+                split = balanced_shards(batch, groups.reference.world_size)
+                ref = groups.reference.call_sharded("compute_logprobs", split.shards, micro)
+                batch = batch.replace(ref_logprobs=split.gather(ref))
         if groups.critic is not None:
             with timed(timings, "values"):
-                values = groups.critic.call_sharded("compute_values", shards(batch, groups.critic.world_size),
-                                                    cfg.critic.ppo_micro_batch_size_per_gpu)
-                batch = batch.replace(values=torch.cat(values)[: len(batch)])
+                split = balanced_shards(batch, groups.critic.world_size)
+                values = groups.critic.call_sharded("compute_values", split.shards, cfg.critic.ppo_micro_batch_size_per_gpu)
+                batch = batch.replace(values=split.gather(values))
         weight_metrics: dict[str, float] = {}
         with timed(timings, "advantages"):
             batch, adv_metrics = compute_advantages(batch, cfg, self.kl_ctrl.value if self.kl_ctrl is not None else None)
@@ -325,10 +328,10 @@ class TrainingStep:
         if on_policy:
             with timed(timings, "actor_update"):
                 denominator = mini_batch_denominator(batch.response_mask, mode)
-                parts = actor.call_sharded("update_on_policy", shards(batch, actor.world_size), denominator,
-                                           use_kl_loss=cfg.actor.use_kl_loss)
+                split = balanced_shards(batch, actor.world_size)
+                parts = actor.call_sharded("update_on_policy", split.shards, denominator, use_kl_loss=cfg.actor.use_kl_loss)
                 metrics.update({k: sum(p[0][k] for p in parts) / len(parts) for k in parts[0][0]})
-                old, entropy = (torch.cat([p[i] for p in parts])[: len(batch)] for i in (1, 2))
+                old, entropy = (split.gather([p[i] for p in parts]) for i in (1, 2))
                 batch = batch.replace(old_logprobs=old)
         elif update_actor:
             with timed(timings, "actor_update"):
@@ -341,6 +344,8 @@ class TrainingStep:
         metrics.update(adv_metrics)
         metrics.update(timings)
         metrics.update({
+            # the busiest actor rank's tokens over the mean rank's (1.0: the ranks finish together)
+            "balance/actor_token_imbalance": balanced_shards(batch, actor.world_size).imbalance,
             "entropy/mean": float(algo.masked_mean(entropy, mask)),
             "logprob_mismatch/mean": float(mismatch.sum() / mask.sum().clamp(min=1)),
             "logprob_mismatch/max": float(mismatch.max()) if mismatch.numel() else 0.0,
