@@ -199,3 +199,11 @@ def test_total_epochs_is_at_least_one_pass():
 @pytest.mark.parametrize("key", ["model.dtype", "trainer.colocate", "engine.servers", "engine.max_retries"])
 def test_removed_knobs_are_unknown_keys(key):
     assert problems_of([f"{key}=1"])[key].startswith("unknown key")
+
+
+def test_gae_on_its_own_turns_the_critic_on_and_gae_without_a_critic_is_refused():
+    # the critic-free presets leave critic.enable unset, so the estimator decides
+    assert load_config("train", ["algorithm.adv_estimator=gae"], check_files=False).critic.enable is True
+    assert load_config("train", ["algorithm=dapo"], check_files=False).critic.enable is False
+    problems = problems_of(["algorithm.adv_estimator=gae", "critic.enable=false"])
+    assert problems["critic.enable"].startswith("is false, but algorithm.adv_estimator=gae needs the critic's values")

@@ -169,6 +169,12 @@ def _check_lengths(cfg: TrainConfig) -> list[tuple[str, str]]:
     return []
 
 
+def _check_critic(cfg: TrainConfig) -> list[tuple[str, str]]:
+    if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
+        return [("critic.enable", "is false, but algorithm.adv_estimator=gae needs the critic's values (leave it unset: on exactly for gae)")]
+    return []
+
+
 def _check_overlong_buffer(cfg: TrainConfig) -> list[tuple[str, str]]:
     buffer = cfg.algorithm.overlong_buffer
     if buffer.enable and buffer.len >= cfg.data.max_response_length:
@@ -229,7 +235,7 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     return problems
 
 
-CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_overlong_buffer, _check_files, _check_plugins)
+CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_files, _check_plugins)
 
 
 def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainConfig:

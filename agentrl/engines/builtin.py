@@ -587,7 +587,7 @@ class BuiltinEngine:
                 copy_weights_into(self.model, update.state_dict, strict=update.strict)
             elif update.path is not None:
                 copy_weights_into(self.model, read_checkpoint(update.path), strict=update.strict)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # a bad update is the caller's error to hear: it must not end the engine's worker
             update.resolve(exc)
             return
         self._slots.drop_retained()

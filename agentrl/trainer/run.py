@@ -41,6 +41,7 @@ from agentrl.errors import CheckpointError
 from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
 from agentrl.tiny import resolve_model
 from agentrl.trainer import algorithms as algo
+from agentrl.trainer.checkpoint_io import read_json
 from agentrl.trainer.logging import MetricsLogger
 from agentrl.trainer.sft import run_sft_on_actor
 from agentrl.trainer.step import Groups, TrainingStep, timed, trajectory_metrics
@@ -220,7 +221,7 @@ class Trainer:
         directory = self.run.latest_checkpoint()
         if directory is None:
             raise CheckpointError(f"no checkpoint to resume from in {self.run.checkpoints}")
-        state = json.loads((directory / TRAINER_STATE).read_text())
+        state = read_json(directory / TRAINER_STATE, root=self.run.path)  # checked: inside the run, plain JSON, bounded
         self.actor.call_all("load", str(directory))
         if self.critic is not None:
             self.critic.call_all("load", str(directory))
