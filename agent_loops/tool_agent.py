@@ -28,7 +28,8 @@ class ToolAgentLoop(AgentLoop):
                 return TrajectoryFinish.LENGTH
             if parsed.calls:
                 outcomes = await episode.call_tools(turn_index, parsed)
-                results = [{"role": "tool", "content": episode.truncate_tool_text(o.text)} for o in outcomes]
+                # a result message carries its call's id for families that pair them (Mistral)
+                results = [o.call.result_message(episode.truncate_tool_text(o.text)) for o in outcomes]
                 episode.observe(results, "tool")
                 continue
             if episode.interaction is not None:

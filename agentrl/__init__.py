@@ -1,63 +1,85 @@
 """agentrl: train tool-using LLM agents with multi-turn reinforcement learning.
 
 The public API is the names in ``__all__``; everything else is internal and may change.
-Names are imported on first use, so ``import agentrl`` stays cheap (no torch, no Ray).
+Every module imported here is free of torch and Ray (a test checks it), so ``import agentrl``
+stays cheap: the engines and the trainer load torch when they are used.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from agentrl.agent.interaction import Interaction, InteractionResponse
+from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd
+from agentrl.agent.runner import RolloutRunner
+from agentrl.agent.scripted import ScriptedEngine
+from agentrl.agent.tool import Tool, ToolResult
+from agentrl.agent.tool_parsers import ParsedCall, ParsedTurn, ToolParser
+from agentrl.config.loader import load_config
+from agentrl.config.schema import TrainConfig
+from agentrl.data.row import Row
+from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from agentrl.errors import (
+    AgentrlError,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    EngineError,
+    EngineTimeout,
+    EngineUnavailable,
+    NotAvailable,
+    PluginError,
+    ToolArgumentError,
+    ToolError,
+    TrajectoryError,
+    WorkerDied,
+)
+from agentrl.plugins import PluginRegistry
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, Turn
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_EXPORTS: dict[str, str] = {
+__all__ = [
+    "__version__",
     # the four boundary objects
-    "Row": "agentrl.data.row",
-    "SamplingParams": "agentrl.engines.base",
-    "GenerateRequest": "agentrl.engines.base",
-    "GenerateResult": "agentrl.engines.base",
-    "FinishReason": "agentrl.engines.base",
-    "Trajectory": "agentrl.trajectory",
-    "Turn": "agentrl.trajectory",
-    "ToolCallRecord": "agentrl.trajectory",
-    "TrajectoryBuilder": "agentrl.trajectory",
+    "Row",
+    "SamplingParams",
+    "GenerateRequest",
+    "GenerateResult",
+    "FinishReason",
+    "Trajectory",
+    "Turn",
+    "ToolCallRecord",
+    "TrajectoryBuilder",
     # plugin APIs
-    "Engine": "agentrl.engines.base",
-    "Tool": "agentrl.agent.tool",
-    "ToolResult": "agentrl.agent.tool",
-    "Interaction": "agentrl.agent.interaction",
-    "InteractionResponse": "agentrl.agent.interaction",
-    "PluginRegistry": "agentrl.plugins",
+    "Engine",
+    "AgentLoop",
+    "Episode",
+    "EpisodeEnd",
+    "Tool",
+    "ToolResult",
+    "Interaction",
+    "InteractionResponse",
+    "ToolParser",
+    "ParsedCall",
+    "ParsedTurn",
+    "PluginRegistry",
+    # running and testing loops
+    "RolloutRunner",
+    "ScriptedEngine",
     # configuration
-    "TrainConfig": "agentrl.config.schema",
-    "load_config": "agentrl.config.loader",
+    "TrainConfig",
+    "load_config",
     # errors
-    "AgentrlError": "agentrl.errors",
-    "ConfigError": "agentrl.errors",
-    "DataError": "agentrl.errors",
-    "PluginError": "agentrl.errors",
-    "EngineError": "agentrl.errors",
-    "EngineUnavailable": "agentrl.errors",
-    "EngineTimeout": "agentrl.errors",
-    "ToolError": "agentrl.errors",
-    "ToolArgumentError": "agentrl.errors",
-    "TrajectoryError": "agentrl.errors",
-    "CheckpointError": "agentrl.errors",
-}
-
-__all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'agentrl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+    "AgentrlError",
+    "ConfigError",
+    "DataError",
+    "PluginError",
+    "EngineError",
+    "EngineUnavailable",
+    "EngineTimeout",
+    "ToolError",
+    "ToolArgumentError",
+    "TrajectoryError",
+    "CheckpointError",
+    "WorkerDied",
+    "NotAvailable",
+]

@@ -10,7 +10,7 @@ import importlib
 import json
 import sys
 
-from agentrl.errors import AgentrlError
+from agentrl.errors import AgentrlError, NotAvailable
 
 __all__ = ["main", "COMMANDS"]
 
@@ -25,22 +25,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tools": ("agentrl.agent.tools_cli:cli_main", "call a tool once: tools call NAME --arguments JSON"),
     "plugins": ("agentrl.cli:plugins_main", "list installed plugins: plugins list [--json] [--check]"),
     "data": ("agentrl.data.cli:cli_main", "prepare and validate datasets (gsm8k, tasks, validate)"),
+    "check-template": ("agentrl.agent.families:cli_main", "check a tokenizer's chat template: token drift, tool calls, stops"),
+    "checkpoint": ("agentrl.trainer.checkpoint_io:cli_main", "convert an older (pickle) checkpoint: checkpoint convert DIR"),
 }
 
 BENCHMARKS: dict[str, str] = {
-    "engine": "agentrl.engines.bench:main",
-    "agent-loop": "agentrl.agent.bench:main",
-    "trainer": "agentrl.trainer.bench:main",
-    "forward": "agentrl.trainer.bench_forward:main",
+    "engine": "agentrl_benchmarks.engine:main",
+    "agent-loop": "agentrl_benchmarks.agent_loop:main",
+    "trainer": "agentrl_benchmarks.trainer:main",
+    "forward": "agentrl_benchmarks.forward:main",
 }
 
 
 # commands whose arguments are config overrides: their --help and --cfg job come from the schema
 CONFIG_COMMANDS = ("train", "sft", "rollout")
-
-
-class NotAvailable(AgentrlError):
-    """A subcommand whose module is not part of this installation."""
 
 
 def _resolve(target: str):

@@ -10,7 +10,9 @@
      ├── ToolError            a tool failed in a way the model should be told about
      │    └── ToolArgumentError   arguments did not match the tool's JSON schema
      ├── TrajectoryError      the token stream would lose alignment (ids/mask/logprobs)
-     └── CheckpointError      a checkpoint or run directory cannot be used to resume
+     ├── CheckpointError      a checkpoint or run directory cannot be used to resume
+     ├── WorkerDied           a trainer worker process ended (the step cannot complete)
+     └── NotAvailable         a CLI command whose module is not part of this installation
 
 Callers catch by what they can do about it: a config or data problem stops before compute is
 spent; an engine problem may be retried on another server; a tool problem is fed back to the
@@ -31,6 +33,8 @@ __all__ = [
     "ToolArgumentError",
     "TrajectoryError",
     "CheckpointError",
+    "WorkerDied",
+    "NotAvailable",
 ]
 
 
@@ -95,3 +99,11 @@ class TrajectoryError(AgentrlError):
 
 class CheckpointError(AgentrlError):
     """A checkpoint or run directory is missing or inconsistent."""
+
+
+class WorkerDied(AgentrlError):
+    """A worker process of a trainer group ended (the step cannot complete)."""
+
+
+class NotAvailable(AgentrlError):
+    """A subcommand whose module is not part of this installation."""

@@ -143,7 +143,7 @@ class PluginRegistry:
 
     def check(self) -> list[tuple[PluginSpec, str | None]]:
         """Try to import every plugin; returns (spec, error message or None) for each."""
-        results = []
+        results: list[tuple[PluginSpec, str | None]] = []
         for spec in discover():
             try:
                 _import_target(spec)

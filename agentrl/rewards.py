@@ -17,7 +17,9 @@ reward (``verl/utils/reward_score/gsm8k.py``) exactly, so scores agree with runs
 
 ``exact_number`` is the forgiving variant: the strict answer if there is one, else the
 flexible one, compared with the ground truth as a number (commas, ``$`` and a trailing full
-stop ignored; "24.0" equals "24"). It returns a dict with the extracted answer.
+stop ignored; "24.0" equals "24"). It returns a dict with the extracted answer. Its rule is
+``judge_number``, which the ``check_answer`` tool uses too: the tool says "correct" exactly when
+``exact_number`` would score the same text 1.0 (a property test holds them together).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 from agentrl.errors import PluginError
 
@@ -38,6 +41,8 @@ __all__ = [
     "gsm8k_strict",
     "gsm8k_flexible",
     "exact_number",
+    "NumberVerdict",
+    "judge_number",
     "resolve_reward",
     "score_to_float",
 ]
@@ -61,7 +66,8 @@ def extract_strict(solution: str) -> str | None:
 
 def extract_flexible(solution: str) -> str | None:
     """The last number-like run of the solution's tail, as written (verl)."""
-    for match in reversed(_NUMBER.findall(_tail(solution))):
+    matches: list[str] = _NUMBER.findall(_tail(solution))
+    for match in reversed(matches):
         if match not in ("", "."):
             return match
     return None
@@ -74,14 +80,14 @@ def _text_score(answer: str | None, ground_truth: Any, format_score: float) -> f
 
 
 def gsm8k_strict(
-    data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None, format_score: float = 0.0
+    data_source: str, solution: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, format_score: float = 0.0
 ) -> float:
     """verl's GSM8K reward, strict method: 1.0 when the last ``#### <number>`` is the ground truth."""
     return _text_score(extract_strict(solution), ground_truth, format_score)
 
 
 def gsm8k_flexible(
-    data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None, format_score: float = 0.0
+    data_source: str, solution: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, format_score: float = 0.0
 ) -> float:
     """verl's GSM8K reward, flexible method: 1.0 when the last number is the ground truth."""
     return _text_score(extract_flexible(solution), ground_truth, format_score)
@@ -96,13 +102,26 @@ def _as_number(text: str | None) -> Decimal | None:
         return None
 
 
-def exact_number(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, Any]:
-    """1.0 when the strict (else flexible) answer equals the ground truth as a number."""
+@dataclass(frozen=True, slots=True)
+class NumberVerdict:
+    answer: str | None  # the strict answer if there is one, else the flexible one, as extracted
+    strict_format: bool  # the answer came from a `#### <number>`
+    correct: bool  # it equals the ground truth as a number
+
+
+def judge_number(solution: str, ground_truth: Any) -> NumberVerdict:
+    """The one numeric answer comparison: the strict (else flexible) answer of ``solution``
+    equals ``ground_truth`` as a number. Used by ``exact_number`` and the ``check_answer`` tool."""
     strict = extract_strict(solution)
     answer = strict if strict is not None else extract_flexible(solution)
     got, want = _as_number(answer), _as_number(str(ground_truth))
-    correct = got is not None and want is not None and got == want
-    return {"score": 1.0 if correct else 0.0, "strict_format": strict is not None, "answer": answer}
+    return NumberVerdict(answer, strict is not None, got is not None and want is not None and got == want)
+
+
+def exact_number(data_source: str, solution: str, ground_truth: Any, extra_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """1.0 when the strict (else flexible) answer equals the ground truth as a number."""
+    verdict = judge_number(solution, ground_truth)
+    return {"score": 1.0 if verdict.correct else 0.0, "strict_format": verdict.strict_format, "answer": verdict.answer}
 
 
 def resolve_reward(name: str, prefer: Mapping[str, Mapping[str, str]] | None = None) -> RewardFn:
@@ -121,7 +140,7 @@ def resolve_reward(name: str, prefer: Mapping[str, Mapping[str, str]] | None = N
         ) from None
     except ValueError:  # no signature to inspect (some builtins): trust it
         pass
-    return fn
+    return cast(RewardFn, fn)
 
 
 def score_to_float(result: Any) -> tuple[float, dict[str, Any]]:

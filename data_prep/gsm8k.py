@@ -36,6 +36,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from agentrl.errors import DataError
+
 __all__ = ["VARIANTS", "MalformedRecord", "ground_truth_of", "convert_record", "sft_messages", "read_source", "convert", "main"]
 
 VARIANTS = ("single_turn", "tool", "interaction", "sft")
@@ -49,8 +51,8 @@ _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
 _FINAL = re.compile(r"####\s*(.+?)\s*$")
 
 
-class MalformedRecord(ValueError):
-    pass
+class MalformedRecord(DataError):
+    """A source record cannot be converted (the message names the file and line)."""
 
 
 def ground_truth_of(answer: str) -> str:
@@ -171,8 +173,6 @@ def convert(path: Path, variant: str, *, split: str | None = None, strict: bool 
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m data_prep.gsm8k") -> int:
-    from agentrl.errors import DataError
-
     parser = argparse.ArgumentParser(prog=prog, description="Convert GSM8K into agentrl rows.")
     parser.add_argument("--input", required=True, type=Path, help="GSM8K jsonl or parquet (question, answer)")
     parser.add_argument("--output", required=True, type=Path, help="output parquet file")
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m data_prep.gsm8
         return 2
     try:
         rows, problems = convert(args.input, args.variant, split=args.split, strict=args.strict, limit=args.limit)
-    except (MalformedRecord, DataError) as exc:
+    except DataError as exc:  # MalformedRecord included
         print(f"error: {exc}", file=sys.stderr)
         return 1
     unit = "row" if is_parquet(args.input) else "line"

@@ -21,7 +21,7 @@ def test_default_train_config_is_the_quickstart():
     assert cfg.model.path is None and cfg.model.tiny.size == "1m"
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.critic.enable is False
-    assert cfg.agent.default_loop == "tool_agent"
+    assert cfg.agent.default_loop == "single_turn"  # verl's default for rows without agent_name
 
 
 def test_group_override_switches_to_ppo_with_a_critic():
@@ -180,3 +180,30 @@ def test_every_shipped_yaml_config_validates():
         ("train", ["trainer=default"]),
     ]:
         validate_config(compose(name, overrides), check_files=False)
+
+
+@pytest.mark.parametrize(
+    "total_steps, total_epochs, steps_per_epoch, planned",
+    [(20, None, 3, 20), (20, 2, 3, 6), (5, 2, 3, 5), (6, 2, 3, 6), (0, 1, 3, 0)],
+)
+def test_total_epochs_caps_the_steps_as_in_verl(total_steps, total_epochs, steps_per_epoch, planned):
+    epochs = "null" if total_epochs is None else total_epochs
+    trainer = load_config("train", [f"trainer.total_steps={total_steps}", f"trainer.total_epochs={epochs}"]).trainer
+    assert trainer.planned_steps(steps_per_epoch) == planned
+
+
+def test_total_epochs_is_at_least_one_pass():
+    assert problems_of(["trainer.total_epochs=0"])["trainer.total_epochs"].startswith("Input should be greater than or equal to 1")
+
+
+@pytest.mark.parametrize("key", ["model.dtype", "trainer.colocate"])  # engine.servers, engine.max_retries: read again (engine=sglang)
+def test_removed_knobs_are_unknown_keys(key):
+    assert problems_of([f"{key}=1"])[key].startswith("unknown key")
+
+
+def test_gae_on_its_own_turns_the_critic_on_and_gae_without_a_critic_is_refused():
+    # the critic-free presets leave critic.enable unset, so the estimator decides
+    assert load_config("train", ["algorithm.adv_estimator=gae"], check_files=False).critic.enable is True
+    assert load_config("train", ["algorithm=dapo"], check_files=False).critic.enable is False
+    problems = problems_of(["algorithm.adv_estimator=gae", "critic.enable=false"])
+    assert problems["critic.enable"].startswith("is false, but algorithm.adv_estimator=gae needs the critic's values")

@@ -4,8 +4,10 @@ Like verl's GSM8K tool: the ground truth arrives per trajectory through ``create
 ``extra_info.tools_kwargs.check_answer.create_kwargs.ground_truth``), the model calls the tool
 with ``{"answer": "..."}`` and is told ``correct`` or ``incorrect``.
 
-Judging: the last number in the answer (so "#### 72" and "72 clips" both work), with ``,``
-and ``$`` removed, equals the ground truth *as a number* ("72.0" is 72). This is kinder than
+Judging is ``agentrl.rewards.judge_number``, the rule of the ``exact_number`` reward: the last
+``#### <number>`` of the answer, else its last number (so "#### 72" and "72 clips" both work),
+equals the ground truth *as a number* (",", "$" and a trailing "." ignored; "72.0" is 72). So
+the tool says "correct" exactly when ``exact_number`` scores the answer 1.0. This is kinder than
 the strict GSM8K reward on purpose: the tool answers a question, the trajectory reward still
 judges the format.
 
@@ -17,33 +19,14 @@ has no ground truth (nothing to judge).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from agentrl.agent.tool import Tool, ToolResult
 from agentrl.errors import ToolError
+from agentrl.rewards import judge_number
 
-__all__ = ["CheckAnswerTool", "same_number"]
-
-_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+")
-
-
-def _last_number(text: str) -> Decimal | None:
-    matches = _NUMBER.findall(text.replace("$", ""))
-    if not matches:
-        return None
-    try:
-        return Decimal(matches[-1].replace(",", ""))
-    except InvalidOperation:
-        return None
-
-
-def same_number(answer: str, ground_truth: str) -> bool:
-    """Whether the last number in ``answer`` equals ``ground_truth`` numerically."""
-    got, want = _last_number(answer), _last_number(ground_truth)
-    return got is not None and want is not None and got == want
+__all__ = ["CheckAnswerTool"]
 
 
 @dataclass(slots=True)
@@ -81,7 +64,7 @@ class CheckAnswerTool(Tool):
                 "check_answer has no ground truth for this problem "
                 "(the row needs extra_info.tools_kwargs.check_answer.create_kwargs.ground_truth)"
             )
-        instance.last_correct = same_number(str(arguments["answer"]), instance.ground_truth)
+        instance.last_correct = judge_number(str(arguments["answer"]), instance.ground_truth).correct
         reward = 1.0 if instance.last_correct else 0.0
         return ToolResult(text="correct" if instance.last_correct else "incorrect", reward=reward)
 

@@ -1,7 +1,7 @@
 """The agent layer: loops, episodes, tools and interactions at run time, the runner.
 
-What a plugin author or a caller needs, importable from here (lazily: ``import agentrl.agent``
-pulls in neither torch nor transformers)::
+What a plugin author or a caller needs, importable from here (none of these modules imports
+torch or transformers at import time; a test checks it)::
 
     from agentrl.agent import AgentLoop, Episode, EpisodeEnd, RolloutRunner, ScriptedEngine, build_context
 
@@ -12,58 +12,78 @@ limits and finish reasons, ``render.py`` for how the token stream stays exact.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from agentrl.agent.interaction import Interaction, InteractionResponse
+from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd, Limits, LoopContext, ask_interaction
+from agentrl.agent.families import TemplateReport, check_template, detect_tool_parser, stop_tokens
+from agentrl.agent.render import ChatRenderer, TemplateUnsupported
+from agentrl.agent.runner import LoopTable, RewardTable, RolloutRunner, build_context, check_agent_names, check_row_plugins
+from agentrl.agent.scripted import ScriptedEngine
+from agentrl.agent.setup import RolloutSetup
+from agentrl.agent.tool import Tool, ToolResult
+from agentrl.agent.tool_parsers import (
+    DeepSeekR1ToolParser,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    ParsedCall,
+    ParsedTurn,
+    Phi4MiniToolParser,
+    ReactToolParser,
+    ToolParser,
+)
+from agentrl.agent.tools_runtime import (
+    CallOutcome,
+    InteractionPool,
+    InteractionSession,
+    ToolBox,
+    ToolSession,
+    validate_arguments,
+)
 
-# public name -> module that defines it
-_EXPORTS: dict[str, str] = {
+__all__ = [
     # loops
-    "AgentLoop": "agentrl.agent.loop",
-    "Episode": "agentrl.agent.loop",
-    "EpisodeEnd": "agentrl.agent.loop",
-    "LoopContext": "agentrl.agent.loop",
-    "Limits": "agentrl.agent.loop",
-    "ask_interaction": "agentrl.agent.loop",
+    "AgentLoop",
+    "Episode",
+    "EpisodeEnd",
+    "LoopContext",
+    "Limits",
+    "ask_interaction",
     # running many
-    "RolloutRunner": "agentrl.agent.runner",
-    "LoopTable": "agentrl.agent.runner",
-    "RewardTable": "agentrl.agent.runner",
-    "build_context": "agentrl.agent.runner",
-    "check_agent_names": "agentrl.agent.runner",
-    "check_row_plugins": "agentrl.agent.runner",
-    "ScriptedEngine": "agentrl.agent.scripted",
+    "RolloutRunner",
+    "LoopTable",
+    "RewardTable",
+    "build_context",
+    "check_agent_names",
+    "check_row_plugins",
+    "ScriptedEngine",
+    "RolloutSetup",
     # tokens
-    "ChatRenderer": "agentrl.agent.render",
+    "ChatRenderer",
+    "TemplateUnsupported",
+    # model families: stops, native parsers, the template check
+    "stop_tokens",
+    "detect_tool_parser",
+    "check_template",
+    "TemplateReport",
     # tool calls
-    "ToolParser": "agentrl.agent.tool_parsers",
-    "ParsedCall": "agentrl.agent.tool_parsers",
-    "ParsedTurn": "agentrl.agent.tool_parsers",
-    "HermesToolParser": "agentrl.agent.tool_parsers",
-    "ReactToolParser": "agentrl.agent.tool_parsers",
+    "ToolParser",
+    "ParsedCall",
+    "ParsedTurn",
+    "HermesToolParser",
+    "ReactToolParser",
+    "MistralToolParser",
+    "Llama3JsonToolParser",
+    "Phi4MiniToolParser",
+    "DeepSeekR1ToolParser",
     # tools and interactions
-    "Tool": "agentrl.agent.tool",
-    "ToolResult": "agentrl.agent.tool",
-    "Interaction": "agentrl.agent.interaction",
-    "InteractionResponse": "agentrl.agent.interaction",
-    "ToolBox": "agentrl.agent.tools_runtime",
-    "ToolSession": "agentrl.agent.tools_runtime",
-    "CallOutcome": "agentrl.agent.tools_runtime",
-    "InteractionPool": "agentrl.agent.tools_runtime",
-    "InteractionSession": "agentrl.agent.tools_runtime",
-    "validate_arguments": "agentrl.agent.tools_runtime",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'agentrl.agent' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+    "Tool",
+    "ToolResult",
+    "Interaction",
+    "InteractionResponse",
+    "ToolBox",
+    "ToolSession",
+    "CallOutcome",
+    "InteractionPool",
+    "InteractionSession",
+    "validate_arguments",
+]

@@ -179,7 +179,8 @@ class Episode:
         if len(self.builder.turns) > turns_before:
             self.counts["assistant_turns"] += 1
         ids = result.output_ids
-        self.last_stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] == self.ctx.renderer.eos_id
+        turn_ends = base.stop_token_ids or (self.ctx.renderer.eos_id,)  # every end-of-turn / eos id of the family
+        self.last_stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] in turn_ends
         if self.last_stopped_on_eos:
             ids = ids[:-1]
         text = self.ctx.renderer.decode(ids)
@@ -274,7 +275,9 @@ class AgentLoop:
         sample_index: int = 0,
         seed: int | None = None,
     ) -> Trajectory:
-        instance_id = f"{row_id}#{sample_index}@{id(ctx)}"
+        # the group id holds the row's position in the batch: two rows may share a row id (verl files
+        # index each split from 0), and their tool and interaction instances must not collide
+        instance_id = f"{group_id}#{sample_index}@{id(ctx)}"
         extra = row.extra_info
         tools = ctx.toolbox.session(instance_id, extra.tools_kwargs)
         interaction = (
@@ -334,7 +337,8 @@ class AgentLoop:
     def _finish(self, ep: Episode, finish: TrajectoryFinish, error: str | None) -> Trajectory:
         row = ep.row
         solution = self._solution_text(ep)
-        reward, info = 0.0, {}
+        reward = 0.0
+        info: dict[str, Any] = {}
         if ep.own_score is not None:
             reward = ep.own_score
         else:

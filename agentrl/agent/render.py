@@ -2,13 +2,19 @@
 
 The agent layer never re-tokenizes what the model sampled. It renders the prompt once, and
 afterwards renders only what is *observed* (tool results, user turns) as a delta that is
-appended after the sampled tokens. A delta is computed against a fixed dummy conversation:
+appended after the sampled tokens. A delta is computed against a fixed dummy conversation (a user turn and an assistant turn):
+it is the text of ``render(dummy + new, add_generation_prompt=True)`` that follows the
+assistant's content and its end-of-turn token. It starts with the separator the template writes
+after that token (for Qwen-style templates the ``\\n`` after ``<|im_end|>``): the engine stops at
+``<|im_end|>`` and never samples that separator, so the delta must supply it or the stream
+drifts from the template.
 
-    render(dummy + new, add_generation_prompt=True) minus render(dummy)
-
-plus the separator the template writes after an assistant's end-of-turn token (for Qwen-style
-templates the ``\\n`` after ``<|im_end|>``): the engine stops at ``<|im_end|>`` and never
-samples that separator, so the delta must supply it or the stream drifts from the template.
+The delta is anchored on the assistant's content, not on the length of a rendering of the dummy
+alone, because templates render an assistant turn differently depending on what follows it
+(Qwen3 writes an empty ``<think>\\n\\n</think>\\n\\n`` into the *last* assistant turn only): a
+length taken from one rendering would cut the other mid-token. The dummy has no system message,
+because templates that move the system prompt into the last user turn (Mistral) would otherwise
+write it into an appended user turn.
 
 For *append-only* templates (rendering a conversation is a prefix of rendering any
 continuation) the final token stream then equals the template's rendering of the final
@@ -42,9 +48,16 @@ import json
 import re
 from typing import Any, Callable, Sequence
 
-__all__ = ["ChatRenderer"]
+from agentrl.errors import AgentrlError
+
+__all__ = ["ChatRenderer", "TemplateUnsupported"]
+
+
+class TemplateUnsupported(AgentrlError, ValueError):
+    """The chat template cannot render what the agent loop needs (e.g. tool results) exactly."""
 
 _DUMMY = "\x00dummy\x00"
+_ANSWER = "\x00answer\x00"  # the dummy assistant content the deltas are anchored on
 _HOLE = "\x00hole{}\x00"
 # contents that a template which strips, escapes or inspects its contents renders differently
 _PROBES = ("  probe \n\t<x> & 'q' \"dq\" {{ y }} {% z %}\n\n", "")
@@ -61,29 +74,34 @@ class ChatRenderer:
     is the token generation stops at.
     """
 
-    def __init__(self, tokenizer: Any, *, chat_template: str | None = None):
+    def __init__(
+        self, tokenizer: Any, *, chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None
+    ):
         self.tokenizer = tokenizer
         self.chat_template: str = chat_template or tokenizer.chat_template
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template (set model.chat_template to a jinja file)")
+        # extra template variables (agent.chat_template_kwargs), e.g. {"enable_thinking": False}
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         self._render = self._choose_render()
         self.encode, self.decode = self._choose_codec()
-        self._base = [
-            {"role": "system", "content": _DUMMY},
-            {"role": "user", "content": _DUMMY},
-            {"role": "assistant", "content": _DUMMY},
-        ]
+        self._base = [{"role": "user", "content": _DUMMY}, {"role": "assistant", "content": _ANSWER}]
         base_text = self._render(self._base, add_generation_prompt=False)
-        self._base_len = len(base_text)
-        suffix = base_text[base_text.rfind(_DUMMY) + len(_DUMMY) :]
+        if base_text.count(_ANSWER) != 1:
+            raise ValueError("the chat template does not render an assistant message's content verbatim")
+        suffix = base_text[base_text.index(_ANSWER) + len(_ANSWER) :]
         self.eos_token = self._end_of_turn(suffix)
         self.eos_id: int = tokenizer.convert_tokens_to_ids(self.eos_token)
-        # what the template writes after the assistant's end-of-turn token (never sampled)
-        self.separator = suffix[len(self.eos_token) :]
-        self.separator_ids: list[int] = self.encode(self.separator)
         self._shapes: dict[tuple[str, ...], list[str]] = {}
         self._prompts: dict[str, list[int]] = {}
+        # what the template writes between an assistant's end-of-turn token and the next turn
+        # (never sampled): the whitespace a delta starts with
+        after = self._delta([{"role": "user", "content": _DUMMY}])
+        self.separator = after[: len(after) - len(after.lstrip())]
+        # what the template writes after the *final* end-of-turn token (appended when an episode ends)
+        self.separator_ids: list[int] = self.encode(suffix[len(self.eos_token) :])
         self.append_only = self._probe_append_only()
+        self._tool_problem: str | None | bool = False  # False: not probed yet
 
     # ------------------------------------------------------------------ public API
     def prompt_ids(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -109,15 +127,63 @@ class ChatRenderer:
         segments = self._shapes.get(shape)
         if segments is None:
             segments = self._learn_shape(shape)
+        if "tool" in shape:
+            self.require_tool_messages()
         if segments and all(m.keys() <= {"role", "content"} for m in messages):
             parts = [segments[0]]
             for message, segment in zip(messages, segments[1:]):
                 parts.append(message.get("content") or "")
                 parts.append(segment)
             text = "".join(parts)
-        else:  # the template does not insert contents verbatim: render in full
-            text = self._render(self._base + list(messages), add_generation_prompt=True)[self._base_len :]
-        return (self.separator if after_eos else "") + text
+        else:  # the template does not insert contents verbatim (or a message has more fields): render in full
+            text = self._delta(messages)
+        if not after_eos and text.startswith(self.separator):
+            text = text[len(self.separator) :]
+        return text
+
+    @property
+    def tool_message_problem(self) -> str | None:
+        """Why this template cannot show tool results to the model (None: it can)."""
+        if self._tool_problem is False:
+            self._tool_problem = self._probe_tool_messages()
+        return self._tool_problem  # type: ignore[return-value]
+
+    def require_tool_messages(self) -> None:
+        problem = self.tool_message_problem
+        if problem is not None:
+            raise TemplateUnsupported(
+                f"this chat template cannot render tool results: {problem}. Use a loop that shows tool results "
+                "as text in a user turn (agent_name=react), or a chat template that renders role 'tool'"
+            )
+
+    def _probe_tool_messages(self) -> str | None:
+        marker = "tool-result-probe-7f3a"  # plain text: some templates JSON-quote tool results
+        message = {"role": "tool", "content": marker, "tool_call_id": "a1b2c3d4e", "name": "probe"}
+        try:
+            text = self._delta([message])
+        except Exception as exc:
+            return f"rendering a tool message raised {type(exc).__name__}: {exc}"
+        if marker not in text:
+            return "the template drops messages with role 'tool' (their content is not rendered)"
+        # a delta is rendered without the earlier turns: the template must render a tool result
+        # the same way after an earlier round of tool calls
+        second = dict(message, content="tool-result-probe-2")
+        answer = "answer-probe-2"
+        call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "probe", "arguments": {}}}
+        try:
+            middle = {"role": "assistant", "content": answer, "tool_calls": [call]}
+            full = self._render(self._base + [message, middle, second], add_generation_prompt=True)
+            # from the end-of-turn token of the assistant turn between the two rounds
+            later = full[full.rindex(self.eos_token, 0, full.index(second["content"])) :]
+            alone = self._delta([second])
+        except Exception as exc:
+            return f"rendering a second round of tool results raised {type(exc).__name__}: {exc}"
+        if later.startswith(self.eos_token) and later[len(self.eos_token) :] != alone:
+            return (
+                f"the template renders a tool result after an earlier round of tool results as {later[len(self.eos_token):]!r} "
+                f"but a first one as {alone!r}, so observations cannot be rendered exactly one at a time"
+            )
+        return None
 
     def observation_ids(self, messages: Sequence[dict[str, Any]], *, after_eos: bool = True) -> list[int]:
         return self.encode(self.observation_text(messages, after_eos=after_eos))
@@ -131,7 +197,7 @@ class ChatRenderer:
     def _reference_render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, tools: Any = None) -> str:
         return self.tokenizer.apply_chat_template(
             list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=self.chat_template,
+            chat_template=self.chat_template, **self.template_kwargs,
         )
 
     def _choose_render(self) -> Callable[..., str]:
@@ -142,12 +208,15 @@ class ChatRenderer:
             compiled = _compile_jinja_template(self.chat_template)
         except Exception:  # another transformers version: the public path only
             return self._reference_render
-        kwargs = dict(self.tokenizer.special_tokens_map)
+        kwargs = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
 
         def render(messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, tools: Any = None) -> str:
             return compiled.render(
                 messages=list(messages), tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **kwargs
             )
+
+        if "strftime_now" in self.chat_template:  # the date transformers supplies: the reference path only
+            return self._reference_render
 
         probe_tools = [{"type": "function", "function": {"name": "f", "description": "d <b>", "parameters": {
             "type": "object", "properties": {"x": {"type": "string", "enum": ["a", "é"]}}, "required": ["x"]}}}]
@@ -168,6 +237,20 @@ class ChatRenderer:
             return self._reference_render
         return render
 
+    def _delta(self, messages: Sequence[dict[str, Any]]) -> str:
+        """The rendering of ``messages`` after the dummy assistant turn: the text that follows the
+        assistant's content and its end-of-turn token, through the next generation prompt."""
+        full = self._render(self._base + list(messages), add_generation_prompt=True)
+        if full.count(_ANSWER) != 1:
+            raise ValueError("the chat template does not render an assistant message's content verbatim")
+        rest = full[full.index(_ANSWER) + len(_ANSWER) :]
+        if not rest.startswith(self.eos_token):
+            raise ValueError(
+                f"the chat template ends an assistant message followed by {[m['role'] for m in messages]} with "
+                f"{rest[:40]!r}, not with its end-of-turn token {self.eos_token!r}"
+            )
+        return rest[len(self.eos_token) :]
+
     def _end_of_turn(self, suffix: str) -> str:
         for token in sorted(self._added_tokens(), key=len, reverse=True):
             if suffix.startswith(token):
@@ -182,7 +265,10 @@ class ChatRenderer:
         # trust the cached segments only if they reproduce real renderings
         for probe in _PROBES:
             messages = [{"role": role, "content": probe} for role in shape]
-            full = self._render(self._base + messages, add_generation_prompt=True)[self._base_len :]
+            try:
+                full = self._delta(messages)
+            except Exception:  # the template refuses these messages without more fields (Mistral's call ids)
+                full = None
             if segments and full != probe.join(segments):
                 segments = []
         self._shapes[shape] = segments
@@ -190,10 +276,10 @@ class ChatRenderer:
 
     def _split_on_holes(self, shape: tuple[str, ...]) -> list[str]:
         holes = [{"role": role, "content": _HOLE.format(i)} for i, role in enumerate(shape)]
-        full = self._render(self._base + holes, add_generation_prompt=True)
-        if not full.startswith(self._render(self._base, add_generation_prompt=False)):
+        try:
+            rest = self._delta(holes)
+        except Exception:  # the template refuses this shape: the full render raises it again, with its message
             return []
-        rest = full[self._base_len :]
         segments: list[str] = []
         for i in range(len(shape)):
             hole = _HOLE.format(i)

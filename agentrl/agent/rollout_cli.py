@@ -16,9 +16,8 @@ import asyncio
 import json
 import sys
 import time
-from collections import Counter
 
-from agentrl.config import TrainConfig, load_config
+from agentrl.config import load_config
 
 __all__ = ["cli_main"]
 
@@ -26,6 +25,7 @@ __all__ = ["cli_main"]
 def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
+    from agentrl.agent.outcomes import summarize_finishes
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.setup import RolloutSetup
     from agentrl.data.dataset import RowDataset
@@ -52,13 +52,15 @@ def cli_main(argv: list[str]) -> int:
     if cfg.engine.backend == "sglang" and not cfg.engine.servers:
         servers = ManagedServers.from_config(cfg, model_path, log_dir=run.path / "servers").start()
     try:
-        setup = RolloutSetup.from_config(cfg, server_urls=tuple(servers.urls) if servers is not None else ())
+        setup = RolloutSetup.from_config(cfg, server_urls=tuple(servers.urls) if servers is not None else (),
+                                         api_key=servers.api_key if servers is not None else None)
 
         builtin = BuiltinEngine(model_path, max_batch_size=setup.engine_max_batch_size, seed=setup.seed) if setup.engine_backend == "builtin" else None
 
         async def generate():
             # SGLangEngine's HTTP clients belong to the event loop they are created on: this one
-            engine = builtin or SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries)
+            engine = builtin or SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries,
+                                             api_key=setup.api_key)  # None: $AGENTRL_API_KEY
             try:
                 ctx = build_context(engine, tokenizer, setup)
                 runner = RolloutRunner(ctx, LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer)),
@@ -76,17 +78,24 @@ def cli_main(argv: list[str]) -> int:
     finally:
         if servers is not None:
             servers.stop()
-    path = RolloutStore(run.rollouts).write_step(0, trajectories, rows=rows)
-    finishes = Counter(t.finish_reason for t in trajectories)
+    path = RolloutStore(run.rollouts).write_step(0, trajectories, rows=rows)  # kept whatever happened
+    finishes = summarize_finishes(trajectories)
     summary = {
         "trajectories": len(trajectories),
         "reward_mean": sum(t.reward for t in trajectories) / max(len(trajectories), 1),
-        "finish_reasons": dict(finishes),
+        "finish_reasons": finishes.counts,
+        "failed_fraction": round(finishes.failed_fraction, 4),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     run.write_summary(summary)
     print(json.dumps(summary, indent=2))
+    for line in finishes.lines():
+        print(line, file=sys.stderr)
     print(f"rollouts: {path}")
+    if finishes.exceeds(cfg.rollout.max_failure_rate):
+        print(f"agentrl rollout: {finishes.failed} of {finishes.total} trajectories failed, more than "
+              f"rollout.max_failure_rate = {cfg.rollout.max_failure_rate:g}", file=sys.stderr)
+        return 1
     return 0
 
 

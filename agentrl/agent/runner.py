@@ -12,10 +12,12 @@ those).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import zlib
 from typing import Any, Callable, Iterable, Sequence
 
+from agentrl.agent.families import detect_tool_parser, stop_tokens
 from agentrl.agent.loop import AgentLoop, LoopContext, RewardFn
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import RolloutSetup
@@ -23,7 +25,7 @@ from agentrl.agent.tools_runtime import InteractionPool, ToolBox
 from agentrl.config.schema import RewardConfig
 from agentrl.data.row import Row
 from agentrl.engines.base import Engine
-from agentrl.errors import PluginError
+from agentrl.errors import ConfigError, PluginError
 from agentrl.plugins import PluginRegistry
 from agentrl.rewards import resolve_reward
 from agentrl.trajectory import Trajectory, TrajectoryFinish
@@ -70,7 +72,7 @@ def check_row_plugins(row: Row, registry: PluginRegistry | None = None) -> list[
         if name not in tools:
             problems.append((f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools))})"))
     interaction = row.extra_info.interaction_kwargs
-    if interaction is not None and interaction.name not in (known := set(registry.names("interactions"))):
+    if interaction is not None and interaction.name is not None and interaction.name not in (known := set(registry.names("interactions"))):
         problems.append(
             ("extra_info.interaction_kwargs.name", f"unknown interaction {interaction.name!r} (known: {', '.join(sorted(known))})")
         )
@@ -106,19 +108,30 @@ def build_context(
     toolbox = ToolBox.from_plugins(
         list(tool_names if tool_names is not None else setup.tool_names), setup.tool_config,
         registry=registry, max_parallel_calls=setup.max_parallel_calls, tool_timeout_s=setup.tool_timeout_s,
+        specs=setup.tool_specs,
     )
+    renderer = ChatRenderer(tokenizer, template_kwargs=setup.chat_template_kwargs)
+    parser_name = detect_tool_parser(tokenizer, renderer.chat_template) if setup.tool_parser == "auto" else setup.tool_parser
+    if setup.default_loop == "tool_agent" and toolbox.tools and renderer.tool_message_problem is not None:
+        raise ConfigError([("agent.default_loop", (
+            f"tool_agent shows tool results through the chat template, and this one cannot: {renderer.tool_message_problem}. "
+            "Use agent.default_loop=react (tool results as text in the conversation) or a chat template that renders role 'tool'"
+        ))])
+    sampling = setup.val_sampling if validation else setup.sampling
+    if not sampling.stop_token_ids:  # end-of-turn, eos and generation_config eos ids of the family
+        sampling = dataclasses.replace(sampling, stop_token_ids=stop_tokens(tokenizer, renderer).ids)
     return LoopContext(
         engine=engine,
-        renderer=ChatRenderer(tokenizer),
-        parser=registry.load("tool_parsers", setup.tool_parser)(),
+        renderer=renderer,
+        parser=registry.load("tool_parsers", parser_name)(),
         parser_by_loop={
             registry.canonical("agent_loops", loop): registry.load("tool_parsers", parser)()
             for loop, parser in setup.tool_parser_by_loop.items()
         },
         toolbox=toolbox,
-        interactions=InteractionPool(setup.interaction_config, registry),
+        interactions=InteractionPool(setup.interaction_config, registry, specs=setup.interaction_specs),
         limits=setup.limits,
-        sampling=setup.val_sampling if validation else setup.sampling,
+        sampling=sampling,
         reward_fn=RewardTable(setup.reward, registry.prefer),
     )
 
@@ -188,7 +201,7 @@ class RolloutRunner:
             )
 
 
-def _progress_bar(total: int, progress: bool | str):
+def _progress_bar(total: int, progress: bool | str) -> Any:  # a tqdm bar or None
     if not progress:
         return None
     from tqdm.auto import tqdm

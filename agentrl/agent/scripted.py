@@ -8,8 +8,8 @@ Plugin authors test multi-turn loops, tools and interactions without a model::
     })
 
 Each trajectory (``GenerateRequest.session_id`` = ``"<row_id>#<sample>"``) walks through its
-row's list. An entry is text (encoded with the tokenizer, then the
-stop token appended - as an engine that stopped at end-of-turn returns it) or a list of token
+row's list. An entry is text (encoded with the tokenizer, then the chat template's end-of-turn
+token appended - as an engine that stopped at end-of-turn returns it) or a list of token
 ids (returned as is). A callable script ``script(row_id, call_index, request) -> str | list[int]``
 may replace the dict. Every request is kept in ``engine.requests`` (``record_requests=False``
 for long runs). When a stop token (e.g. a line break for ReAct) or ``max_new_tokens``
@@ -41,7 +41,9 @@ class ScriptedEngine:
         self.record_requests = record_requests  # keep every request in ``requests`` (tests read them)
         self.script = script
         self.logprob = logprob
-        self.stop_id = tokenizer.convert_tokens_to_ids(stop_token or tokenizer.eos_token)
+        # a scripted text ends with the family's end-of-turn token, as a model stopping there
+        # returns it (``<|eot_id|>``, ``<end_of_turn>``, Phi's ``<|end|>``: not always the eos)
+        self.stop_id = tokenizer.convert_tokens_to_ids(stop_token or _end_of_turn(tokenizer))
         self.calls: dict[str, int] = defaultdict(int)
         self.requests: list[GenerateRequest] = []
         self.weight_version = 0
@@ -95,8 +97,18 @@ class ScriptedEngine:
     async def abort(self, rid: str) -> None:
         return None
 
-    async def update_weights(self, state_dict=None, *, path=None, version=None) -> None:
+    async def update_weights(
+        self, state_dict: Mapping[str, Any] | None = None, *, path: str | None = None, version: int | None = None
+    ) -> None:
         self.weight_version = version if version is not None else self.weight_version + 1
 
     async def health(self) -> bool:
         return True
+
+
+def _end_of_turn(tokenizer: Any) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.eos_token
+    from agentrl.agent.render import ChatRenderer
+
+    return ChatRenderer(tokenizer).eos_token

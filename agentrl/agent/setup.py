@@ -13,10 +13,11 @@ against ``config/schema.py`` (``AgentConfig``), ``Limits.from_config`` below cop
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig, TrainConfig
+from agentrl.config.verl_files import InteractionSpec, ToolSpec, read_interaction_config, read_tool_config
 from agentrl.engines.base import SamplingParams
 
 __all__ = ["Limits", "RolloutSetup"]
@@ -59,9 +60,12 @@ class RolloutSetup:
     default_loop: str  # for rows without an agent_name
     tool_parser: str  # the parser of every loop not named in tool_parser_by_loop
     tool_parser_by_loop: dict[str, str]
-    tool_names: tuple[str, ...]  # the tools constructed once per context
+    chat_template_kwargs: dict[str, Any]  # extra chat-template variables (e.g. enable_thinking)
+    tool_names: tuple[str, ...]  # the tools constructed once per context (offered to rows that name none)
     tool_config: dict[str, dict[str, Any]]  # constructor kwargs by tool name
+    tool_specs: tuple[ToolSpec, ...]  # the tools of agent.tool_config_path (verl's YAML)
     interaction_config: dict[str, dict[str, Any]]
+    interaction_specs: tuple[InteractionSpec, ...]  # the interactions of agent.interaction_config_path
     max_parallel_calls: int
     tool_timeout_s: float
     reward: RewardConfig
@@ -77,13 +81,17 @@ class RolloutSetup:
     server_urls: tuple[str, ...]
     request_timeout_s: float  # sglang: one /generate call
     max_retries: int  # sglang: transport errors and 5xx, per server
+    api_key: str | None = field(repr=False)  # sglang: the servers' key (managed: their launch's; external: $AGENTRL_API_KEY)
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None, server_urls: tuple[str, ...] = ()) -> "RolloutSetup":
+    def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None, server_urls: tuple[str, ...] = (),
+                    api_key: str | None = None) -> "RolloutSetup":
         """The setup of a validated config; ``weights_dir`` is where ``engine.weight_sync=disk``
         writes the policy for the engine (the trainer's run directory; unused without a trainer);
         ``server_urls``: the SGLang servers of ``engine=sglang`` (the config's external ones by default)."""
         agent, rollout, engine = cfg.agent, cfg.rollout, cfg.engine
+        tool_specs = tuple(read_tool_config(agent.tool_config_path)) if agent.tool_config_path else ()
+        interaction_specs = tuple(read_interaction_config(agent.interaction_config_path)) if agent.interaction_config_path else ()
         # SGLang servers are other processes: the disk sync is the one path that reaches them on a CPU
         disk = engine.weight_sync == "disk" or engine.backend == "sglang"
         weight_sync: Literal["memory", "disk"] = "disk" if disk else "memory"
@@ -96,10 +104,14 @@ class RolloutSetup:
             default_loop=agent.default_loop,
             tool_parser=agent.tool_parser,
             tool_parser_by_loop=dict(agent.tool_parser_by_loop),
-            # with no tool configured, the calculator: the built-in tasks' tool
-            tool_names=tuple(agent.tool_config) or ("calculator",),
+            chat_template_kwargs=dict(agent.chat_template_kwargs),
+            # offered to rows whose tools_kwargs name none: the configured tools only (verl offers
+            # none unless its tool YAML names some); rows that name tools get those
+            tool_names=tuple(dict.fromkeys([s.name for s in tool_specs] + list(agent.tool_config))),
             tool_config={k: dict(v) for k, v in agent.tool_config.items()},
+            tool_specs=tool_specs,
             interaction_config={k: dict(v) for k, v in agent.interaction_config.items()},
+            interaction_specs=interaction_specs,
             max_parallel_calls=agent.max_parallel_calls,
             tool_timeout_s=agent.tool_timeout_s,
             reward=cfg.reward.model_copy(deep=True),
@@ -113,4 +125,5 @@ class RolloutSetup:
             server_urls=urls,
             request_timeout_s=engine.request_timeout_s,
             max_retries=engine.max_retries,
+            api_key=api_key,
         )

@@ -22,7 +22,8 @@ import jsonschema
 from agentrl.agent.interaction import Interaction, InteractionResponse
 from agentrl.agent.tool import Tool, ToolResult
 from agentrl.agent.tool_parsers import ParsedCall
-from agentrl.agent.verl_yaml import InteractionSpec, ToolSpec, build_interaction, build_tool
+from agentrl.agent.verl_yaml import build_interaction, build_tool
+from agentrl.config.verl_files import InteractionSpec, ToolSpec
 from agentrl.errors import PluginError, ToolError
 from agentrl.plugins import PluginRegistry
 
@@ -83,6 +84,8 @@ class ToolBox:
         specs: Sequence[ToolSpec] = (),
     ):
         self.tools = tools
+        # the tools a row gets when its tools_kwargs name none (not every tool other rows named)
+        self.default_names: list[str] = list(tools)
         self._schemas: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         self.max_parallel_calls = max_parallel_calls
         self.tool_timeout_s = tool_timeout_s
@@ -106,6 +109,7 @@ class ToolBox:
         box = cls({}, registry=registry or PluginRegistry(), tool_config=tool_config, specs=specs, **kwargs)
         for name in names:
             box.ensure(name)
+        box.default_names = list(names)
         return box
 
     def ensure(self, name: str) -> Tool:
@@ -162,7 +166,7 @@ class ToolSession:
         self.box = box
         self.instance_id = instance_id
         # tools enabled for the row: those named in its tools_kwargs, else every tool of the box
-        self.enabled = [n for n in tools_kwargs if box.ensure(n)] if tools_kwargs else list(box.tools)
+        self.enabled = [n for n in tools_kwargs if box.ensure(n)] if tools_kwargs else list(box.default_names)
         self._kwargs = tools_kwargs
         self._created: list[str] = []
         self.calc_rewards: dict[str, float] = {}
@@ -280,6 +284,9 @@ def _map_plain_input(parameters: dict[str, Any], arguments: dict[str, Any]) -> d
     return arguments
 
 
+VERL_DEFAULT_INTERACTION = "gsm8k"  # what verl's loops attach to a row whose interaction_kwargs name none
+
+
 class InteractionPool:
     """The interactions of one worker, by name, each constructed once (lazily)."""
 
@@ -304,9 +311,16 @@ class InteractionPool:
             self._instances[name] = cls(**self._config.get(name, {}))
         return self._instances[name]
 
-    def session(self, instance_id: str, interaction_kwargs: dict[str, Any]) -> "InteractionSession":
+    def session(self, instance_id: str, interaction_kwargs: dict[str, Any]) -> "InteractionSession | None":
+        """The row's interaction, or None when it names none and no interaction YAML is
+        configured (verl attaches an unnamed row's interaction, its default gsm8k, only then)."""
         kwargs = dict(interaction_kwargs)
-        return InteractionSession(self.get(kwargs.pop("name")), instance_id, kwargs)
+        name = kwargs.pop("name", None)
+        if name is None:
+            if not self._specs:
+                return None
+            name = VERL_DEFAULT_INTERACTION
+        return InteractionSession(self.get(name), instance_id, kwargs)
 
 
 class InteractionSession:

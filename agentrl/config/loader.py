@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from agentrl.config.schema import TrainConfig
 from agentrl.config.verl import translate
+from agentrl.config.verl_files import read_interaction_config, read_tool_config
 from agentrl.errors import ConfigError, PluginError
 
 __all__ = ["config_dir", "compose", "validate_config", "load_config"]
@@ -70,6 +71,7 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
         elif verl.warning is not None:
             log.warning("agentrl: %s", verl.warning)
         else:
+            assert verl.key is not None  # only a warning or an error drops the key
             value_overrides.append((prefix, verl.key, verl.value))
     if problems:
         raise ConfigError(problems)
@@ -92,7 +94,7 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+def _known_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     """Field names of the section a pydantic error location points into."""
     current: Any = model
     for part in loc[:-1]:
@@ -167,6 +169,19 @@ def _check_lengths(cfg: TrainConfig) -> list[tuple[str, str]]:
     return []
 
 
+def _check_critic(cfg: TrainConfig) -> list[tuple[str, str]]:
+    if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
+        return [("critic.enable", "is false, but algorithm.adv_estimator=gae needs the critic's values (leave it unset: on exactly for gae)")]
+    return []
+
+
+def _check_overlong_buffer(cfg: TrainConfig) -> list[tuple[str, str]]:
+    buffer = cfg.algorithm.overlong_buffer
+    if buffer.enable and buffer.len >= cfg.data.max_response_length:
+        return [("algorithm.overlong_buffer.len", f"{buffer.len} must be below data.max_response_length = {cfg.data.max_response_length}")]
+    return []
+
+
 def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
     problems = []
     for key, paths in (
@@ -181,6 +196,13 @@ def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
         problems.append(("model.path", f"not a transformers checkpoint directory (no config.json): {cfg.model.path}"))
     if cfg.model.chat_template is not None and not Path(cfg.model.chat_template).is_file():
         problems.append(("model.chat_template", f"file not found: {cfg.model.chat_template}"))
+    for key, read in (("agent.tool_config_path", read_tool_config), ("agent.interaction_config_path", read_interaction_config)):
+        path = getattr(cfg.agent, key.split(".")[1])
+        if path is not None:
+            try:
+                read(path, key)
+            except ConfigError as exc:  # verl's YAML: every problem, named with its entry and field
+                problems += exc.problems
     if cfg.trainer.resume is not None and not Path(cfg.trainer.resume).is_dir():
         problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
     if not cfg.data.train_files and cfg.data.task is None:
@@ -204,6 +226,8 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     wanted += [(f"agent.interaction_config.{k}", "interactions", k) for k in cfg.agent.interaction_config]
     problems = []
     for key, group, name in wanted:
+        if (group, name) == ("tool_parsers", "auto"):  # chosen from the chat template when the tokenizer is loaded
+            continue
         try:
             registry.spec(group, name)
         except PluginError as exc:
@@ -211,7 +235,7 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     return problems
 
 
-CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_files, _check_plugins)
+CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_files, _check_plugins)
 
 
 def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainConfig:

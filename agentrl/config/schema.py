@@ -11,7 +11,7 @@ reads the whole config.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,7 +25,10 @@ __all__ = [
     "AgentConfig",
     "RewardConfig",
     "KLControlConfig",
+    "FilterGroupsConfig",
+    "OverlongBufferConfig",
     "AlgorithmConfig",
+    "RolloutCorrectionConfig",
     "OptimConfig",
     "ActorConfig",
     "CriticConfig",
@@ -52,7 +55,6 @@ class ModelConfig(Section):
     # A local transformers checkpoint directory; null builds (or reuses) the tiny model below.
     path: str | None = None
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     # When set, overrides the tokenizer's chat template (path to a jinja file).
     chat_template: str | None = None
     gradient_checkpointing: bool = False
@@ -69,7 +71,6 @@ class DataConfig(Section):
     task_train_size: int = Field(2000, ge=1)
     task_val_size: int = Field(64, ge=1)
     train_batch_size: int = Field(16, ge=1)  # prompts per step
-    val_batch_size: int | None = None  # null: the whole validation set at once
     shuffle: bool = True
     seed: int = 0
     max_prompt_length: int = Field(512, ge=1)
@@ -77,6 +78,7 @@ class DataConfig(Section):
 
 
 class EngineConfig(Section):
+    # builtin: the engine in the trainer's process; sglang: SGLang servers (engines/managed.py)
     backend: Literal["builtin", "sglang"] = "builtin"
     # sglang: base URLs of running servers (external mode); empty: agentrl launches
     # `num_servers` servers and stops them when the job ends (managed mode, engines/managed.py).
@@ -94,9 +96,9 @@ class EngineConfig(Section):
     # what a managed server runs: real SGLang, or `agentrl serve` (same protocol; fast tests, CPU)
     launcher: Literal["sglang", "agentrl"] = "sglang"
     ready_timeout_s: float = Field(600.0, gt=0)  # start-up until /health_generate answers
+    request_timeout_s: float = Field(300.0, gt=0)  # sglang: one /generate call
+    max_retries: int = Field(3, ge=0)  # sglang: transport errors and 5xx, per server, before failover
     max_batch_size: int = Field(64, ge=1)  # builtin: sequences decoded together
-    request_timeout_s: float = Field(300.0, gt=0)
-    max_retries: int = Field(3, ge=0)
     weight_sync: Literal["auto", "memory", "disk", "nccl"] = "auto"
 
 
@@ -109,13 +111,18 @@ class RolloutConfig(Section):
     val_temperature: float = Field(0.0, ge=0)  # greedy evaluation by default
     val_n: int = Field(1, ge=1)
     max_concurrency: int = Field(256, ge=1)  # trajectories in flight
+    # agentrl rollout exits 1 when more than this share of trajectories failed (loop, engine or interaction error, abort)
+    max_failure_rate: float = Field(0.5, ge=0, le=1)
 
 
 class AgentConfig(Section):
-    default_loop: str = "tool_agent"  # used when a row has no agent_name
-    tool_parser: str = "hermes"  # the parser of every loop not in tool_parser_by_loop
+    default_loop: str = "single_turn"  # used when a row has no agent_name (verl's default too)
+    # the parser of every loop not in tool_parser_by_loop; auto: the family's native format, read from the chat template (agentrl.agent.families)
+    tool_parser: str = "auto"
     # Loops that write calls in a format of their own: loop name -> parser name.
     tool_parser_by_loop: dict[str, str] = Field(default_factory=lambda: {"react": "react"})
+    # extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 / SmolLM3
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_assistant_turns: int = Field(8, ge=1)
     max_user_turns: int = Field(4, ge=0)
     max_tool_response_tokens: int = Field(256, ge=1)
@@ -125,8 +132,12 @@ class AgentConfig(Section):
     malformed_call_policy: Literal["feedback", "penalize", "end"] = "feedback"
     malformed_call_penalty: float = -0.1
     # Per-tool constructor kwargs, by tool name: {calculator: {...}}.
-    tool_config: dict[str, dict] = Field(default_factory=dict)
-    interaction_config: dict[str, dict] = Field(default_factory=dict)
+    tool_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    interaction_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # A verl tool YAML (tools: [{class_name, config, tool_schema}]): its tools, offered with its schemas.
+    tool_config_path: str | None = None
+    # A verl interaction YAML (interaction: [{name, class_name, config}]).
+    interaction_config_path: str | None = None
 
 
 class RewardConfig(Section):
@@ -143,15 +154,40 @@ class KLControlConfig(Section):
     horizon: int = Field(10000, ge=1)
 
 
+class FilterGroupsConfig(Section):
+    # DAPO's dynamic sampling (verl's algorithm.filter_groups): drop groups whose rewards are all
+    # equal and draw more batches until train_batch_size groups remain (algorithms.dynamic_sampling_filter)
+    enable: bool = False
+    max_num_gen_batches: int = Field(10, ge=1)  # batches drawn per step at most
+
+
+class OverlongBufferConfig(Section):
+    # DAPO's soft overlong punishment (verl's overlong_buffer): the reward falls linearly by up to
+    # penalty_factor over the last `len` tokens before data.max_response_length
+    enable: bool = False
+    len: int = Field(128, ge=1)
+    penalty_factor: float = Field(1.0, ge=0)
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
-    turn_gamma: float = Field(1.0, ge=0, le=1)  # discount between assistant turns (critic-free credit)
+    # grpo/drgrpo: false is verl's outcome GRPO (a trajectory's summed reward, normalised in its
+    # group); true is agentrl's per-turn credit (discounted turn returns normalised over the
+    # group's turns, with turn_gamma). See docs/algorithms.md, "Deliberate differences".
+    grpo_turn_credit: bool = False
+    turn_gamma: float = Field(1.0, ge=0, le=1)  # discount between assistant turns (grpo_turn_credit)
+    # reinforce_plus_plus: true is verl's (the running return restarts at every observed token);
+    # false lets it run through observations to the earlier turns
+    rpp_reset_at_observations: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "k1"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False  # DAPO: truncated responses are left out of the loss
 
 
 class OptimConfig(Section):
@@ -162,6 +198,13 @@ class OptimConfig(Section):
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
+
+
+class RolloutCorrectionConfig(Section):
+    # Truncated importance sampling of trainer vs engine logprobs (algorithms.rollout_correction_weights)
+    level: Literal["token", "sequence"] | None = None  # null: off
+    cap: float = Field(2.0, gt=0)  # verl's rollout_is_threshold
+    outlier_threshold: float | None = Field(None, gt=1)  # ratios outside [1/t, t] get weight 0
 
 
 class ActorConfig(Section):
@@ -178,7 +221,21 @@ class ActorConfig(Section):
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    # seq-mean-token-sum-norm's constant divisor (verl's name); null: data.max_response_length
+    loss_scale_factor: int | None = Field(None, ge=1)
+    # verl's policy_loss.loss_mode: vanilla (PPO clip), gspo (sequence ratio), cispo (clipped IS weight)
+    policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+
+    @model_validator(mode="after")
+    def _gspo_aggregates_by_sequence(self) -> "ActorConfig":
+        if self.policy_loss == "gspo" and self.loss_agg_mode != "seq-mean-token-mean":
+            raise ValueError(
+                f"actor.policy_loss=gspo needs actor.loss_agg_mode=seq-mean-token-mean (GSPO's sequence-level "
+                f"loss), got {self.loss_agg_mode!r}"
+            )
+        return self
 
 
 class CriticConfig(Section):
@@ -189,6 +246,7 @@ class CriticConfig(Section):
     ppo_micro_batch_size_per_gpu: int = Field(8, ge=1)
     ppo_epochs: int = Field(1, ge=1)
     cliprange_value: float = Field(0.5, gt=0)
+    loss_scale_factor: int | None = Field(None, ge=1)  # as actor.loss_scale_factor (null: data.max_response_length)
 
 
 class SFTConfig(Section):
@@ -215,7 +273,9 @@ class SFTConfig(Section):
 
 class TrainerConfig(Section):
     total_steps: int = Field(20, ge=0)
-    total_epochs: int | None = None  # when set, caps the steps at this many passes over the data
+    # when set, the run ends after this many passes over the training data if that comes before
+    # total_steps (verl's rule: steps = min(total_steps, total_epochs x batches per epoch))
+    total_epochs: int | None = Field(None, ge=1)
     critic_warmup: int = Field(0, ge=0)
     test_freq: int = Field(5, ge=0)  # validate every N steps (0: never)
     save_freq: int = Field(10, ge=0)  # checkpoint every N steps (0: never)
@@ -224,7 +284,6 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch threads of each worker process; null: the machine's cores / actor.world_size
     threads_per_worker: int | None = Field(None, ge=1)
-    colocate: bool = True  # actor and builtin engine share a process (in-memory weight sync)
     runs_root: str = "runs"
     run_name: str | None = None  # null: a timestamp
     resume: str | None = None  # a run directory to continue
@@ -234,14 +293,29 @@ class TrainerConfig(Section):
     # more than this fraction of trajectories stops the run (checkpoint first, then the first error)
     max_failure_rate: float = Field(0.5, ge=0, le=1)
     # every step's trajectories (train and validation) in rollouts/, the replay format; off:
-    # nothing is kept for replay (a 64-trajectory step's shard costs ~8 ms: encoding, parquet, fsync)
+    # nothing is kept for replay (a step's shard costs encoding, parquet and fsync; see docs/benchmarks.md)
     save_rollouts: bool = True
+    # Seconds a rank may wait on the others in one collective (and the driver on the ranks that
+    # have not answered a call the others finished) before the wait is a hang: an error naming the
+    # call and the ranks, with their Python stacks. null: wait forever.
+    collective_timeout_s: float | None = Field(600.0, gt=0)
+
+    def planned_steps(self, steps_per_epoch: int) -> int:
+        """The steps this run takes: total_steps, capped at total_epochs passes over the data."""
+        if self.total_epochs is None:
+            return self.total_steps
+        return min(self.total_steps, self.total_epochs * steps_per_epoch)
+
+
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+def _default_loggers() -> list[LoggerName]:
+    return ["console", "jsonl"]
 
 
 class LoggingConfig(Section):
-    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["console", "jsonl"]
-    )
+    loggers: list[LoggerName] = Field(default_factory=_default_loggers)
     progress: bool = True
     project: str = "agentrl"
 
@@ -272,6 +346,9 @@ class TrainConfig(Section):
     def _resolve_derived(self) -> "TrainConfig":
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
+        for section in (self.actor, self.critic):
+            if section.loss_scale_factor is None:
+                section.loss_scale_factor = self.data.max_response_length
         return self
 
     @property

@@ -135,6 +135,8 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.rollout.val_kwargs.top_k": NoEffect("validation uses rollout.top_k"),
     "actor_rollout_ref.rollout.multi_turn.enable": NoEffect("multi-turn is always on: each row runs the loop its agent_name names"),
     "actor_rollout_ref.rollout.multi_turn.format": Mapped("agent.tool_parser"),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": Mapped("agent.tool_config_path", note="verl's tool YAML, read as verl reads it"),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": Mapped("agent.interaction_config_path", note="verl's interaction YAML"),
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": Mapped("agent.max_tool_response_tokens"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": NoEffect("a tool response over agent.max_tool_response_tokens keeps its head"),
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": NoEffect("observations are rendered as chat-template deltas; sampled tokens are never re-rendered"),

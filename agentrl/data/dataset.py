@@ -13,10 +13,8 @@ a batch through a small byte-bounded LRU cache of decoded row groups (kept as Ar
 only the rows asked for become Python objects). A random read therefore costs one row group:
 write files with small row groups (``write_rows`` uses 1,024 rows; HF ``datasets`` files, as
 verl's preprocessing writes them, already have about 1,000), and a file whose row group alone
-exceeds the cache budget is refused with a message saying how to rewrite it. Measured with
-``python -m agentrl.data.bench --rows 1000000`` (2 shared cores): a 591 MiB file of 10^6 rows,
-0.25 s per shuffled batch of 256, 164 row groups decoded per batch, the cache at its 256 MiB,
-resident memory 333 MiB above the start.
+exceeds the cache budget is refused with a message saying how to rewrite it. Time and memory
+per batch: ``python -m agentrl_benchmarks.data_reader``, figures in docs/benchmarks.md.
 
 ``state_dict()`` is the position (epoch, offset into the epoch's order, seed); loading it makes
 the following batches equal an uninterrupted run's.
@@ -37,7 +35,7 @@ from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
 from agentrl.data.row import Row
 from agentrl.errors import DataError
 
-__all__ = ["MAX_REPORTED", "row_uid", "parse_row", "validate_files", "RowDataset", "rows_from_dicts"]
+__all__ = ["MAX_REPORTED", "row_uid", "file_tags", "parse_row", "validate_files", "RowDataset", "rows_from_dicts"]
 
 MAX_REPORTED = 50
 CACHE_BYTES = 256 << 20
@@ -49,6 +47,17 @@ def row_uid(row: Row, file: str, index: int) -> str:
     if row.extra_info.index is not None:
         return f"{row.data_source}:{row.extra_info.index}"
     return f"{Path(file).stem}:{index}"
+
+
+def file_tags(files: Sequence[str | Path]) -> list[str]:
+    """A prefix per file for the row uids of a dataset of several files: verl's files each index
+    their rows from 0, so ``data_source:index`` repeats across files. One file: no prefix (its
+    uids stay as they were); several: ``<file stem>/`` (``<position>.<stem>/`` if stems repeat)."""
+    if len(files) <= 1:
+        return [""] * len(files)
+    stems = [Path(f).stem for f in files]
+    unique = len(set(stems)) == len(stems)
+    return [f"{stem}/" if unique else f"{i}.{stem}/" for i, stem in enumerate(stems)]
 
 
 def parse_row(raw: dict[str, Any], *, file: str, index: int) -> Row:
@@ -117,7 +126,7 @@ def _unknown_plugins(
             if name not in tools:
                 yield f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools)) or 'none'})"
     spec = row.extra_info.interaction_kwargs
-    if interactions is not None and spec is not None and spec.name not in interactions:
+    if interactions is not None and spec is not None and spec.name is not None and spec.name not in interactions:
         yield "extra_info.interaction_kwargs.name", f"unknown interaction {spec.name!r} (known: {', '.join(sorted(interactions)) or 'none'})"
 
 
@@ -159,6 +168,7 @@ class RowDataset:
         if batch_size < 1:
             raise DataError(f"batch_size must be at least 1, got {batch_size}")
         self.files = [str(f) for f in files]
+        self._tags = file_tags(self.files)
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
         self.cache_bytes = cache_bytes
         # per file: cumulative row counts of its row groups (from the footer, no data read)
@@ -253,7 +263,7 @@ class RowDataset:
             path, first = self.files[file_index], self._group_starts[file_index][group]
             for (slot, within), raw in zip(places, raws):
                 row = parse_row(decode_row(raw), file=path, index=first + within)
-                out[slot] = (row_uid(row, path, first + within), row)
+                out[slot] = (self._tags[file_index] + row_uid(row, path, first + within), row)
         return out  # type: ignore[return-value]
 
     def row(self, global_index: int) -> tuple[str, Row]:

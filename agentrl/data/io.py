@@ -65,6 +65,20 @@ def _drop_nulls_deep(value: Any) -> Any:
     return value
 
 
+class _UndecodableField(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _loads(text: str, field: str) -> Any:
+    """A JSON-encoded column value; data from elsewhere may be malformed or nested too deep to parse."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise _UndecodableField(field, f"not valid JSON ({str(exc)[:120]})") from None
+
+
 def decode_row(row: dict[str, Any]) -> dict[str, Any]:
     """Undo the JSON encoding of a row read from parquet (verl's structs pass through)."""
     for key in _STRUCTS:
@@ -75,18 +89,18 @@ def decode_row(row: dict[str, Any]) -> dict[str, Any]:
         for key in _EXTRA_JSON:
             value = extra.get(key)
             if isinstance(value, str):
-                extra[key] = json.loads(value) if value else None
+                extra[key] = _loads(value, f"extra_info.{key}") if value else None
             elif isinstance(value, dict):  # verl's struct: drop the null members Arrow added
                 extra[key] = _drop_nulls_deep(value)
     if isinstance(row.get("messages"), str):
-        row["messages"] = json.loads(row["messages"])
+        row["messages"] = _loads(row["messages"], "messages")
     if isinstance(row.get("prompt"), list):
         prompt = []
-        for message in row["prompt"]:
+        for i, message in enumerate(row["prompt"]):
             if isinstance(message, dict):
                 message = _drop_nulls(message)
                 if isinstance(message.get("tool_calls"), str):
-                    message["tool_calls"] = json.loads(message["tool_calls"])
+                    message["tool_calls"] = _loads(message["tool_calls"], f"prompt.{i}.tool_calls")
             prompt.append(message)
         row["prompt"] = prompt
     return row
@@ -134,7 +148,8 @@ def count_rows(path: str | Path) -> int:
 
 
 def iter_raw_rows(path: str | Path, *, batch_size: int = 1024, columns: list[str] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(row index, decoded row dict) for every row, reading one record batch at a time."""
+    """(row index, decoded row dict) for every row, reading one record batch at a time. A row whose
+    JSON-encoded field cannot be decoded ends the file with a DataError naming row and field."""
     parquet = open_parquet(path)
     if columns is not None:
         missing = [c for c in columns if c not in parquet.schema_arrow.names]
@@ -143,5 +158,9 @@ def iter_raw_rows(path: str | Path, *, batch_size: int = 1024, columns: list[str
     index = 0
     for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
         for row in batch.to_pylist():
-            yield index, decode_row(row)
+            try:
+                decoded = decode_row(row)
+            except _UndecodableField as exc:
+                raise DataError(str(exc), file=str(path), row=index, field=exc.field) from None
+            yield index, decoded
             index += 1

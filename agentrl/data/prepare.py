@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentrl.data.dataset import parse_row, row_uid, validate_files
+from agentrl.data.dataset import file_tags, parse_row, row_uid, validate_files
 from agentrl.data.io import iter_raw_rows, write_rows
 from agentrl.data.row import Row
 from agentrl.errors import DataError
@@ -32,16 +32,26 @@ def prepare_data(cfg: "TrainConfig", data_dir: Path) -> tuple[list[str], list[tu
         from agentrl_data_prep.tasks import generate
 
         val_files = [str(write_rows(generate(cfg.data.task, cfg.data.task_val_size, cfg.data.seed, "test"), data_dir / "val.parquet"))]
+    from agentrl.config.verl_files import read_interaction_config, read_tool_config
     from agentrl.plugins import PluginRegistry
 
-    known = PluginRegistry(cfg.plugins.prefer).accepted_names("agent_loops")
-    problems = validate_files(files + val_files, known_agent_names=known, default_agent=cfg.agent.default_loop)
+    registry = PluginRegistry(cfg.plugins.prefer)
+    # a row may name a plugin that is installed or one that a verl YAML file defines
+    yaml_tools = [s.name for s in read_tool_config(cfg.agent.tool_config_path)] if cfg.agent.tool_config_path else []
+    yaml_interactions = (
+        [s.name for s in read_interaction_config(cfg.agent.interaction_config_path)] if cfg.agent.interaction_config_path else []
+    )
+    problems = validate_files(
+        files + val_files, known_agent_names=registry.accepted_names("agent_loops"), default_agent=cfg.agent.default_loop,
+        known_tools=set(registry.names("tools")) | set(yaml_tools),
+        known_interactions=set(registry.names("interactions")) | set(yaml_interactions),
+    )
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
         raise DataError(f"invalid data ({len(problems)} problems):\n{lines}")
     val_rows = []
-    for path in val_files:
+    for path, tag in zip(val_files, file_tags(val_files)):
         for index, raw in iter_raw_rows(path):
             row = parse_row(raw, file=path, index=index)
-            val_rows.append((row_uid(row, path, index), row))
+            val_rows.append((tag + row_uid(row, path, index), row))
     return files, val_rows

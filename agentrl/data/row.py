@@ -49,8 +49,10 @@ class ToolKwargs(BaseModel):
 class InteractionKwargs(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    # verl's rows may leave the name out: its loops then use the gsm8k interaction
-    name: str = "gsm8k"
+    # verl's rows may leave the name out (its tool variant carries interaction_kwargs without
+    # one): such a row gets an interaction only when an interaction YAML is configured, as in
+    # verl, and then verl's default, gsm8k (see InteractionPool.session)
+    name: str | None = None
 
 
 class ExtraInfo(BaseModel):

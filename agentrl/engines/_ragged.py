@@ -278,8 +278,8 @@ def attend(
         q = query.new_zeros((spans * short.longest, heads, head_dim))
         q[short.flat_index] = query[rows]
         # Plain matmuls with the group's query heads folded into the rows of their kv head, as
-        # for decode: on 64 spans of a few tokens (1M model) 0.29 ms per layer against 0.9 ms
-        # for SDPA's CPU kernel with a mask.
+        # for decode: on many spans of a few tokens this beats SDPA's CPU kernel with a mask
+        # (see docs/benchmarks.md).
         L, kv_len = short.longest, short.kv_len
         q = q.view(spans, L, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(spans, kv_heads, group * L, head_dim)
         k = cache_k[short.span_slots, :, :kv_len]  # [S, kv_heads, kv_len, head_dim]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # torch only for an annotation: the boundary types must import without it
+    import torch
 
 __all__ = ["SamplingParams", "GenerateRequest", "GenerateResult", "FinishReason", "Engine"]
 

@@ -26,9 +26,9 @@ reused count is reported as ``cached_tokens`` (as SGLang reports its radix-cache
 
 Why a hand-written scheduler: transformers 5.23's own continuous batching
 (``model.generate_batch`` / ``init_continuous_batching``) was measured on this CPU with the 1M and
-18M tiny models at 64 requests x 64 tokens: 1,553 and 201 tok/s, against 5,663 and 484 tok/s for
-a static-batch ``model.generate`` of the same requests; it also has no per-request seed (one
-global ``torch.multinomial``) and a single greedy/sampling switch for the whole batch.
+18M tiny models slower than even a static-batch ``model.generate`` of the same requests (figures
+in docs/benchmarks.md); it also has no per-request seed (one global ``torch.multinomial``) and a
+single greedy/sampling switch for the whole batch.
 
 Weight updates drain: once an update is requested no request is admitted, the running ones
 finish under the old weights, the new weights are copied in place, retained prefixes are
@@ -41,9 +41,8 @@ task on the event loop of the caller that brought work, between the other tasks;
 whose torch work happens on one thread anyway (the trainer's actor: rollout, then update) this is
 measured much faster: a second thread doing torch work gets a second OpenMP thread team, and
 libgomp stops spin-waiting when it manages more threads than there are cores, so each of the
-hundreds of small parallel regions of a step then pays a sleep and wake-up. Measured on the 2-core
-CPU, one 64-row decode forward: 1M model 1.6-1.8 ms on the thread that owns the only team,
-~5 ms on a second thread; 18M 23-25 ms vs 30-35 ms. Either way the worker parks when idle: the
+hundreds of small parallel regions of a step then pays a sleep and wake-up (a decode forward on
+a second thread, measured: docs/benchmarks.md). Either way the worker parks when idle: the
 thread exits after ``idle_exit_s``, the task ends at once, and the next call starts it again. A
 task whose event loop closes with work left (``asyncio.run`` returning while another loop still
 waits on a request) hands the work to a thread.
@@ -299,8 +298,8 @@ class BuiltinEngine:
         self._running: list[_Sequence] = []
         self._fatal: BaseException | None = None
         # The worker thread exits after ``idle_exit_s`` without work and the next call starts it
-        # again. Measured: a colocated trainer's update (hundreds of small ops) ran about 1.5x
-        # slower while this thread idled, and as fast as with no engine once it had exited. The
+        # again. Measured (docs/benchmarks.md): a colocated trainer's update (hundreds of small
+        # ops) ran slower while this thread idled, and as fast as with no engine once it had exited. The
         # likely cause: an idle thread that has run torch ops keeps an OpenMP thread team, and
         # libgomp cuts its spin-waiting short when it manages more threads than there are cores.
         self._idle_exit_s = idle_exit_s
@@ -588,7 +587,7 @@ class BuiltinEngine:
                 copy_weights_into(self.model, update.state_dict, strict=update.strict)
             elif update.path is not None:
                 copy_weights_into(self.model, read_checkpoint(update.path), strict=update.strict)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # a bad update is the caller's error to hear: it must not end the engine's worker
             update.resolve(exc)
             return
         self._slots.drop_retained()

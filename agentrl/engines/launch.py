@@ -8,10 +8,17 @@ of its processes: SIGTERM, then SIGKILL after a grace period.
 
     specs = sglang_specs("/ckpt/policy", num_servers=4, tp_size=2, python="/envs/sglang/bin/python")
     with launch_servers(specs) as servers:
-        engine = SGLangEngine(servers.urls)
+        engine = SGLangEngine(servers.urls, api_key=servers.api_key)
 
 Readiness means ``GET /health_generate`` answered 200: the server ran one token through its
 model, not merely opened its port.
+
+Every launch has an API key (``new_api_key()`` unless one is given), shared by its servers and
+required by them on every endpoint but ``/health``: ``agentrl serve`` reads it from
+``AGENTRL_API_KEY`` in its environment, SGLang from ``--api-key`` (its only way; the key is then
+visible in the process list of this machine). ``servers.api_key`` is what clients pass
+(``SGLangEngine(servers.urls, api_key=servers.api_key)``). A server's output is copied to its log
+file with the key replaced by ``<api-key>`` (SGLang prints its arguments at start-up).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +37,7 @@ from typing import Sequence
 
 import httpx
 
+from agentrl.engines.guard import API_KEY_ENV, auth_headers, new_api_key, require_key_off_loopback
 from agentrl.errors import EngineUnavailable
 
 __all__ = ["ServerSpec", "ServerProcess", "LaunchedServers", "launch_servers", "sglang_specs", "serve_specs", "free_port"]
@@ -40,18 +49,28 @@ class ServerSpec:
     port: int
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
+    api_key: str | None = field(default=None, repr=False)  # the server's key (in its env as AGENTRL_API_KEY)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def __repr__(self) -> str:  # SGLang's command line holds the key
+        command = ["<api-key>" if self.api_key and arg == self.api_key else arg for arg in self.command]
+        return f"ServerSpec(command={command!r}, port={self.port}, host={self.host!r}, env={self.env!r})"
+
 
 class ServerProcess:
     """One running server (its whole process group)."""
 
-    def __init__(self, spec: ServerSpec, process: subprocess.Popen, log_path: Path):
+    def __init__(self, spec: ServerSpec, process: subprocess.Popen, log_path: Path, log_copier: threading.Thread | None = None):
         self.spec, self.process, self.log_path = spec, process, log_path
         self.url = spec.url
+        self._log_copier = log_copier
+
+    @property
+    def api_key(self) -> str | None:
+        return self.spec.api_key
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -64,9 +83,10 @@ class ServerProcess:
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=30.0) as client:
+        with httpx.Client(timeout=30.0, headers=auth_headers(self.api_key)) as client:
             while True:
                 if not self.alive():
+                    self._drain_log()  # the copier may still hold the last lines, the ones that say why
                     raise EngineUnavailable(
                         f"server {self.url} exited with {self.process.returncode} during start-up "
                         f"(log {self.log_path}):\n{self.log_tail()}"
@@ -90,6 +110,12 @@ class ServerProcess:
                 pass
         self._signal(signal.SIGKILL)  # children the leader left behind
         self.process.wait()
+        self._drain_log()
+
+    def _drain_log(self) -> None:
+        """Wait (briefly) until the output copier has written everything the process printed."""
+        if self._log_copier is not None:
+            self._log_copier.join(timeout=5.0)
 
     def _signal(self, sig: signal.Signals) -> None:
         try:
@@ -107,6 +133,12 @@ class LaunchedServers:
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
+
+    @property
+    def api_key(self) -> str | None:
+        """The key the servers of this launch share (what clients send)."""
+        keys = {s.api_key for s in self.servers}
+        return keys.pop() if len(keys) == 1 else None
 
     def stop(self) -> None:
         for server in self.servers:
@@ -126,17 +158,20 @@ def launch_servers(specs: Sequence[ServerSpec], *, ready_timeout_s: float = 600.
     started: list[ServerProcess] = []
     try:
         for spec in specs:
+            require_key_off_loopback(spec.host, spec.api_key, program="launch_servers")
             log_path = log_root / f"server-{spec.port}.log"
-            with open(log_path, "wb") as log:
-                process = subprocess.Popen(
-                    spec.command,
-                    env={**os.environ, **spec.env},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            started.append(ServerProcess(spec, process, log_path))
+            env = {**os.environ, **spec.env}
+            env.pop(API_KEY_ENV, None)  # this process's own key is not the server's
+            if spec.api_key:
+                env[API_KEY_ENV] = spec.api_key
+            process = subprocess.Popen(
+                spec.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            copier = threading.Thread(target=_copy_redacted, args=(process.stdout, log_path, spec.api_key), daemon=True,
+                                      name=f"log-{spec.port}")
+            copier.start()
+            started.append(ServerProcess(spec, process, log_path, copier))
         deadline = time.monotonic() + ready_timeout_s
         for server in started:
             server.wait_ready(max(1.0, deadline - time.monotonic()))
@@ -145,6 +180,15 @@ def launch_servers(specs: Sequence[ServerSpec], *, ready_timeout_s: float = 600.
             server.stop(grace_s=2.0)
         raise
     return LaunchedServers(started)
+
+
+def _copy_redacted(stream, log_path: Path, secret: str | None) -> None:
+    """Copy a server's output to its log, line by line, with its API key blanked out."""
+    needle = secret.encode() if secret else None
+    with stream, open(log_path, "wb") as log:
+        for line in iter(stream.readline, b""):
+            log.write(line.replace(needle, b"<api-key>") if needle else line)
+            log.flush()
 
 
 def sglang_specs(
@@ -157,8 +201,11 @@ def sglang_specs(
     ports: Sequence[int] | None = None,
     gpu_offset: int = 0,
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> list[ServerSpec]:
-    """One SGLang server per group of ``tp_size`` GPUs: server i sees GPUs i*tp .. i*tp+tp-1."""
+    """One SGLang server per group of ``tp_size`` GPUs: server i sees GPUs i*tp .. i*tp+tp-1.
+    ``api_key``: default a fresh one (``new_api_key``), shared by the servers."""
+    api_key = api_key or new_api_key()
     ports = list(ports) if ports is not None else [free_port(host) for _ in range(num_servers)]
     if len(ports) != num_servers:
         raise ValueError(f"{num_servers} servers need {num_servers} ports, got {len(ports)}")
@@ -171,9 +218,10 @@ def sglang_specs(
             "--tp-size", str(tp_size),
             "--host", host,
             "--port", str(port),
+            "--api-key", api_key,
             *extra_args,
         ]  # fmt: skip
-        specs.append(ServerSpec(command, port, host, {"CUDA_VISIBLE_DEVICES": gpus}))
+        specs.append(ServerSpec(command, port, host, {"CUDA_VISIBLE_DEVICES": gpus}, api_key=api_key))
     return specs
 
 
@@ -185,8 +233,11 @@ def serve_specs(
     ports: Sequence[int] | None = None,
     threads: int = 1,
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> list[ServerSpec]:
-    """``agentrl serve`` processes (the built-in engine), e.g. for tests or CPU evaluation."""
+    """``agentrl serve`` processes (the built-in engine), e.g. for tests or CPU evaluation.
+    ``api_key``: default a fresh one, shared by the servers (passed in their environment)."""
+    api_key = api_key or new_api_key()
     ports = list(ports) if ports is not None else [free_port(host) for _ in range(num_servers)]
     return [
         ServerSpec(
@@ -194,6 +245,7 @@ def serve_specs(
             port,
             host,
             {"OMP_NUM_THREADS": str(threads)},
+            api_key=api_key,
         )
         for port in ports
     ]

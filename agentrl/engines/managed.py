@@ -8,14 +8,14 @@
   length, attention backend, KV tokens) plus ``engine.launch_args`` as given; on a CPU the recipe
   of ``sglang_cpu/``. A watchdog thread restarts a server that dies (the ``SGLangEngine`` client
   takes it out of rotation meanwhile and brings it back, at the current weights, once it answers).
-  Every server runs under ``agentrl.engines.guard``, so none outlives the driver, even a
+  Every server runs under ``agentrl.engines.lifeline``, so none outlives the driver, even a
   SIGKILLed one; a normal exit and Ctrl-C stop them through ``ManagedServers.stop``.
 * *external* (``servers: [url, ...]``): servers the user started. Rollouts work against any of
   them; training needs the disk weight sync to reach them, so only servers on this machine
   (which read the run directory the trainer writes) are accepted for ``agentrl train``.
 
 The servers are subprocess groups owned by the driver, not Ray actors: one machine's servers
-need no placement, and a subprocess group is what the death-signal guard can clean up. On a
+need no placement, and a subprocess group is what the death-signal lifeline can clean up. On a
 multi-node Ray cluster the servers run on the driver's node (see the README's diagram).
 """
 
@@ -35,7 +35,7 @@ from agentrl.config.schema import EngineConfig, TrainConfig
 from agentrl.engines.launch import LaunchedServers, ServerProcess, ServerSpec, launch_servers, serve_specs, sglang_specs
 from agentrl.errors import ConfigError, EngineUnavailable
 
-__all__ = ["ManagedServers", "managed_specs", "guarded", "check_engine_config", "engine_device", "LOCAL_HOSTS"]
+__all__ = ["ManagedServers", "managed_specs", "with_lifeline", "check_engine_config", "engine_device", "LOCAL_HOSTS"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _typed_flags(engine: EngineConfig) -> list[str]:
 
 
 def managed_specs(engine: EngineConfig, model_path: str | Path, *, threads: int = 1) -> list[ServerSpec]:
-    """The ``engine.num_servers`` servers of the config, unguarded (see ``guarded``)."""
+    """The ``engine.num_servers`` servers of the config, without their lifeline (see ``with_lifeline``)."""
     extra = [*_typed_flags(engine), *engine.launch_args]
     if engine.launcher == "agentrl":
         return serve_specs(model_path, num_servers=engine.num_servers, threads=threads)
@@ -87,11 +87,11 @@ def managed_specs(engine: EngineConfig, model_path: str | Path, *, threads: int 
                         python=engine.python or sys.executable, extra_args=extra)
 
 
-def guarded(spec: ServerSpec, owner_pid: int | None = None) -> ServerSpec:
-    """The same server run under ``agentrl.engines.guard``: it ends when ``owner_pid`` (this
+def with_lifeline(spec: ServerSpec, owner_pid: int | None = None) -> ServerSpec:
+    """The same server run under ``agentrl.engines.lifeline``: it ends when ``owner_pid`` (this
     process by default) ends, however it ends."""
     owner = os.getpid() if owner_pid is None else owner_pid
-    return replace(spec, command=[sys.executable, "-m", "agentrl.engines.guard", str(owner), "--", *spec.command])
+    return replace(spec, command=[sys.executable, "-m", "agentrl.engines.lifeline", str(owner), "--", *spec.command])
 
 
 class ManagedServers:
@@ -100,7 +100,7 @@ class ManagedServers:
 
     def __init__(self, specs: Sequence[ServerSpec], *, ready_timeout_s: float, log_dir: str | Path,
                  check_interval_s: float = 1.0, max_restarts: int = MAX_RESTARTS):
-        self.specs = [guarded(s) for s in specs]
+        self.specs = [with_lifeline(s) for s in specs]
         self.ready_timeout_s, self.log_dir = ready_timeout_s, Path(log_dir)
         self.check_interval_s, self.max_restarts = check_interval_s, max_restarts
         self.servers: list[ServerProcess] = []
@@ -116,6 +116,12 @@ class ManagedServers:
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.specs]
+
+    @property
+    def api_key(self) -> str | None:
+        """The key the servers of this launch share (restarts keep it): what clients pass."""
+        keys = {s.api_key for s in self.specs}
+        return keys.pop() if len(keys) == 1 else None
 
     def start(self) -> "ManagedServers":
         self.servers = launch_servers(self.specs, ready_timeout_s=self.ready_timeout_s, log_dir=self.log_dir).servers

@@ -1,6 +1,11 @@
 """``agentrl serve``: the built-in engine behind SGLang's native HTTP protocol.
 
     agentrl serve --model DIR [--host 127.0.0.1] [--port 30000] [--max-batch-size 64] ...
+    AGENTRL_API_KEY=KEY agentrl serve --model DIR --host 0.0.0.0       (or --api-key-file PATH)
+
+With a key (``AGENTRL_API_KEY`` or ``--api-key-file``) every endpoint but ``GET /health`` needs
+``Authorization: Bearer <key>`` and answers 401 without it; a non-loopback ``--host`` without a
+key is refused. Bodies above ``--max-request-bytes`` get 413, malformed JSON 400 (see guard.py).
 
 Endpoints (request and response JSON as SGLang's, see docs/facts in the repository):
 
@@ -29,6 +34,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
+from agentrl.engines.guard import DEFAULT_MAX_BODY_BYTES, Guard, api_key_from_env, read_key_file, require_key_off_loopback
 from agentrl.errors import EngineUnavailable
 
 __all__ = ["build_app", "cli_main", "parse_generate", "BadRequest"]
@@ -143,14 +152,16 @@ def _sampling(params: dict, where: str, defaults: dict[str, Any], eos_token_ids:
         value = params.get(key, neutral)
         if value != neutral and value not in ([], ""):
             raise BadRequest(f"{where}.{key}={value!r} is not supported by agentrl serve (only {neutral!r})")
+    for key in _DEFAULTS:
+        _check_number(params.get(key), f"{where}.{key}", integer=key in ("max_new_tokens", "top_k"))
     merged = {**_DEFAULTS, **defaults, **{k: v for k, v in params.items() if k in _DEFAULTS and v is not None}}
     stop_ids = params.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest(f"{where}.stop_token_ids must be a list of token ids")
     if not params.get("ignore_eos"):
         stop_ids = [*stop_ids, *(t for t in eos_token_ids if t not in stop_ids)]
     seed = params.get("sampling_seed")
-    if seed is not None and not isinstance(seed, int):
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise BadRequest(f"{where}.sampling_seed must be an integer")
     try:
         return SamplingParams(
@@ -163,6 +174,15 @@ def _sampling(params: dict, where: str, defaults: dict[str, Any], eos_token_ids:
         )
     except (TypeError, ValueError) as exc:
         raise BadRequest(f"{where}: {exc}") from exc
+
+
+def _check_number(value: Any, field: str, *, integer: bool) -> None:
+    """None (absent) or a finite number of the right kind; JSON's NaN/Infinity and booleans are not."""
+    if value is None:
+        return
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or (isinstance(value, float) and not math.isfinite(value)):
+        raise BadRequest(f"{field} must be a finite {'integer' if integer else 'number'}, got {value!r}")
 
 
 def finish_reason_json(result: GenerateResult) -> dict[str, Any]:
@@ -191,10 +211,9 @@ class _Server:
         return self.version_label if self.version_label is not None else str(self.engine.weight_version)
 
     async def generate(self, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            return _error(400, f"the body is not valid JSON: {exc}")
+        body = await _read_json(request)
+        if isinstance(body, Response):
+            return body
         try:
             parsed = parse_generate(body, defaults=self.defaults, eos_token_ids=self.eos_token_ids)
             duplicate = [r.rid for r in parsed.requests if r.rid in self.in_flight]
@@ -309,7 +328,7 @@ class _Server:
         started = time.perf_counter()
         try:
             await self.engine.update_weights(path=path, version=version)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # a bad directory is the caller's problem, not the server's end
             return _update_result(False, f"failed to load weights from {path}: {exc}")
         self.version_label = label
         return _update_result(True, f"loaded weights from {path} in {time.perf_counter() - started:.3f}s")
@@ -344,14 +363,16 @@ class _Server:
         body = await _json_object(request)
         if isinstance(body, Response):
             return body
+        try:
+            names, dtypes, shapes = _tensor_announcement(body, self.engine.model.state_dict())
+        except BadRequest as exc:
+            return _update_result(False, str(exc))
         name = str(body.get("group_name", "weight_update_group"))
         group = self.groups.get(name)
         if group is None:
             return _update_result(False, f"no weight update group {name!r}: call /init_weights_update_group first")
         try:
-            tensors = await asyncio.to_thread(
-                receive_broadcast, group, body["names"], body["dtypes"], body["shapes"], self.engine.device
-            )
+            tensors = await asyncio.to_thread(receive_broadcast, group, names, dtypes, shapes, self.engine.device)
         except (KeyError, ValueError, RuntimeError) as exc:
             return _update_result(False, f"failed to receive weights: {exc}")
         version, label = _parse_version(body.get("weight_version"))
@@ -392,11 +413,47 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
-async def _json_object(request: Request) -> dict | Response:
+def _tensor_announcement(body: dict, params: dict[str, Any]) -> tuple[list[str], list[str], list[list[int]]]:
+    """names/dtypes/shapes of a distributed update, checked before any tensor is allocated."""
+    from agentrl.engines.weight_sync import parse_dtype
+
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    for field, value in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+        if not isinstance(value, list):
+            raise BadRequest(f"{field} must be a list (one entry per tensor)")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest(f"names, dtypes and shapes must have one entry per tensor (got {len(names)}, {len(dtypes)}, {len(shapes)})")
+    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+        if not isinstance(name, str):
+            raise BadRequest(f"names[{i}] must be a string")
+        if not isinstance(dtype, str):
+            raise BadRequest(f"dtypes[{i}] must be a string such as 'bfloat16'")
+        try:
+            parse_dtype(dtype)
+        except ValueError:
+            raise BadRequest(f"dtypes[{i}]: unknown dtype {dtype!r}") from None
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise BadRequest(f"shapes[{i}] must be a list of non-negative integers")
+        # nothing is allocated for a tensor the model does not have (an absurd shape would take the memory)
+        if name not in params:
+            raise BadRequest(f"names[{i}]: {name!r} is not a parameter of the served model")
+        if tuple(shape) != tuple(params[name].shape):
+            raise BadRequest(f"shapes[{i}]: {name} has shape {list(params[name].shape)} in the served model, not {shape}")
+    return names, dtypes, shapes
+
+
+async def _read_json(request: Request) -> Any:
+    """The body as JSON, or a 400 saying why not (bad UTF-8, syntax, nesting too deep to parse)."""
     try:
-        body = await request.json()
-    except json.JSONDecodeError as exc:
-        return _error(400, f"the body is not valid JSON: {exc}")
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as exc:
+        return _error(400, f"the body is not valid JSON: {str(exc)[:200]}")
+
+
+async def _json_object(request: Request) -> dict | Response:
+    body = await _read_json(request)
+    if isinstance(body, Response):
+        return body
     if not isinstance(body, dict):
         return _error(400, "the body must be a JSON object")
     return body
@@ -425,7 +482,11 @@ def _load_tokenizer(model_dir: str):
         return None
 
 
-def build_app(engine: BuiltinEngine, model_path: str, *, tokenizer=None) -> Starlette:
+def build_app(
+    engine: BuiltinEngine, model_path: str, *, tokenizer=None, api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Starlette:
+    """The server's app. ``api_key``: required on every endpoint but ``GET /health`` (guard.py)."""
     server = _Server(engine, model_path, tokenizer=tokenizer)
     routes = [
         Route("/generate", server.generate, methods=["POST"]),
@@ -445,7 +506,8 @@ def build_app(engine: BuiltinEngine, model_path: str, *, tokenizer=None) -> Star
         yield
         engine.close()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    guard = Middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
 
 
 def cli_main(argv: list[str]) -> int:
@@ -460,7 +522,17 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--max-prefill-tokens", type=int, default=2048, help="prompt tokens computed per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--api-key-file", default=None, help="a file holding the API key (default: $AGENTRL_API_KEY; none: no key, loopback only)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies are answered 413")
     args = parser.parse_args(argv)
+    try:
+        api_key = read_key_file(args.api_key_file) if args.api_key_file else api_key_from_env()
+        require_key_off_loopback(args.host, api_key, program="agentrl serve")
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    if api_key is None:
+        print(f"agentrl serve: no API key set: any process on this machine can call every endpoint of {args.host}:{args.port}",
+              file=sys.stderr)
 
     import uvicorn
 
@@ -476,12 +548,11 @@ def cli_main(argv: list[str]) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
         seed=args.seed,
     )
-    app = build_app(engine, str(Path(args.model).resolve()), tokenizer=_load_tokenizer(args.model))
+    app = build_app(engine, str(Path(args.model).resolve()), tokenizer=_load_tokenizer(args.model), api_key=api_key,
+                    max_body_bytes=args.max_request_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(cli_main(sys.argv[1:]))

@@ -21,6 +21,9 @@ its retries is taken out of rotation, the request is retried on another one, and
 server is probed with ``/health`` in the background; it rejoins once it answers (after being
 brought to the current weights when they came from disk).
 
+Every request carries ``Authorization: Bearer <api_key>`` when the client has a key (``api_key=``,
+else ``$AGENTRL_API_KEY``): SGLang's ``--api-key`` and ``agentrl serve`` check it (a 401 says so).
+
 Weight sync: ``update_weights(path=...)`` calls ``/update_weights_from_disk`` on every server
 (SGLang drains running requests around it). The NCCL path is ``init_weights_update_group`` +
 ``update_weights_from_distributed``: this process is rank 0 of a separate process group with the
@@ -37,12 +40,15 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import httpx
-import torch
+
+if TYPE_CHECKING:  # tensors only pass through (weight sync imports torch itself)
+    import torch
 
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
+from agentrl.engines.guard import API_KEY_ENV, api_key_from_env, auth_headers
 from agentrl.errors import EngineError, EngineTimeout, EngineUnavailable
 
 __all__ = ["SGLangClient", "SGLangEngine", "generate_payload", "parse_generate_response", "map_http_error"]
@@ -121,6 +127,8 @@ def map_http_error(exc: httpx.HTTPError, url: str) -> EngineError:
         detail = exc.response.text[:500]
         if status >= 500:
             return EngineUnavailable(f"{url}: server error {status}: {detail}")
+        if status == 401:
+            return EngineError(f"{url}: 401 unauthorized: the server needs its API key (pass api_key=, or set {API_KEY_ENV})")
         return EngineError(f"{url}: request rejected with {status}: {detail}")
     if isinstance(exc, (httpx.UnsupportedProtocol, httpx.LocalProtocolError)):
         return EngineError(f"{url}: cannot send the request: {exc}")
@@ -149,12 +157,14 @@ class SGLangClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ):
         if max_retries < 0 or backoff_s < 0:
             raise ValueError("max_retries and backoff_s must be >= 0")
         self.base_url = base_url.rstrip("/")
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        headers = auth_headers(api_key or api_key_from_env())
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport, headers=headers)
 
     async def generate(self, request: GenerateRequest, *, fallback_version: int = 0) -> GenerateResult:
         body = await self._call("POST", "/generate", json=generate_payload(request))
@@ -295,11 +305,14 @@ class SGLangEngine:
         probe_interval_s: float = 2.0,
         max_sessions: int = 100_000,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ):
+        """``api_key``: sent to every server (default ``$AGENTRL_API_KEY``); ``launch_servers(...).api_key``."""
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         self.servers = [
-            _Server(SGLangClient(url, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, transport=transport))
+            _Server(SGLangClient(url, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, transport=transport,
+                                 api_key=api_key))
             for url in urls
         ]
         self.probe_interval_s = probe_interval_s

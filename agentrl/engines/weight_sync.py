@@ -11,6 +11,11 @@ Protocol (SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distr
    while those calls are in flight, broadcasts each tensor from rank 0 in exactly that order. The
    servers allocate each tensor, receive it, then load them all.
 
+Trust: the HTTP calls that form the group and announce each update carry the servers' API key
+(``SGLangClient``), and a server checks each announced name and shape against its model before
+allocating anything; the rendezvous itself (torch's TCP store at ``master_address:master_port``)
+has no authentication of its own, so ``master_address`` should be on a private network.
+
 ``backend`` is "nccl" between GPU processes; "gloo" makes the same path run on CPU, which is how
 it is tested here (against ``agentrl serve``, which implements the server side).
 """

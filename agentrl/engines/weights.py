@@ -34,15 +34,28 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     if files:
         state: dict[str, torch.Tensor] = {}
         for file in files:
-            state.update(load_file(str(file)))
+            state.update(_load(file, lambda f: load_file(str(f))))
         return state
     bins = sorted(root.glob("pytorch_model*.bin"))
     if bins:
         state = {}
         for file in bins:
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
+            state.update(_load(file, lambda f: torch.load(f, map_location="cpu", weights_only=True)))
         return state
     raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin files in {root}")
+
+
+def _load(file: Path, reader) -> dict[str, torch.Tensor]:
+    """One weights file; a damaged file or a pickle that is not plain tensors (refused by
+    ``weights_only=True``: a payload that would run code) is a ValueError naming the file, which
+    the engine reports to the caller, instead of an unpickling error that would end its worker."""
+    try:
+        state = reader(file)
+    except Exception as exc:
+        raise ValueError(f"{file}: not a readable weights file of plain tensors: {str(exc)[:300]}") from exc
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ValueError(f"{file}: not a mapping of names to tensors")
+    return state
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Offline replay of multi-turn rollouts: store, show, report, re-score, re-train, re-run.
 
-Importable from here (lazily: ``import agentrl.replay`` loads neither pyarrow nor torch)::
+Importable from here (these modules load pyarrow but not torch)::
 
     from agentrl.replay import RolloutStore, TrajectoryFilter, render_report, ReplayEngine, rerun_trajectories
 
@@ -8,45 +8,30 @@ Importable from here (lazily: ``import agentrl.replay`` loads neither pyarrow no
   atomic, filtered reads; the trainer and ``agentrl rollout`` write it, so it sits below them;
 * ``render_report`` (``agentrl.report``) - the static HTML report (plots over steps, trajectories);
 * ``rescore``: new rewards from another reward plugin into a new store;
-* ``train``: updates from stored trajectories with truncated importance ratios;
+* ``train``: updates from stored trajectories with truncated importance ratios (imports torch,
+  so it is not re-exported here: ``from agentrl.replay.train import ...``);
 * ``rerun``: ``ReplayEngine`` and ``rerun_trajectories`` - stored trajectories back through their loops;
 * ``cli``: ``agentrl replay show | report | rescore | train | rerun``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from agentrl.data.rollout_store import SCHEMA_VERSION, RolloutStore, StoredTrajectory, TrajectoryFilter
+from agentrl.replay.rerun import Difference, ReplayEngine, RerunResult, compare_trajectories, rerun_trajectories
+from agentrl.replay.rescore import rescore_store, rescore_trajectory
+from agentrl.report import render_report
 
-_EXPORTS: dict[str, str] = {
-    "RolloutStore": "agentrl.data.rollout_store",
-    "StoredTrajectory": "agentrl.data.rollout_store",
-    "TrajectoryFilter": "agentrl.data.rollout_store",
-    "SCHEMA_VERSION": "agentrl.data.rollout_store",
-    "render_report": "agentrl.report",
-    "rescore_store": "agentrl.replay.rescore",
-    "rescore_trajectory": "agentrl.replay.rescore",
-    "ReplayEngine": "agentrl.replay.rerun",
-    "RerunResult": "agentrl.replay.rerun",
-    "Difference": "agentrl.replay.rerun",
-    "compare_trajectories": "agentrl.replay.rerun",
-    "rerun_trajectories": "agentrl.replay.rerun",
-    "truncated_importance_weights": "agentrl.replay.train",
-    "replay_step": "agentrl.replay.train",
-    "train_from_store": "agentrl.replay.train",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'agentrl.replay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__ = [
+    "RolloutStore",
+    "StoredTrajectory",
+    "TrajectoryFilter",
+    "SCHEMA_VERSION",
+    "render_report",
+    "rescore_store",
+    "rescore_trajectory",
+    "ReplayEngine",
+    "RerunResult",
+    "Difference",
+    "compare_trajectories",
+    "rerun_trajectories",
+]

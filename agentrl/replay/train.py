@@ -83,7 +83,8 @@ def train_from_store(
     started_ray = init_local_ray()
     cpus = os.cpu_count() or 2
     env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
-    dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)
+    dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
+                stacks_dir=str(out_dir))
     actor = WorkerGroup(ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="actor",
                         model_path=model_path, config=cfg.actor, total_steps=total, temperature=cfg.rollout.temperature,
                         share_prompts=cfg.model.share_prompt_forward, **dist)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ __all__ = [
     "gather_optimizer_state",
     "load_optimizer_state",
     "drop_tied_duplicates",
+    "agree_max",
+    "needs_agreement",
 ]
 
 
@@ -54,8 +57,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> DeviceMesh:
-    """Join (or reuse) the default process group and return a 1-D mesh over all ranks."""
+def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
+                     timeout_s: float | None = None) -> DeviceMesh:
+    """Join (or reuse) the default process group and return a 1-D mesh over all ranks.
+
+    ``timeout_s`` bounds every collective (and the group's rendezvous): a rank that waits longer
+    for its peers raises instead of hanging (``trainer.collective_timeout_s``)."""
     os.environ.update(
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
@@ -63,12 +70,33 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     elif dist.get_world_size() != world_size:
         raise RuntimeError(
             f"this process already belongs to a process group of {dist.get_world_size()} ranks, not {world_size}"
         )
     return init_device_mesh(device.type, (world_size,))
+
+
+def needs_agreement(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward is a collective over more than one rank (FSDP2 gathers its
+    parameters in each call), so that every rank must make the same sequence of calls."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def agree_max(value: int, device: torch.device | str = "cpu") -> int:
+    """Collective: the largest ``value`` over all ranks (``value`` itself with one rank).
+
+    Each rank counts the forward calls (or micro-batches) its own rows need; every rank then
+    makes the agreed number, the short ones padding with calls that add nothing to the loss."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    count = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -27,6 +27,7 @@ import torch
 from agentrl.trainer import packed
 from agentrl.trainer.algorithms import entropy_from_logprobs
 from agentrl.trainer.batch import TrainBatch
+from agentrl.trainer.dist import agree_max, needs_agreement
 
 __all__ = ["response_logprobs", "response_values", "distinct_prompts", "length_buckets"]
 
@@ -76,9 +77,16 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
     """Yields ``(rows, cols, outputs)``: the model's (n, ·) outputs at the positions that predict
     response column ``cols[i]`` of batch row ``rows[i]``, every column up to each row's last real
     token exactly once, over one or more calls. The packed forward when the model allows it
-    (``packed.py``), else the distinct prompts once and one call per response-length bucket."""
+    (``packed.py``), else the distinct prompts once and one call per response-length bucket.
+
+    Sharded over several ranks (FSDP2), each model call is a collective, yet how many calls a
+    rank's rows need differs (distinct prompts, buckets, buckets of width 1 that need no call).
+    The ranks then agree on the largest count and the short ones make empty calls (one token,
+    no outputs yielded: their backward adds zero gradient), so every rank makes the same calls."""
     lengths = _response_lengths(batch)
-    if share_prompts and batch.prompt_length > 0:
+    # transformers returns no K/V from a checkpointed model in training: prompts cannot be shared
+    checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
+    if share_prompts and batch.prompt_length > 0 and not checkpointed:
         first, inverse = distinct_prompts(batch)
     else:
         first, inverse = torch.arange(len(batch)), torch.arange(len(batch))
@@ -88,14 +96,34 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
             layout = packed.layout(batch, lengths, [segments[i] for i in bucket.tolist()])
             yield layout.rows, layout.cols, model.get_output_embeddings()(packed.packed_hidden(model, layout))
         return
-    cache = _PromptCache(model, batch, first, inverse) if len(first) < len(batch) else None
-    for rows in length_buckets(lengths):
+    buckets = length_buckets(lengths)
+    use_cache, padding = len(first) < len(batch), 0
+    if needs_agreement(model):
+        use_cache = share_prompts and batch.prompt_length > 0  # the same graph shape on every rank
+        calls = int(use_cache) + sum(1 for rows in buckets if not (use_cache and int(lengths[rows].max()) == 1))
+        padding = agree_max(calls, batch.input_ids.device) - calls
+    cache = _PromptCache(model, batch, first, inverse) if use_cache else None
+    for rows in buckets:
         width = int(lengths[rows].max())
         out = cache.logits(model, batch, rows, width) if cache is not None else _full_logits(model, batch, rows, width)
         # each row's own columns only (the bucket is as wide as its longest row)
         keep = (torch.arange(width)[None, :] < lengths[rows][:, None]).to(out.device)  # (n, width)
         cols = torch.arange(width, device=out.device).expand(len(rows), -1)
         yield rows.to(out.device)[:, None].expand(-1, width)[keep], cols[keep], out[keep]
+    for _ in range(padding):
+        yield _empty_call(model, batch)
+
+
+def _empty_call(model: torch.nn.Module, batch: TrainBatch):
+    """A call of one token whose output reaches no row: it keeps this rank's calls (FSDP2
+    collectives, forward and backward) in step with ranks that need more."""
+    device = batch.input_ids.device
+    out = model(
+        input_ids=batch.input_ids[:1, :1], attention_mask=torch.ones(1, 1, dtype=torch.long, device=device),
+        position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1,
+    ).logits[0, :0]  # (0, V): empty, yet in the autograd graph
+    none = torch.zeros(0, dtype=torch.long, device=device)
+    return none, none, out
 
 
 def distinct_prompts(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:

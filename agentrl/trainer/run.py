@@ -36,12 +36,15 @@ import torch
 from agentrl.config import TrainConfig, load_config
 from agentrl.data.prepare import prepare_data
 from agentrl.data.rollout_store import RolloutStore
+from agentrl.engines.guard import api_key_from_env
 from agentrl.engines.managed import ManagedServers, check_engine_config
 from agentrl.errors import CheckpointError
 from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
 from agentrl.tiny import resolve_model
 from agentrl.trainer import algorithms as algo
+from agentrl.trainer.checkpoint_io import read_json
 from agentrl.trainer.logging import MetricsLogger
+from agentrl.trainer.sft import run_sft_on_actor
 from agentrl.trainer.step import Groups, RolloutFailed, TrainingStep, check_weight_versions, timed, trajectory_metrics
 from agentrl.trajectory import Trajectory
 
@@ -90,7 +93,8 @@ class Trainer:
         init_local_ray()
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
-        dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed)
+        dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
+                    stacks_dir=str(run_dir))
         from agentrl.agent.setup import RolloutSetup
 
         # engine=sglang without engine.servers: this process starts the servers and owns them
@@ -98,9 +102,11 @@ class Trainer:
         if cfg.engine.backend == "sglang" and not cfg.engine.servers:
             self.servers = ManagedServers.from_config(cfg, self.model_path, log_dir=self.run.path / "servers").start()
         urls = tuple(self.servers.urls) if self.servers is not None else ()
-        setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights), server_urls=urls)
+        api_key = self.servers.api_key if self.servers is not None else api_key_from_env()
+        setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights), server_urls=urls, api_key=api_key)
         self.weight_version = 0  # the engine's weights: the version of the last sync
-        self.total_steps = cfg.trainer.total_steps
+        # trainer.total_epochs caps the run; written back so every later reader (LR schedule, loop, summary) agrees
+        self.total_steps = cfg.trainer.total_steps = cfg.trainer.planned_steps(len(self.dataset))
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
@@ -139,22 +145,57 @@ class Trainer:
             self.resume()
 
     # ------------------------------------------------------------------ phases
-    def rollout(self, rows, *, step: int, validation: bool) -> list[Trajectory]:
+    def rollout(self, rows, *, step: int, validation: bool, draw: int = 0) -> list[Trajectory]:
         cfg = self.cfg
         n = cfg.rollout.val_n if validation else cfg.rollout.n
+        purpose = ("val" if validation else "train") + (f".{draw}" if draw else "")  # draw: dynamic sampling's refills
         return self.actor.call_rank0(
-            "rollout", rows, n=n, seed=_seed_for(cfg.trainer.seed, step, "val" if validation else "train"),
-            group_prefix=f"{'val' if validation else 'train'}{step}/", validation=validation, policy_version=step,
+            "rollout", rows, n=n, seed=_seed_for(cfg.trainer.seed, step, purpose),
+            group_prefix=f"{purpose}{step}/", validation=validation, policy_version=step,
         )
+
+    def rollout_filtered(self, step: int, rows) -> tuple[list[Trajectory], list[Trajectory], list, dict[str, float]]:
+        """DAPO's dynamic sampling (``algorithm.filter_groups``): groups whose rewards are all
+        equal carry no advantage and are dropped; more rows are drawn and rolled out until
+        ``data.train_batch_size`` groups remain or ``max_num_gen_batches`` draws were made.
+        Returns the kept trajectories, every trajectory and row drawn (for the store) and the counts."""
+        cfg = self.cfg
+        kept: list[Trajectory] = []
+        every: list[Trajectory] = []
+        all_rows, drawn, dropped, draw = list(rows), 0, 0, 0
+        while True:
+            drawn_now = self.rollout(rows, step=step, validation=False, draw=draw)
+            every += drawn_now
+            usable = [t for t in drawn_now if t.response_ids]
+            index = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in usable))}
+            keep, counts = algo.dynamic_sampling_filter(
+                torch.tensor([t.reward for t in usable]), torch.tensor([index[t.group_id] for t in usable], dtype=torch.long)
+            )
+            kept += [usable[i] for i in keep.tolist()]
+            drawn, dropped, draw = drawn + counts["groups_drawn"], dropped + counts["groups_dropped"], draw + 1
+            groups = list(dict.fromkeys(t.group_id for t in kept))
+            if len(groups) >= cfg.data.train_batch_size or draw >= cfg.algorithm.filter_groups.max_num_gen_batches:
+                break
+            rows = self.dataset.next_batch()
+            all_rows += rows
+        chosen = set(groups[: cfg.data.train_batch_size])
+        metrics = {"dynamic_sampling/groups_drawn": float(drawn), "dynamic_sampling/groups_dropped": float(dropped),
+                   "dynamic_sampling/gen_batches": float(draw), "dynamic_sampling/groups_kept": float(len(chosen))}
+        # every group uniform even after the last draw: train on that draw (its advantages are all 0)
+        return [t for t in kept if t.group_id in chosen] or usable, every, all_rows, metrics
 
     def train_step(self, step: int, rows) -> dict[str, float]:
         """Rollout, the training step (``trainer.step``), weight sync; the rollouts go to the store."""
         timings: dict[str, float] = {}
         start = time.perf_counter()
+        sampling: dict[str, float] = {}
         with timed(timings, "rollout"):  # generation, tools, interactions and rewards
-            trajectories = self.rollout(rows, step=step, validation=False)
+            if self.cfg.algorithm.filter_groups.enable:
+                trajectories, drawn, rows, sampling = self.rollout_filtered(step, rows)
+            else:
+                trajectories = drawn = self.rollout(rows, step=step, validation=False)
         if self.store is not None:
-            self.store.write_step(step, trajectories, rows=rows)
+            self.store.write_step(step, drawn, rows=rows)
         try:
             check_weight_versions(trajectories, self.weight_version, where=f"step {step}")
             result = self.step.online(trajectories, step=step)
@@ -165,7 +206,7 @@ class Trainer:
             with timed(timings, "weight_sync"):
                 self.sync_weights(step + 1)
         wall = time.perf_counter() - start
-        metrics = {**result.metrics, **timings}
+        metrics = {**result.metrics, **sampling, **timings}
         metrics.update({
             "step": float(step),
             "tokens/per_s": float(result.batch.attention_mask.sum()) / wall,
@@ -187,8 +228,6 @@ class Trainer:
         return trajectory_metrics(trajectories, prefix="val/")
 
     def warm_start_sft(self) -> None:
-        from agentrl.trainer.sft import run_sft_on_actor
-
         run_sft_on_actor(self.actor, self.cfg, self.model_path, self.tokenizer, self.pad_id, self.log, self.run.path)
         self.actor.call_all("reset_optimizer", self.cfg.actor.optim, max(1, self.total_steps))
         self.sync_weights(0)
@@ -208,7 +247,7 @@ class Trainer:
         directory = self.run.latest_checkpoint()
         if directory is None:
             raise CheckpointError(f"no checkpoint to resume from in {self.run.checkpoints}")
-        state = json.loads((directory / TRAINER_STATE).read_text())
+        state = read_json(directory / TRAINER_STATE, root=self.run.path)  # checked: inside the run, plain JSON, bounded
         self.actor.call_all("load", str(directory))
         if self.critic is not None:
             self.critic.call_all("load", str(directory))

@@ -32,9 +32,13 @@ import torch
 from agentrl.config.schema import TrainConfig
 from agentrl.errors import AgentrlError, DataError
 from agentrl.trainer import algorithms as algo
+from agentrl.trainer.balance import balanced_shards
 from agentrl.trainer.batch import TrainBatch, collate
 from agentrl.trainer.workers import mini_batch_denominator
 from agentrl.trajectory import Trajectory, TrajectoryFinish
+
+# the ends that cut a response at a length limit (DAPO's overlong filter drops them)
+TRUNCATED = frozenset({TrajectoryFinish.LENGTH, TrajectoryFinish.RESPONSE_BUDGET})
 
 __all__ = [
     "Group", "LocalGroup", "Groups", "StepResult", "TrainingStep", "usable_trajectories", "is_on_policy",
@@ -159,27 +163,38 @@ def compute_advantages(batch: TrainBatch, cfg: TrainConfig, kl_coef: float | Non
         per_turn = torch.zeros_like(turn_rewards).scatter_add_(1, index, penalty * (batch.turn_ids >= 0))
         token_rewards, turn_rewards = penalized, turn_rewards + per_turn
         metrics["kl/reward_penalty_kl"] = float(kl)
-    scores = token_rewards.sum(-1)  # (B,)
-    est = alg.adv_estimator
-    returns = None
-    if est == "gae":
-        advantages, returns = algo.compute_gae(token_rewards, batch.values, mask, alg.gamma, alg.lam)
-    elif est in ("grpo", "drgrpo"):
-        advantages = algo.turn_level_advantages(
-            turn_rewards, batch.num_turns, batch.turn_ids, mask, batch.group_index, gamma=alg.turn_gamma,
-            norm_by_std=est == "grpo" and alg.norm_adv_by_std_in_grpo,
-        )
-    elif est == "rloo":
-        advantages = algo.compute_rloo_advantages(scores, batch.group_index).unsqueeze(1) * mask
-    elif est == "reinforce_plus_plus":
-        advantages = algo.compute_reinforce_pp_advantages(token_rewards, mask, alg.gamma)
-    elif est == "reinforce_plus_plus_baseline":
-        advantages = algo.compute_reinforce_pp_baseline_advantages(scores, mask, batch.group_index)
-    else:  # the schema forbids it; kept for a clear error if the two drift apart
-        raise ValueError(f"unknown adv_estimator {est!r}")
+    advantages, returns = algo.estimate_advantages(
+        alg.adv_estimator, token_rewards=token_rewards, response_mask=mask, group_ids=batch.group_index,
+        gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        rpp_reset_at_observations=alg.rpp_reset_at_observations, grpo_turn_credit=alg.grpo_turn_credit,
+        turn_gamma=alg.turn_gamma, values=batch.values, turn_rewards=turn_rewards, num_turns=batch.num_turns,
+        turn_ids=batch.turn_ids,
+    )
     metrics["advantages/mean"] = float(algo.masked_mean(advantages, mask))
     metrics["advantages/abs_max"] = float((advantages.abs() * mask).max())
-    return batch.replace(advantages=advantages, returns=returns if returns is not None else advantages), metrics
+    return batch.replace(advantages=advantages, returns=returns), metrics
+
+
+def overlong_shaping(batch: TrainBatch, trajectories: Sequence[Trajectory], cfg: TrainConfig) -> tuple[TrainBatch, dict[str, float]]:
+    """DAPO's length shaping, when configured: the soft overlong penalty joins each trajectory's
+    reward (on its last sampled token and its last turn), and overlong filtering leaves responses
+    that hit the length limit out of the loss."""
+    metrics: dict[str, float] = {}
+    buffer = cfg.algorithm.overlong_buffer
+    if buffer.enable:
+        lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+        penalty = algo.overlong_reward_penalty(lengths, cfg.data.max_response_length, buffer.len, buffer.penalty_factor)  # (B,)
+        last_turn = (batch.num_turns - 1).clamp(min=0).unsqueeze(1)  # (B, 1)
+        batch = batch.replace(
+            token_rewards=algo.add_to_last_sampled_token(batch.token_rewards, batch.response_mask, penalty),
+            turn_rewards=batch.turn_rewards.scatter_add(1, last_turn, penalty.unsqueeze(1)),
+        )
+        metrics["overlong/penalized_fraction"] = float((penalty < 0).float().mean())
+    if cfg.algorithm.overlong_filter:
+        truncated = torch.tensor([t.finish_reason in TRUNCATED for t in trajectories])
+        batch = batch.replace(response_mask=algo.overlong_filter_mask(truncated, batch.response_mask))
+        metrics["overlong/filtered_fraction"] = float(truncated.float().mean())
+    return batch, metrics
 
 
 def truncated_importance_weights(
@@ -262,7 +277,7 @@ def update(group: Group, batch: TrainBatch, mini_size: int, epochs: int, mode: s
     group's ranks; the ranks' metrics averaged."""
     minis = [mb for _ in range(epochs) for mb in batch.split(mini_size)]
     denominators = [mini_batch_denominator(mb.response_mask, mode) for mb in minis]
-    per_mini = [shards(mb, group.world_size) for mb in minis]
+    per_mini = [balanced_shards(mb, group.world_size).shards for mb in minis]
     per_rank = [[mini[rank] for mini in per_mini] for rank in range(group.world_size)]
     results = group.call_sharded("update", per_rank, denominators, **kwargs)
     return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
@@ -321,23 +336,26 @@ class TrainingStep:
             group_size = max(Counter(t.group_id for t in usable).values())
         batch = collate(usable, pad_token_id=self.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
                         max_response_length=cfg.data.max_response_length)
+        batch, shaping_metrics = overlong_shaping(batch, usable, cfg)
         actor, micro = groups.actor, cfg.actor.ppo_micro_batch_size_per_gpu
         on_policy = on_policy and update_actor
         entropy = None
         if not on_policy:
             with timed(timings, "old_logprobs"):
-                parts = actor.call_sharded("compute_logprobs", shards(batch, actor.world_size), micro)
-                old, entropy = (torch.cat([p[i] for p in parts])[: len(batch)] for i in (0, 1))
+                split = balanced_shards(batch, actor.world_size)
+                parts = actor.call_sharded("compute_logprobs", split.shards, micro)
+                old, entropy = (split.gather([p[i] for p in parts]) for i in (0, 1))
                 batch = batch.replace(old_logprobs=old)
         if groups.reference is not None:
             with timed(timings, "ref_logprobs"):
-                ref = groups.reference.call_sharded("compute_logprobs", shards(batch, groups.reference.world_size), micro)
-                batch = batch.replace(ref_logprobs=torch.cat(ref)[: len(batch)])
+                split = balanced_shards(batch, groups.reference.world_size)
+                ref = groups.reference.call_sharded("compute_logprobs", split.shards, micro)
+                batch = batch.replace(ref_logprobs=split.gather(ref))
         if groups.critic is not None:
             with timed(timings, "values"):
-                values = groups.critic.call_sharded("compute_values", shards(batch, groups.critic.world_size),
-                                                    cfg.critic.ppo_micro_batch_size_per_gpu)
-                batch = batch.replace(values=torch.cat(values)[: len(batch)])
+                split = balanced_shards(batch, groups.critic.world_size)
+                values = groups.critic.call_sharded("compute_values", split.shards, cfg.critic.ppo_micro_batch_size_per_gpu)
+                batch = batch.replace(values=split.gather(values))
         weight_metrics: dict[str, float] = {}
         with timed(timings, "advantages"):
             batch, adv_metrics = compute_advantages(batch, cfg, self.kl_ctrl.value if self.kl_ctrl is not None else None)
@@ -354,10 +372,10 @@ class TrainingStep:
         if on_policy:
             with timed(timings, "actor_update"):
                 denominator = mini_batch_denominator(batch.response_mask, mode)
-                parts = actor.call_sharded("update_on_policy", shards(batch, actor.world_size), denominator,
-                                           use_kl_loss=cfg.actor.use_kl_loss)
+                split = balanced_shards(batch, actor.world_size)
+                parts = actor.call_sharded("update_on_policy", split.shards, denominator, use_kl_loss=cfg.actor.use_kl_loss)
                 metrics.update({k: sum(p[0][k] for p in parts) / len(parts) for k in parts[0][0]})
-                old, entropy = (torch.cat([p[i] for p in parts])[: len(batch)] for i in (1, 2))
+                old, entropy = (split.gather([p[i] for p in parts]) for i in (1, 2))
                 batch = batch.replace(old_logprobs=old)
         elif update_actor:
             with timed(timings, "actor_update"):
@@ -370,6 +388,8 @@ class TrainingStep:
         metrics.update(adv_metrics)
         metrics.update(timings)
         metrics.update({
+            # the busiest actor rank's tokens over the mean rank's (1.0: the ranks finish together)
+            "balance/actor_token_imbalance": balanced_shards(batch, actor.world_size).imbalance,
             "entropy/mean": float(algo.masked_mean(entropy, mask)),
             "logprob_mismatch/mean": float(mismatch.sum() / mask.sum().clamp(min=1)),
             "logprob_mismatch/max": float(mismatch.max()) if mismatch.numel() else 0.0,
@@ -378,11 +398,13 @@ class TrainingStep:
         })
         metrics.update(failure_metrics(trajectories))
         metrics.update(weight_metrics)
+        metrics.update(shaping_metrics)
         if batch.ref_logprobs is not None:
             metrics["kl/policy_ref"] = float(algo.masked_mean(algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1"), mask))
             if self.kl_ctrl is not None:
-                if cfg.algorithm.use_kl_in_reward:
-                    self.kl_ctrl.update(metrics["kl/policy_ref"], len(batch))
+                if cfg.algorithm.use_kl_in_reward:  # fed what verl feeds it: the configured KL kind, per-sequence means
+                    kl = algo.kl_for_controller(batch.old_logprobs, batch.ref_logprobs, mask, cfg.algorithm.kl_penalty)
+                    self.kl_ctrl.update(float(kl), len(batch))
                 metrics["kl/coef"] = self.kl_ctrl.value
         if batch.values is not None:
             metrics["critic/explained_variance"] = explained_variance(batch.returns, batch.values, mask)

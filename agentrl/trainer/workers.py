@@ -30,15 +30,20 @@ import torch
 
 from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
+from agentrl.errors import WorkerDied
 from agentrl.trainer import algorithms as algo
+from agentrl.errors import CheckpointError
 from agentrl.trainer.batch import TrainBatch
+from agentrl.trainer.checkpoint_io import expected_tensors, read_state, write_state
 from agentrl.trainer.dist import (
+    agree_max,
     drop_tied_duplicates,
     gather_model_state,
     gather_optimizer_state,
     init_distributed,
     load_model_state,
     load_optimizer_state,
+    needs_agreement,
     reshard,
     resolve_device,
     shard_model,
@@ -47,35 +52,48 @@ from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
 from agentrl.trainer.prefix import response_logprobs, response_values
 
 __all__ = [
-    "ActorWorker", "ReferenceWorker", "CriticWorker", "ValueModel", "WorkerGroup", "WorkerDied",
+    "ActorWorker", "ReferenceWorker", "CriticWorker", "ValueModel", "WorkerGroup", "WorkerDied", "CollectiveTimeout",
     "response_logprobs", "mini_batch_denominator", "worker_env", "train_on_mini_batches",
 ]
 
 
+# trainer.collective_timeout_s's default (the schema's): long enough for a slow CPU step's gaps
+# between collectives, short of NCCL's and gloo's own defaults (10 and 30 minutes).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# What the driver adds to the collective timeout before it gives up on a rank: the rank's stack
+# dump fires at the timeout, and the file must be written.
+_STACK_GRACE_S = 3.0
+# The least time the ranks of a group get to start (``WorkerGroup``'s first call).
+_START_TIMEOUT_S = 600.0
+
+
 def _loss_scale(mask: torch.Tensor, mode: str, global_denominator: float, world_size: int) -> float:
-    """Turns a micro-batch's own loss mean into its share of the mini-batch's mean over all ranks
-    (FSDP averages gradients over ranks, hence the factor ``world_size``)."""
-    if mode == "token-mean":
-        local = float(mask.sum())
-    else:
-        local = float((mask.sum(-1) > 0).sum())
-    return local / max(global_denominator, 1.0) * world_size
+    """Turns a micro-batch's own aggregated loss into its share of the mini-batch's loss over all
+    ranks: its own denominator over the mini-batch's (``algo.loss_denominator``: tokens,
+    sequences, or 1 for seq-mean-token-sum-norm, a plain sum), times ``world_size`` since FSDP
+    averages gradients over ranks. The scaled micro-batch losses sum to the whole mini-batch's
+    ``aggregate_loss`` however the rows are split."""
+    return algo.loss_denominator(mask, mode) / max(global_denominator, 1.0) * world_size
 
 
 def mini_batch_denominator(mask: torch.Tensor, mode: str) -> float:
-    return float(mask.sum()) if mode == "token-mean" else float((mask.sum(-1) > 0).sum())
+    """The whole mini-batch's denominator for ``_loss_scale`` (``algo.loss_denominator``)."""
+    return algo.loss_denominator(mask, mode)
 
 
 class _Worker:
     """Shared plumbing: process group, device, dtype, seeding."""
 
-    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, device: str, seed: int):
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, device: str, seed: int,
+                 collective_timeout_s: float | None = None):
         self.rank, self.world_size = rank, world_size
+        self.collective_timeout_s = collective_timeout_s
         self.device = resolve_device(device)
         self.mesh = init_distributed(
-            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, device=self.device
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, device=self.device,
+            timeout_s=collective_timeout_s,
         )
-        # fp32 on CPU (bf16 is 14-25x slower there), bf16 compute on GPU
+        # fp32 on CPU (bf16 is many times slower there, see docs/benchmarks.md), bf16 compute on GPU
         self.param_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
@@ -88,6 +106,45 @@ class _Worker:
 
     def ready(self) -> int:
         return self.rank
+
+    def call(self, method: str, stacks_file: str, *args: Any, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` with a watchdog: when the call runs longer than the
+        collective timeout, every thread's Python stack is written to ``stacks_file`` (by
+        faulthandler's own thread, so even a rank stuck in C++ inside a collective is seen). The
+        file is kept when the call fails or never returns, and removed when it returns."""
+        import faulthandler
+
+        if self.collective_timeout_s is None:
+            return getattr(self, method)(*args, **kwargs)
+        path = Path(stacks_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as out:
+            out.write(f"rank {self.rank} (pid {os.getpid()}) in `{method}`, started {time.strftime('%H:%M:%S')}; "
+                      f"stacks dumped {self.collective_timeout_s:g} s later:\n")
+            out.flush()
+            faulthandler.dump_traceback_later(self.collective_timeout_s, file=out)
+            try:
+                result = getattr(self, method)(*args, **kwargs)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+        path.unlink(missing_ok=True)  # returned: not a hang (a slow call that finished is fine)
+        return result
+
+    def micro_batches(self, batch: TrainBatch, size: int, model: torch.nn.Module) -> list[tuple[TrainBatch, bool]]:
+        """``batch`` split into micro-batches of ``size`` rows, each with whether it is real.
+
+        With several FSDP2 ranks every rank must run as many micro-batches as the others (each is
+        at least one collective forward), whatever its share of the rows: the ranks agree on the
+        most, and the short ones append fillers (row 0 with an empty loss mask), whose outputs
+        are dropped and whose loss is scaled by zero."""
+        micros = batch.split(size)
+        if not needs_agreement(model):
+            return [(m, True) for m in micros]
+        count = agree_max(len(micros), self.device)
+        if count > len(micros) and len(batch) == 0:
+            raise ValueError(f"rank {self.rank}: an empty shard cannot make the {count} micro-batches of the other ranks")
+        filler = batch.select([0]).replace(response_mask=torch.zeros_like(batch.response_mask[:1]))
+        return [(m, True) for m in micros] + [(filler, False)] * (count - len(micros))
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -139,7 +196,8 @@ class ActorWorker(_Worker):
             # SGLangEngine's HTTP clients belong to one event loop: every rollout and weight sync
             # of this worker runs on this one (asyncio.run would give each call a new loop).
             self._engine_loop = asyncio.new_event_loop()
-            self.engine = SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries)
+            self.engine = SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries,
+                                        api_key=setup.api_key)
         else:
             self.engine = self._builtin_engine(setup)
         self.contexts = {
@@ -210,12 +268,13 @@ class ActorWorker(_Worker):
         self.model.eval()
         logprobs, entropies = [], []
         R = batch.response_length
-        for micro in batch.split(micro_batch_size):
+        for micro, real in self.micro_batches(batch, micro_batch_size, self.model):
             trimmed = micro.trim().to(self.device)
             lp, ent = response_logprobs(self.model, trimmed, temperature=self.temperature, with_entropy=True,
                                         share_prompts=self.share_prompts)
-            logprobs.append(_pad_right(lp.cpu(), R))
-            entropies.append(_pad_right(ent.cpu(), R))
+            if real:
+                logprobs.append(_pad_right(lp.cpu(), R))
+                entropies.append(_pad_right(ent.cpu(), R))
         reshard(self.model)
         return torch.cat(logprobs), torch.cat(entropies)
 
@@ -225,13 +284,14 @@ class ActorWorker(_Worker):
         it: greedy decoding would write that sequence's trained tokens exactly."""
         self.model.eval()
         out = []
-        for micro in batch.split(micro_batch_size):
+        for micro, real in self.micro_batches(batch, micro_batch_size, self.model):
             m = micro.trim().to(self.device)
             R = m.response_length
             logits = self.model(input_ids=m.input_ids, attention_mask=m.attention_mask, position_ids=m.position_ids,
                                 use_cache=False, logits_to_keep=R + 1).logits[:, :R]  # (b, R, V)
             hit = (logits.argmax(-1) == m.input_ids[:, -R:]) | (m.response_mask == 0)  # (b, R)
-            out.append(hit.all(-1).float().cpu())
+            if real:
+                out.append(hit.all(-1).float().cpu())
         reshard(self.model)
         return torch.cat(out)
 
@@ -256,14 +316,25 @@ class ActorWorker(_Worker):
             if _seen is not None:
                 old = logprobs.detach()  # the weights that sampled are the ones being updated: ratio 1
                 _seen.append((old.cpu(), entropy.detach().cpu()))
-            loss, pg = algo.ppo_policy_loss(logprobs, old, m.advantages, mask, low, high, cfg.clip_ratio_c, cfg.loss_agg_mode)
-            metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()}}
+            weights, rc_metrics = None, {}
+            rc = cfg.rollout_correction
+            if rc.level is not None:  # truncated IS: the trainer's logprobs against the engine's
+                weights, rc_metrics = algo.rollout_correction_weights(
+                    old, m.engine_logprobs, mask, rc.level, rc.cap, rc.outlier_threshold)
+            loss, pg = algo.policy_loss(
+                cfg.policy_loss, logprobs, old, m.advantages, mask, clip_ratio_low=low, clip_ratio_high=high,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, norm_length=cfg.loss_scale_factor,
+                rollout_is_weights=weights,
+            )
+            metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()},
+                       **{f"rollout_corr/{k}": v.item() for k, v in rc_metrics.items()}}
             if cfg.entropy_coeff != 0:
-                ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode)
+                ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode, cfg.loss_scale_factor)
                 loss = loss - cfg.entropy_coeff * ent
                 metrics["actor/entropy_loss"] = ent.item()
             if use_kl_loss:
-                kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+                kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask,
+                                         cfg.loss_agg_mode, cfg.loss_scale_factor)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.item()
             return loss, metrics
@@ -283,6 +354,7 @@ class ActorWorker(_Worker):
         """
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         metrics = self.update([batch], [denominator], use_kl_loss=use_kl_loss, _seen=seen)
+        seen = seen[: len(batch.split(self.config.ppo_micro_batch_size_per_gpu))]  # fillers come last
         R = batch.response_length
         logprobs = torch.cat([_pad_right(lp, R) for lp, _ in seen])
         entropy = torch.cat([_pad_right(ent, R) for _, ent in seen])
@@ -309,28 +381,25 @@ class ActorWorker(_Worker):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str) -> None:
-        """Collective: rank 0 writes the full model, optimizer and scheduler state."""
+        """Collective: rank 0 writes the full model, optimizer, scheduler and RNG state (safetensors +
+        JSON under ``directory/actor``, see checkpoint_io: no pickle)."""
         reshard(self.model)
         model_state = gather_model_state(self.model)
         optim_state = gather_optimizer_state(self.model, self.optimizer)
         if rank_is_zero(self.rank):
-            path = Path(directory)
-            path.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
-                 "rng": torch.get_rng_state()},
-                path / "actor.pt",
-            )
+            write_state(directory, "actor", {"model": model_state, "optimizer": optim_state,
+                                             "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state().tolist()})
 
     def load(self, directory: str) -> None:
-        """Collective: rank 0's full state is broadcast; the schedule is replicated on every rank."""
-        state = torch.load(Path(directory) / "actor.pt", weights_only=False)
+        """Collective: every rank checks the files (so all refuse a bad checkpoint together, before
+        any collective); rank 0's full state is broadcast; the schedule is replicated on every rank."""
         zero = rank_is_zero(self.rank)
+        state = read_state(directory, "actor", expect_model=expected_tensors(self.model), load_tensors=zero)
         load_model_state(self.model, state["model"] if zero else {})
         load_optimizer_state(self.model, self.optimizer, state["optimizer"] if zero else {})
         self.scheduler.load_state_dict(state["scheduler"])
         if zero:
-            torch.set_rng_state(state["rng"])
+            torch.set_rng_state(_rng_state(state["rng"], directory))
 
     def export_hf(self, directory: str) -> None:
         """Collective: rank 0 writes a transformers checkpoint (model + tokenizer) of the policy."""
@@ -381,11 +450,12 @@ class ReferenceWorker(_Worker):
     def compute_logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         R = batch.response_length
         parts = [
-            _pad_right(response_logprobs(self.model, micro.trim().to(self.device), temperature=self.temperature,
-                                         share_prompts=self.share_prompts)[0].cpu(), R)
-            for micro in batch.split(micro_batch_size)
+            (_pad_right(response_logprobs(self.model, micro.trim().to(self.device), temperature=self.temperature,
+                                          share_prompts=self.share_prompts)[0].cpu(), R), real)
+            for micro, real in self.micro_batches(batch, micro_batch_size, self.model)
         ]
         reshard(self.model)
+        parts = [part for part, real in parts if real]
         return torch.cat(parts)
 
 
@@ -444,7 +514,12 @@ class CriticWorker(_Worker):
     def compute_values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         self.model.eval()
         R = batch.response_length
-        values = torch.cat([_pad_right(self._values(m.trim().to(self.device)).cpu(), R) for m in batch.split(micro_batch_size)])
+        values = torch.cat([
+            _pad_right(values.cpu(), R)
+            for values, real in [(self._values(m.trim().to(self.device)), real)
+                                 for m, real in self.micro_batches(batch, micro_batch_size, self.model)]
+            if real
+        ])
         reshard(self.model)
         return values
 
@@ -452,24 +527,34 @@ class CriticWorker(_Worker):
         cfg = self.config
 
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value, loss_agg_mode)
+            loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value,
+                                            loss_agg_mode, cfg.loss_scale_factor)
             return loss, {"critic/vf_loss": loss.item(), "critic/vf_clipfrac": metrics["vf_clipfrac"].item()}
 
         return train_on_mini_batches(self, mini_batches, denominators, micro_size=cfg.ppo_micro_batch_size_per_gpu,
                                      mode=loss_agg_mode, prefix="critic", micro_loss=micro_loss)
 
     def save(self, directory: str) -> None:
+        """Collective: rank 0 writes the value model, optimizer and scheduler under ``directory/critic``."""
         reshard(self.model)
         model_state = gather_model_state(self.model)
         optim_state = gather_optimizer_state(self.model, self.optimizer)
         if rank_is_zero(self.rank):
-            torch.save({"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, Path(directory) / "critic.pt")
+            write_state(directory, "critic", {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()})
 
     def load(self, directory: str) -> None:
-        state = torch.load(Path(directory) / "critic.pt", weights_only=False)
-        load_model_state(self.model, state["model"] if rank_is_zero(self.rank) else {})
-        load_optimizer_state(self.model, self.optimizer, state["optimizer"] if rank_is_zero(self.rank) else {})
+        zero = rank_is_zero(self.rank)
+        state = read_state(directory, "critic", expect_model=expected_tensors(self.model), load_tensors=zero)
+        load_model_state(self.model, state["model"] if zero else {})
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"] if zero else {})
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _rng_state(values: Any, directory: str) -> torch.Tensor:
+    """The CPU generator's state saved as a list of byte values."""
+    if not isinstance(values, list) or not all(isinstance(v, int) and 0 <= v < 256 for v in values):
+        raise CheckpointError(f"{directory}: actor/state.json: rng must be a list of byte values (0-255)")
+    return torch.tensor(values, dtype=torch.uint8)
 
 
 def train_on_mini_batches(worker, mini_batches, denominators, *, micro_size: int, mode: str, prefix: str, micro_loss,
@@ -481,20 +566,32 @@ def train_on_mini_batches(worker, mini_batches, denominators, *, micro_size: int
     norm and the skipped steps."""
     started = time.perf_counter()
     worker.model.train()
+    if needs_agreement(worker.model) and agree_max(len(mini_batches), worker.device) != len(mini_batches):
+        # a filler mini-batch would still move the weights (Adam's momentum): the driver must not do this
+        raise ValueError(f"rank {worker.rank} got {len(mini_batches)} mini-batches, another rank more: "
+                         "every rank must make the same optimizer steps")
     sums: dict[str, float] = {}
-    micro_count, grad_norms, skipped = 0, [], 0
+    micro_count, grad_norms, skipped, losses = 0, [], 0, []
     for mini, denominator in zip(mini_batches, denominators):
         worker.optimizer.zero_grad(set_to_none=True)
-        for micro in mini.split(micro_size):
+        loss_share = 0.0
+        for micro, real in worker.micro_batches(mini, micro_size, worker.model):
             m = micro.trim().to(worker.device)
             loss, metrics = micro_loss(m)
-            (loss * _loss_scale(m.response_mask, mode, denominator, worker.world_size)).backward()
+            # a filler's mask is empty: scale 0, so its backward (the same collectives as the
+            # other ranks') adds nothing
+            scaled = loss * _loss_scale(m.response_mask, mode, denominator, worker.world_size)
+            scaled.backward()
+            loss_share += scaled.item()
+            if not real:
+                continue
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
             micro_count += 1
         norm = torch.nn.utils.clip_grad_norm_(worker.model.parameters(), worker.config.optim.grad_clip)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         grad_norms.append(norm)
+        losses.append(loss_share)
         if math.isfinite(norm):
             worker.optimizer.step()
         else:
@@ -502,6 +599,10 @@ def train_on_mini_batches(worker, mini_batches, denominators, *, micro_size: int
             skipped += 1
     worker.scheduler.step()
     out = {k: v / max(micro_count, 1) for k, v in sums.items()} if average else sums
+    # the loss whose gradient the step took, and that gradient's norm before clipping (means over
+    # the mini-batches). A rank's scaled losses sum to world_size times its share, so the
+    # driver's mean over the ranks is the mini-batch's loss, whatever the ranks and micro-batches.
+    out[f"{prefix}/loss"] = sum(losses) / max(len(losses), 1)
     out[f"{prefix}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
     out[f"{prefix}/skipped_steps"] = float(skipped)
     out[f"timing/{prefix}_update_in_worker_s"] = time.perf_counter() - started  # the rest of the phase is transport
@@ -516,32 +617,86 @@ def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
 
 
+class CollectiveTimeout(RuntimeError):
+    """Some ranks of a group did not finish a call within the collective timeout of the others:
+    a hang (ranks making different collectives, a rank stuck) turned into an error."""
+
+
+# Calls whose rank 0 keeps working alone after the collective part (writing a checkpoint, loading
+# an engine): the other ranks' early answers do not start the clock on rank 0.
+_RANK0_TAIL = frozenset({"save", "export_hf", "sync_weights", "close", "engine_stats"})
+
+
 class WorkerGroup:
-    """``world_size`` Ray actors of one worker class forming one process group."""
+    """``world_size`` Ray actors of one worker class forming one process group.
 
-    def __init__(self, cls: type, *, world_size: int, num_cpus: float, env: dict[str, str], name: str, **kwargs: Any):
+    No wait is unbounded while ranks disagree: a call that some ranks finished (or failed) and
+    others did not within ``collective_timeout_s`` (plus a few seconds for the stack dump) raises
+    ``CollectiveTimeout``, naming the group, the call and the ranks, with the stacks those ranks
+    wrote under ``stacks_dir`` (see ``_Worker.call``). Their collectives time out too (the
+    process group's timeout), so ranks that all wait on each other fail as well. ``None``: no
+    timeout at all (the process group's default)."""
+
+    def __init__(self, cls: type, *, world_size: int, num_cpus: float, env: dict[str, str], name: str,
+                 collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S, stacks_dir: str | None = None,
+                 placement: str = "PACK", **kwargs: Any):
+        import tempfile
+
         import ray
-
-        from agentrl.trainer.dist import free_port
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.world_size = name, world_size
+        self.timeout_s = collective_timeout_s
+        self._watched = issubclass(cls, _Worker)  # other classes (test stand-ins) are called plainly
+        # stack files of calls in flight (removed when a call returns); by default in the temp dir
+        # under names of this driver's own
+        self.stacks_dir = Path(stacks_dir) if stacks_dir else Path(tempfile.gettempdir())
+        self._stacks_prefix = name if stacks_dir else f"agentrl-{os.getpid()}-{name}"
+        self.broken: str | None = None  # set by a timeout: the ranks' collectives no longer line up
+        # One bundle per rank, on one node where it fits (PACK) or over several (SPREAD); the
+        # process group meets at rank 0's node, whose address and free port are asked there.
+        self.placement = placement_group([{"CPU": num_cpus}] * world_size, strategy=placement)
+        start_wait = max(self.timeout_s or _START_TIMEOUT_S, _START_TIMEOUT_S)
+        ready, _ = ray.wait([self.placement.ready()], timeout=start_wait)
+        if not ready:
+            ray.util.remove_placement_group(self.placement)
+            raise CollectiveTimeout(f"{name} group: {world_size} ranks of {num_cpus:g} CPU could not be placed ({placement}) "
+                                    f"within {start_wait:g} s: the cluster has not the free resources")
+        in_bundle = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r) for r in range(world_size)]
+        meeting = ray.remote(_rendezvous).options(scheduling_strategy=in_bundle[0], num_cpus=0)
+        master_addr, port = ray.get(meeting.remote(), timeout=start_wait)
         remote = ray.remote(num_cpus=num_cpus, runtime_env={"env_vars": env})(cls)
-        port = free_port()
         self.workers = [
-            remote.options(name=None).remote(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, **kwargs)
+            remote.options(name=None, scheduling_strategy=in_bundle[rank]).remote(
+                rank=rank, world_size=world_size, master_addr=master_addr, master_port=port,
+                collective_timeout_s=collective_timeout_s, **kwargs)
             for rank in range(world_size)
         ]
-        self.call_all("ready")
+        # the ranks must all start (and join the process group) within the timeout: a rank that
+        # cannot be placed (no free CPU or GPU left in the cluster) is an error, not a wait
+        self._collect("ready", [self._remote(r, "ready") for r in range(world_size)], from_start=True)
+
+    def stacks_file(self, rank: int) -> Path:
+        return self.stacks_dir / f"{self._stacks_prefix}-rank{rank}-stacks.txt"
+
+    def _remote(self, rank: int, method: str, *args: Any, **kwargs: Any):
+        if not self._watched:
+            return getattr(self.workers[rank], method).remote(*args, **kwargs)
+        return self.workers[rank].call.remote(method, str(self.stacks_file(rank)), *args, **kwargs)
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The same call on every rank; returns each rank's result."""
-        return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self._collect(method, [self._remote(r, method, *args, **kwargs) for r in range(self.world_size)])
 
     def call_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Rank r gets ``shards[r]`` as its first argument."""
-        return self.get([getattr(w, method).remote(s, *args, **kwargs) for w, s in zip(self.workers, shards)])
+        if len(shards) != self.world_size:
+            raise ValueError(f"{self.name}.{method}: {len(shards)} shards for {self.world_size} ranks")
+        return self._collect(method, [self._remote(r, method, s, *args, **kwargs) for r, s in enumerate(shards)])
 
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A call on rank 0 alone (a rollout): no collective, so no timeout here."""
         return self.get([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
 
     def get(self, refs: list[Any]) -> list[Any]:
@@ -552,15 +707,72 @@ class WorkerGroup:
         except ray.exceptions.RayActorError as exc:
             raise WorkerDied(f"a worker of the {self.name} group died: {exc}") from exc
 
+    def _collect(self, method: str, refs: list[Any], from_start: bool = False) -> list[Any]:
+        """Every rank's answer to ``method``; once one rank has answered, the others get
+        ``timeout_s`` (and a grace for their stack dumps) to answer too (``from_start``: every
+        rank gets ``timeout_s`` from now)."""
+        import ray
+
+        if self.broken is not None:
+            raise CollectiveTimeout(f"{self.name} group: not calling `{method}`, the group is broken ({self.broken})")
+        if self.timeout_s is None:
+            return self.get(refs)
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending, answered, failed = set(refs), {}, {}
+        # starting takes longer than any collective: processes, imports and weights on a loaded machine
+        deadline = time.monotonic() + max(self.timeout_s, _START_TIMEOUT_S) if from_start else None
+        while pending:
+            clocked = [r for r in pending if not (method in _RANK0_TAIL and rank_of[r] == 0)]
+            wait = None if deadline is None or not clocked else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            if not done:
+                missing = sorted(rank_of[r] for r in pending)
+                stacks = [str(self.stacks_file(r)) for r in range(len(refs)) if self.stacks_file(r).is_file()]
+                finished = sorted(answered)
+                errors = "".join(f"\n  rank {rank} failed: {str(error).strip().splitlines()[-1][:300]}" for rank, error in sorted(failed.items()))
+                self.broken = f"`{method}` timed out"
+                raise CollectiveTimeout(
+                    f"{self.name} group: `{method}` hangs: rank(s) {missing} of {self.world_size} did not answer within "
+                    + (f"{max(self.timeout_s, _START_TIMEOUT_S):g} s of their start." if from_start else
+                       f"{self.timeout_s:g} s of rank(s) {sorted(finished + list(failed))} (trainer.collective_timeout_s).")
+                    + f"{errors}\n  Python stacks of the ranks in the call: "
+                    + (", ".join(stacks) if stacks else f"none written under {self.stacks_dir} (a rank that never started?)")
+                )
+            for ref in done:
+                pending.discard(ref)
+                try:
+                    answered[rank_of[ref]] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerDied(f"a worker of the {self.name} group died in `{method}`: {exc}") from exc
+                except Exception as exc:  # the rank's own error: raised once every rank answered or timed out
+                    failed[rank_of[ref]] = exc
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout_s + _STACK_GRACE_S
+        if failed:
+            raise failed[min(failed)]
+        return [answered[rank] for rank in range(len(refs))]
+
+    def node_ids(self) -> list[str]:
+        """The Ray node each rank runs on."""
+        import ray
+
+        return self.get([w.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()) for w in self.workers])
+
     def kill(self) -> None:
         import ray
 
         for w in self.workers:
             ray.kill(w)
+        ray.util.remove_placement_group(self.placement)
 
 
-class WorkerDied(RuntimeError):
-    """A worker process of a group ended (the step cannot complete)."""
+def _rendezvous() -> tuple[str, int]:
+    """(this node's address, a free port on it): where the process group of a group meets."""
+    import ray
+
+    from agentrl.trainer.dist import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
 
 
 def worker_env(threads: int) -> dict[str, str]:
@@ -574,7 +786,9 @@ def init_local_ray() -> bool:
 
     Without ``RAY_ADDRESS`` this is a private cluster for this job, started with token
     authentication off (``RAY_AUTH_MODE=disabled``, unless the environment says otherwise):
-    with Ray 2.60's default our own worker processes were refused and the job hung."""
+    with Ray 2.60's default our own worker processes were refused and the job hung. The address
+    is ``local`` (a new cluster) rather than Ray's default lookup, which would find the cluster
+    file a killed Ray session left in ``$TMPDIR/ray`` and try to join that dead cluster."""
     import ray
 
     if ray.is_initialized():
@@ -583,6 +797,7 @@ def init_local_ray() -> bool:
         ray.init(log_to_driver=True, logging_level="ERROR")
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
+    ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True,
+             logging_level="ERROR")
     return True
 

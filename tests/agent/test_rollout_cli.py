@@ -37,3 +37,42 @@ def test_rollout_command_writes_the_rollouts(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "no tokenizer" not in shown.stdout  # config.yaml names the model
     assert "<|im_start|>" in shown.stdout or "assistant" in shown.stdout
+
+
+BOOM_MODULE = '''
+class BoomTool:
+    """verl's tool interface; its create fails as a missing sandbox would."""
+    def __init__(self, config, tool_schema):
+        pass
+    async def create(self, instance_id=None, **kwargs):
+        raise RuntimeError("no sandbox here: " + "x" * 300)
+    async def execute(self, instance_id, parameters, **kwargs):
+        return "", 0.0, {}
+    async def release(self, instance_id, **kwargs):
+        pass
+'''
+
+
+def test_rollout_where_every_trajectory_fails_exits_1_with_the_first_error_in_full_and_keeps_the_store(tmp_path):
+    from agentrl.data.io import write_rows
+
+    (tmp_path / "boom_tools.py").write_text(BOOM_MODULE)
+    (tmp_path / "tools.yaml").write_text(
+        "tools:\n  - class_name: boom_tools.BoomTool\n    tool_schema: {type: function, function: {name: boom}}\n"
+    )
+    rows = [make_row(f"What is {i} + 1?", str(i + 1)).model_dump(exclude_none=True) for i in range(3)]
+    for r in rows:
+        r["extra_info"]["tools_kwargs"] = {"boom": {"create_kwargs": {}}}
+    write_rows(rows, tmp_path / "rows.parquet")
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "rollout", f"data.train_files={tmp_path / 'rows.parquet'}", "rollout.n=1",
+         f"agent.tool_config_path={tmp_path / 'tools.yaml'}", f"trainer.runs_root={tmp_path}", "trainer.run_name=r",
+         "logging.progress=false"],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert done.returncode == 1, (done.stdout[-1000:], done.stderr[-2000:])
+    assert "3 trajectories: loop_error 3" in done.stderr
+    first = next(line for line in done.stderr.splitlines() if line.startswith("first loop_error (3 in all): "))
+    assert first.endswith("RuntimeError: no sandbox here: " + "x" * 300)  # whole, not cut
+    assert "3 of 3 trajectories failed, more than rollout.max_failure_rate = 0.5" in done.stderr
+    assert len(list(RolloutStore(tmp_path / "r" / "rollouts").iter_stored())) == 3  # nothing lost

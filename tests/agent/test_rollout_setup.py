@@ -73,7 +73,7 @@ def test_the_setup_carries_each_command_line_value_to_limits_sampling_tools_and_
     assert setup.sampling == SamplingParams(temperature=0.7, top_p=0.9, top_k=5)
     assert setup.val_sampling == SamplingParams(temperature=0.1, top_p=0.9, top_k=5)
     assert (setup.default_loop, setup.tool_parser, setup.tool_parser_by_loop) == ("react", "react", {"react": "react"})
-    assert (setup.tool_names, setup.max_parallel_calls, setup.tool_timeout_s) == (("calculator",), 2, 4.0)
+    assert (setup.tool_names, setup.max_parallel_calls, setup.tool_timeout_s) == ((), 2, 4.0)  # no tool configured: none by default
     assert setup.plugin_prefer == {"tools": {"calculator": "agentrl"}}
     assert (setup.max_concurrency, setup.engine_max_batch_size, setup.seed) == (7, 3, 11)
     assert (setup.weight_sync, setup.weights_dir) == ("disk", "/w")

@@ -10,9 +10,10 @@ import textwrap
 
 import pytest
 
+from agentrl.agent.interaction import InteractionResponse
 from agentrl.agent.tool_parsers import ParsedCall
 from agentrl.agent.tools_runtime import InteractionPool, ToolBox
-from agentrl.agent.verl_yaml import read_interaction_config, read_tool_config
+from agentrl.config.verl_files import read_interaction_config, read_tool_config
 from agentrl.errors import ConfigError
 from agentrl.plugins import PluginRegistry
 from agentrl_interactions.gsm8k import Gsm8kInteraction
@@ -240,3 +241,78 @@ def test_two_yaml_tools_with_one_name_are_refused(tmp_path):
 
 def test_gsm8k_answer_is_an_entry_point_plugin_like_the_other_tools():
     assert PluginRegistry().load("tools", "gsm8k_answer") is Gsm8kAnswerTool
+
+
+def test_a_verl_tool_variant_row_runs_with_verls_overrides_and_yaml_through_the_loops(tmp_path, tiny_tokenizer):
+    """verl's gsm8k_multiturn_w_tool row and tool YAML, given by verl's override: the prompt
+    offers exactly the YAML's schema, the call runs verl's tool, the rewards are verl's."""
+    from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+    from agentrl.agent.scripted import ScriptedEngine
+    from agentrl.agent.setup import RolloutSetup
+    from agentrl.config import load_config
+    from agentrl.data.dataset import parse_row
+
+    tools = write(tmp_path, "gsm8k_tool_config.yaml", VERL_GSM8K_TOOL_YAML)
+    cfg = load_config("rollout", [f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}"], check_files=False)
+    row = parse_row({
+        "data_source": "openai/gsm8k", "agent_name": "tool_agent", "ability": "math",
+        "prompt": [{"role": "system", "content": "Use the `calc_gsm8k_reward` tool. Put your final answer as `#### <answer>`."},
+                   {"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"}],
+        "reward_model": {"style": "rule", "ground_truth": "72"},
+        "extra_info": {"split": "train", "index": 0, "need_tools_kwargs": True,
+                       "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
+                       "interaction_kwargs": {"query": "...", "ground_truth": "72"}},
+    }, file="train.parquet", index=0)
+    call = '<tool_call>\n{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}\n</tool_call>'
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [call, "48 + 24 = 72\n#### 72"]})
+    ctx = build_context(engine, tiny_tokenizer, RolloutSetup.from_config(cfg))
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable(cfg.agent.default_loop)).run([("r0", row)]))
+    assert t.finish_reason == "stop", t.reward_info
+    yaml_schema = read_tool_config(tools)[0].schema
+    assert ctx.toolbox.schemas(["calc_gsm8k_reward"]) == [yaml_schema]
+    assert '"name": "calc_gsm8k_reward"' in tiny_tokenizer.decode(t.prompt_ids)  # offered in the prompt
+    assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["Current parsed answer='72' reward=1.0"]
+    [record] = t.tool_calls
+    assert (record.name, record.reward, record.error) == ("calc_gsm8k_reward", 0.0, None)
+    assert t.reward == 1.0
+
+
+def test_an_unnamed_rows_interaction_runs_only_when_an_interaction_yaml_is_configured(tmp_path):
+    unnamed = {"query": "q", "ground_truth": "72"}
+    assert InteractionPool().session("t", unnamed) is None  # verl: no interaction config, no interaction
+    assert InteractionPool().session("t", {"name": "gsm8k", **unnamed}).interaction.config == {"method": "strict"}  # named: agentrl's plugin
+    pool = InteractionPool(specs=read_interaction_config(write(tmp_path, "i.yaml", VERL_GSM8K_INTERACTION_YAML)))
+    session = pool.session("t", unnamed)
+    assert isinstance(session.interaction, Gsm8kInteraction) and session.kwargs == unnamed  # verl's default: gsm8k
+
+
+def test_a_row_naming_no_tools_gets_the_configured_defaults_not_the_tools_other_rows_named():
+    box = ToolBox.from_plugins([])  # nothing configured: verl offers no tools
+    assert box.session("a", {"calculator": {}}).enabled == ["calculator"]
+    assert box.session("b", {}).enabled == []  # not the calculator another row made the box load
+    box = ToolBox.from_plugins(["calculator"])
+    assert box.session("c", {}).enabled == ["calculator"]
+
+
+def test_two_rows_with_one_row_id_keep_their_own_interaction_instances(tiny_tokenizer, make_ctx):
+    """verl files index each split from 0: rows of two files can share ``data_source:index``."""
+    from agent_helpers import make_row
+
+    from agentrl.agent.interaction import Interaction
+    from agentrl.agent.runner import LoopTable, RolloutRunner
+    from agentrl.agent.scripted import ScriptedEngine
+
+    class Recording(Interaction):
+        started: list[str] = []
+
+        async def start(self, instance_id, **kwargs):
+            self.started.append(instance_id)
+
+        async def generate_response(self, instance_id, messages):
+            return InteractionResponse(done=True, text="")
+
+    rows = [("same", make_row(answer=gt, interaction_kwargs={"name": "rec"})) for gt in ("72", "36")]
+    ctx = make_ctx(ScriptedEngine(tiny_tokenizer, {"same": ["#### 72"]}))
+    ctx.interactions._instances["rec"] = Recording()
+    asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run(rows))
+    assert len(Recording.started) == len(set(Recording.started)) == 2

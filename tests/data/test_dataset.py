@@ -199,10 +199,10 @@ def test_unshuffled_batches_follow_the_files_and_keep_a_short_last_batch(tmp_pat
     assert len(dataset) == 3
     batches = [uids(dataset.next_batch()) for _ in range(4)]
     assert batches == [
-        ["test/arith:0", "test/arith:1", "test/arith:2"],
-        ["test/arith:3", "test/arith:4", "test/word:0"],
-        ["test/word:1", "test/word:2"],
-        ["test/arith:0", "test/arith:1", "test/arith:2"],
+        ["a/test/arith:0", "a/test/arith:1", "a/test/arith:2"],
+        ["a/test/arith:3", "a/test/arith:4", "b/test/word:0"],
+        ["b/test/word:1", "b/test/word:2"],
+        ["a/test/arith:0", "a/test/arith:1", "a/test/arith:2"],
     ]
 
 
@@ -314,9 +314,23 @@ def test_data_validate_cli_names_an_uninstalled_tool_and_exits_1(tmp_path, capsy
     assert cli_main(["validate", str(write_rows(rows, tmp_path / "b.parquet"))]) == 0
 
 
-def test_interaction_kwargs_without_a_name_mean_verls_default_gsm8k(tmp_path):
+def test_interaction_kwargs_without_a_name_are_accepted_as_verls_rows_write_them(tmp_path):
     rows = make_rows(1)
     rows[0]["extra_info"]["interaction_kwargs"] = {"query": "What is 1 + 1?", "ground_truth": "2"}
-    [(_, row)] = list(RowDataset([write_rows(rows, tmp_path / "a.parquet")], batch_size=1, shuffle=False).next_batch())
-    assert row.extra_info.interaction_kwargs.name == "gsm8k"
+    path = write_rows(rows, tmp_path / "a.parquet")
+    assert validate_files([path], known_interactions={"gsm8k"}) == []
+    [(_, row)] = list(RowDataset([path], batch_size=1, shuffle=False).next_batch())
+    assert row.extra_info.interaction_kwargs.name is None
     assert row.extra_info.interaction_kwargs.model_extra == {"query": "What is 1 + 1?", "ground_truth": "2"}
+
+
+def test_rows_of_several_files_get_distinct_uids_even_when_each_file_indexes_from_0(tmp_path):
+    a = write_rows(make_rows(2), tmp_path / "plain.parquet")
+    b = write_rows(make_rows(2), tmp_path / "tool.parquet")
+    (tmp_path / "x").mkdir()
+    c = write_rows(make_rows(1), tmp_path / "x" / "tool.parquet")
+    assert uids(RowDataset([a], batch_size=2, shuffle=False).next_batch()) == ["test/arith:0", "test/arith:1"]  # one file: as before
+    both = RowDataset([a, b], batch_size=4, shuffle=False).next_batch()
+    assert uids(both) == ["plain/test/arith:0", "plain/test/arith:1", "tool/test/arith:0", "tool/test/arith:1"]
+    same_stem = RowDataset([b, c], batch_size=3, shuffle=False).next_batch()
+    assert uids(same_stem) == ["0.tool/test/arith:0", "0.tool/test/arith:1", "1.tool/test/arith:0"]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.engines.guard import new_api_key
 from agentrl.engines.launch import ServerProcess, launch_servers, serve_specs
 from enginetest import build_qwen2
 
@@ -33,11 +34,13 @@ def other_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def serve_factory(model_dir):
     """Start `agentrl serve` subprocesses (in parallel) on free ports, or on given ports to restart
-    one; every server started is stopped at teardown."""
+    one; every server started is stopped at teardown. They share one API key (a restarted server
+    takes its clients' key)."""
     started: list[ServerProcess] = []
+    key = new_api_key()
 
     def start(count: int = 1, *, ports: list[int] | None = None, extra: tuple[str, ...] = ()) -> list[ServerProcess]:
-        specs = serve_specs(model_dir, num_servers=count, ports=ports, extra_args=extra)
+        specs = serve_specs(model_dir, num_servers=count, ports=ports, extra_args=extra, api_key=key)
         servers = launch_servers(specs, ready_timeout_s=120).servers
         started.extend(servers)
         return servers

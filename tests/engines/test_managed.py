@@ -1,4 +1,4 @@
-"""Managed servers (``engines/managed.py``, ``engines/guard.py``) with real processes and real HTTP:
+"""Managed servers (``engines/managed.py``, ``engines/lifeline.py``) with real processes and real HTTP:
 ``agentrl serve`` servers (SGLang's protocol, seconds to start) stand in for SGLang here; the
 real-SGLang runs are in test_sglang_train.py."""
 
@@ -18,6 +18,7 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.engines.base import GenerateRequest, SamplingParams
+from agentrl.engines.guard import auth_headers
 from agentrl.engines.launch import ServerSpec, free_port, serve_specs
 from agentrl.engines.managed import ManagedServers, check_engine_config, managed_specs
 from agentrl.engines.sglang import SGLangEngine
@@ -59,7 +60,7 @@ def test_typed_flags_and_pass_through_reach_the_sglang_command_line():
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
     assert specs[0].command == [
         "/envs/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/ckpt/policy", "--tp-size", "2",
-        "--host", "127.0.0.1", "--port", str(specs[0].port),
+        "--host", "127.0.0.1", "--port", str(specs[0].port), "--api-key", specs[0].api_key,
         "--mem-fraction-static", "0.7", "--context-length", "4096", "--attention-backend", "fa3", "--enable-metrics",
         "--max-total-tokens", "100000",
     ]
@@ -136,7 +137,7 @@ def test_no_server_outlives_a_sigkilled_driver(model_dir, tmp_path):
         groups = [int(p) for p in line.split()]
         assert len(groups) == 2, f"the driver printed {line!r}"
         members = {g: _pgid_members(g) for g in groups}
-        assert all(len(m) >= 2 for m in members.values()), members  # the guard and its server, each
+        assert all(len(m) >= 2 for m in members.values()), members  # the lifeline and its server, each
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=10)
         _wait_until(lambda: not any(_pgid_members(g) for g in groups), 30, f"the servers of process groups {groups} to end")
@@ -160,7 +161,7 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_request_is_lost(model_d
         victim = servers.servers[0]
 
         async def run() -> list:
-            engine = SGLangEngine(servers.urls, backoff_s=0.1, probe_interval_s=0.2)
+            engine = SGLangEngine(servers.urls, backoff_s=0.1, probe_interval_s=0.2, api_key=servers.api_key)
             sampling = SamplingParams(max_new_tokens=48, temperature=1.0, seed=3)
             requests = [GenerateRequest([1, 2, 3 + i % 5], sampling, session_id=f"s{i % 8}") for i in range(64)]
             taken_out = []
@@ -190,7 +191,8 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_request_is_lost(model_d
         assert len(results) == 64 and all(len(r.output_ids) > 0 for r in results)
         assert servers.restarts == [1, 0]
         assert servers.servers[0] is not victim and servers.servers[0].alive()
-        assert httpx.get(f"{servers.urls[0]}/health_generate", timeout=30).status_code == 200
+        assert httpx.get(f"{servers.urls[0]}/health_generate", headers=auth_headers(servers.api_key), timeout=30).status_code == 200
+        assert servers.servers[0].spec.api_key == servers.api_key  # the restarted server kept the launch's key
         assert (tmp_path / f"server-{victim.spec.port}.log.1").is_file()  # the dead server's log is kept
     finally:
         servers.stop()
@@ -225,11 +227,11 @@ def test_train_with_managed_servers_resumes_at_the_checkpointed_weight_version(t
     assert versions == {(0, 0.0, 0.0), (1, 1.0, 1.0), (2, 2.0, 2.0)}
     logs = sorted(p.name for p in (tmp_path / "run" / "servers").glob("server-*.log"))
     assert len(logs) == 4  # two servers per run, each with its own port
-    assert not any(_pgid_members(pid) for pid in _guard_pids(tmp_path / "run"))
+    assert not any(_pgid_members(pid) for pid in _lifeline_pids(tmp_path / "run"))
 
 
-def _guard_pids(run_dir: Path) -> list[int]:
-    """Guards (process-group leaders) still running for this run's servers."""
+def _lifeline_pids(run_dir: Path) -> list[int]:
+    """Lifelines (process-group leaders) still running for this run's servers."""
     ports = [p.name.split("-")[1].split(".")[0] for p in (run_dir / "servers").glob("server-*.log")]
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -237,7 +239,7 @@ def _guard_pids(run_dir: Path) -> list[int]:
             args = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"agentrl.engines.guard" in args and any(port.encode() in args for port in ports):
+        if b"agentrl.engines.lifeline" in args and any(port.encode() in args for port in ports):
             found.append(int(cmdline.parent.name))
     return found
 

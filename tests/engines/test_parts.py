@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import subprocess
 import sys
 
@@ -121,11 +123,15 @@ def test_missing_checkpoint_directory_is_named(tmp_path):
 def test_sglang_servers_get_their_own_gpus_and_ports():
     specs = sglang_specs("/ckpt", num_servers=2, tp_size=2, python="/venv/bin/python", ports=[30000, 30001], extra_args=("--dtype", "bfloat16"))
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
+    key = specs[0].api_key
+    assert len(key) >= 43 and specs[1].api_key == key  # 256 random bits, one key per launch
     assert specs[1].command == [
         "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/ckpt", "--tp-size", "2",
-        "--host", "127.0.0.1", "--port", "30001", "--dtype", "bfloat16",
+        "--host", "127.0.0.1", "--port", "30001", "--api-key", key, "--dtype", "bfloat16",
     ]  # fmt: skip
     assert specs[1].url == "http://127.0.0.1:30001"
+    assert key not in repr(specs[1]) and "<api-key>" in repr(specs[1])
+    assert sglang_specs("/ckpt", ports=[1])[0].api_key != key  # a fresh key for every launch
 
 
 def test_a_server_that_dies_during_start_up_is_reported_with_its_log(tmp_path):
@@ -141,11 +147,14 @@ def test_agentrl_serve_help_runs_without_a_model():
 
 
 def test_engines_package_exports_what_it_documents():
-    assert engines.__all__ == sorted(
-        ["BuiltinEngine", "EngineStats", "StepRecord", "SGLangEngine", "SGLangClient", "ServerSpec", "launch_servers", "sglang_specs", "serve_specs"]
-    )
+    # the boundary types only: the engines come from their modules (torch, httpx)
+    assert set(engines.__all__) == {"Engine", "FinishReason", "GenerateRequest", "GenerateResult", "SamplingParams"}
     for name in engines.__all__:
         assert getattr(engines, name).__name__ == name
+    for module, names in [("builtin", ["BuiltinEngine", "EngineStats", "StepRecord"]), ("sglang", ["SGLangEngine", "SGLangClient"]),
+                          ("launch", ["ServerSpec", "launch_servers", "sglang_specs", "serve_specs"])]:
+        for name in names:
+            assert getattr(importlib.import_module(f"agentrl.engines.{module}"), name).__name__ == name
 
 
 @pytest.mark.parametrize("mlp_bias", [False, True])

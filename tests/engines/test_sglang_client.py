@@ -10,6 +10,7 @@ import pytest
 
 from agentrl.engines.base import FinishReason, GenerateRequest, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
+from agentrl.engines.guard import auth_headers
 from agentrl.engines.launch import free_port
 from agentrl.engines.sglang import SGLangClient, SGLangEngine
 from agentrl.errors import EngineUnavailable
@@ -24,13 +25,13 @@ def greedy(n: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, **kwargs)
 
 
-async def served_count(url: str) -> int:
-    async with httpx.AsyncClient() as http:
-        return (await http.get(f"{url}/get_server_info")).json()["num_requests_served"]
+async def served_count(server) -> int:
+    async with httpx.AsyncClient(headers=auth_headers(server.api_key)) as http:
+        return (await http.get(f"{server.url}/get_server_info")).json()["num_requests_served"]
 
 
 async def served_counts(servers) -> tuple[int, ...]:
-    return tuple([await served_count(s.url) for s in servers])
+    return tuple([await served_count(s) for s in servers])
 
 
 async def test_generate_over_http_equals_the_in_process_engine(server_pair, model_dir):
@@ -44,7 +45,7 @@ async def test_generate_over_http_equals_the_in_process_engine(server_pair, mode
         local = [await engine.generate(r) for r in requests]
     finally:
         engine.close()
-    client = SGLangClient(server_pair[0].url)
+    client = SGLangClient(server_pair[0].url, api_key=server_pair[0].api_key)
     try:
         remote = [await client.generate(r) for r in requests]
     finally:
@@ -57,11 +58,11 @@ async def test_generate_over_http_equals_the_in_process_engine(server_pair, mode
 
 async def test_abort_over_http_returns_the_partial_output(server_pair):
     server = server_pair[0]
-    client = SGLangClient(server.url)
+    client = SGLangClient(server.url, api_key=server.api_key)
     try:
-        before = await served_count(server.url)
+        before = await served_count(server)
         running = asyncio.create_task(client.generate(GenerateRequest(PROMPT, greedy(500), rid="running")))
-        while await served_count(server.url) == before:  # the request reached the server
+        while await served_count(server) == before:  # the request reached the server
             await asyncio.sleep(0.01)
         await client.abort("running")
         stopped = await running
@@ -73,7 +74,7 @@ async def test_abort_over_http_returns_the_partial_output(server_pair):
 
 async def test_bad_request_is_a_400_naming_the_field(server_pair):
     url = server_pair[0].url
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=auth_headers(server_pair[0].api_key)) as http:
         reply = await http.post(f"{url}/generate", json={"input_ids": [1, 2, 999], "sampling_params": {"max_new_tokens": 2}})
         assert reply.status_code == 400 and "input_ids[2] = 999 is outside the vocabulary" in reply.text
         reply = await http.post(f"{url}/generate", json={"input_ids": [[1], [2]], "sampling_params": [{"top_k": 0}, {}]})
@@ -83,7 +84,7 @@ async def test_bad_request_is_a_400_naming_the_field(server_pair):
 
 
 async def test_sessions_stick_to_one_server_and_requests_balance_across_two(server_pair):
-    engine = SGLangEngine([s.url for s in server_pair])
+    engine = SGLangEngine([s.url for s in server_pair], api_key=server_pair[0].api_key)
     try:
         await engine.generate(GenerateRequest([0], greedy(1)))  # settle any retained prefixes
         start = await served_counts(server_pair)
@@ -109,7 +110,7 @@ async def test_sessions_stick_to_one_server_and_requests_balance_across_two(serv
 
 
 async def test_update_weights_from_disk_reaches_every_server(server_pair, model_dir, other_model_dir):
-    engine = SGLangEngine([s.url for s in server_pair])
+    engine = SGLangEngine([s.url for s in server_pair], api_key=server_pair[0].api_key)
     expected = reference_greedy(load_reference(other_model_dir), PROMPT, 8)
     try:
         await engine.update_weights(path=str(other_model_dir))
@@ -124,7 +125,7 @@ async def test_update_weights_from_disk_reaches_every_server(server_pair, model_
 
 
 async def test_distributed_weight_update_broadcasts_over_gloo(server_pair, model_dir, other_model_dir):
-    engine = SGLangEngine([s.url for s in server_pair])
+    engine = SGLangEngine([s.url for s in server_pair], api_key=server_pair[0].api_key)
     new_model = load_reference(other_model_dir)
     expected = reference_greedy(new_model, PROMPT, 8)
     try:
@@ -142,7 +143,7 @@ async def test_client_retries_until_a_killed_server_is_back(serve_factory, model
     [server] = serve_factory()
     expected = reference_greedy(load_reference(model_dir), PROMPT, 6)
     server.stop(grace_s=0.5)
-    client = SGLangClient(server.url, max_retries=60, backoff_s=0.1, max_backoff_s=0.5)
+    client = SGLangClient(server.url, api_key=server.api_key, max_retries=60, backoff_s=0.1, max_backoff_s=0.5)
     try:
         pending = asyncio.create_task(client.generate(GenerateRequest(PROMPT, greedy(6))))
         await asyncio.sleep(0.3)  # let the first attempts fail
@@ -158,14 +159,14 @@ async def test_client_retries_until_a_killed_server_is_back(serve_factory, model
 
 async def test_a_dead_server_leaves_rotation_and_rejoins_when_it_is_back(serve_factory, model_dir):
     a, b = serve_factory(2)
-    engine = SGLangEngine([a.url, b.url], max_retries=0, probe_interval_s=0.1)
+    engine = SGLangEngine([a.url, b.url], api_key=a.api_key, max_retries=0, probe_interval_s=0.1)
     expected = reference_greedy(load_reference(model_dir), PROMPT, 5)
     try:
         a.stop(grace_s=0.5)
         results = await asyncio.gather(*(engine.generate(GenerateRequest(PROMPT, greedy(5))) for _ in range(4)))
         assert all(r.output_ids == expected for r in results)  # the request sent to a was retried on b
         assert [s.healthy for s in engine.servers] == [False, True]
-        assert await served_count(b.url) == 4
+        assert await served_count(b) == 4
         serve_factory(ports=[a.spec.port])
         for _ in range(200):  # each generate lets the engine probe the dead server in the background
             await engine.generate(GenerateRequest(PROMPT, greedy(1)))

@@ -8,6 +8,7 @@ server serves the whole module (start-up takes 30-60 s on two cores, 3.5-4 GB of
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from agentrl.config.schema import DataConfig, RewardConfig, RolloutConfig, Train
 from agentrl.data.row import Row
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
+from agentrl.engines.guard import API_KEY_ENV, auth_headers
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.sglang_cpu.env import unavailable_reason
 from agentrl.engines.sglang_cpu.server import launch_sglang_cpu_server, process_group_rss_bytes
@@ -66,7 +68,22 @@ def sglang_url(served_model_dir, tmp_path_factory):
     with launch_sglang_cpu_server(served_model_dir, threads=2, ready_timeout_s=300.0, log_dir=logs) as servers:
         rss = process_group_rss_bytes(servers.servers[0].process.pid)
         print(f"\nsglang CPU server ready after {time.perf_counter() - started:.1f} s, RSS {rss / 2**30:.2f} GiB")
-        yield servers.urls[0]
+        # the server was started with --api-key; the clients of these tests take it from the environment
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(API_KEY_ENV, servers.api_key)
+            SGLANG_LOGS.append(servers.servers[0].log_path)
+            yield servers.urls[0]
+
+
+SGLANG_LOGS: list[Path] = []
+
+
+def test_the_sglang_server_refuses_requests_without_its_api_key(sglang_url):
+    assert httpx.post(f"{sglang_url}/flush_cache", timeout=30.0).status_code == 401
+    assert httpx.post(f"{sglang_url}/update_weights_from_disk", json={"model_path": "/tmp"}, timeout=30.0).status_code == 401
+    # SGLang prints its arguments, the key among them; the log agentrl keeps has it blanked out
+    log = SGLANG_LOGS[-1].read_text()
+    assert "'api_key': '<api-key>'" in log and os.environ[API_KEY_ENV] not in log
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +170,7 @@ def test_sglang_loads_the_tiny_tokenizer_and_tokenizes_text_like_transformers(sg
         "return_logprob": True,
         "logprob_start_len": 0,  # also return the prompt's tokens, as SGLang's tokenizer made them
     }
-    response = httpx.post(f"{sglang_url}/generate", json=payload, timeout=120.0).json()
+    response = httpx.post(f"{sglang_url}/generate", json=payload, timeout=120.0, headers=auth_headers(os.environ[API_KEY_ENV])).json()
     prompt_ids = [entry[1] for entry in response["meta_info"]["input_token_logprobs"]]
     assert prompt_ids == tokenizer(text).input_ids
     assert response["text"] == tokenizer.decode(response["output_ids"])

@@ -51,6 +51,7 @@ def test_train_with_managed_sglang_syncs_every_step_and_serves_the_trained_polic
     from agentrl.config import load_config
     from agentrl.data.rollout_store import RolloutStore
     from agentrl.engines.base import GenerateRequest, SamplingParams
+    from agentrl.engines.guard import auth_headers
     from agentrl.engines.managed import check_engine_config
     from agentrl.engines.sglang import SGLangClient
     from agentrl.rundir import make_run_dir
@@ -81,7 +82,7 @@ def test_train_with_managed_sglang_syncs_every_step_and_serves_the_trained_polic
         versions = {(s.step, s.trajectory.metrics["weight_version_min"], s.trajectory.metrics["weight_version_max"]) for s in stored}
         assert versions == {(0, 0.0, 0.0), (1, 1.0, 1.0), (2, 2.0, 2.0)}  # the server's meta_info weight_version
         assert all(s.trajectory.logprobs and all(lp <= 0 for lp in s.trajectory.logprobs) for s in stored)
-        info = httpx.get(f"{url}/get_model_info", timeout=30).json()
+        info = httpx.get(f"{url}/get_model_info", headers=auth_headers(trainer.servers.api_key), timeout=30).json()
         assert str(info["weight_version"]) == "3"  # synced after the third update
 
         policy = tmp_path / "policy"
@@ -99,7 +100,7 @@ def test_train_with_managed_sglang_syncs_every_step_and_serves_the_trained_polic
                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
 
         async def served() -> list[int]:
-            client = SGLangClient(url)
+            client = SGLangClient(url, api_key=trainer.servers.api_key)
             try:
                 sampling = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
                 return (await client.generate(GenerateRequest(prompt, sampling))).output_ids

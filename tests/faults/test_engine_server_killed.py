@@ -11,15 +11,15 @@ from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import AgentConfig, DataConfig, RolloutConfig, TrainConfig
 from agentrl.data.dataset import rows_from_dicts
-from agentrl.engines import SGLangEngine
 from agentrl.engines.launch import launch_servers, serve_specs
+from agentrl.engines.sglang import SGLangEngine
 from agentrl_data_prep.tasks import generate
 
 
 def test_rollout_survives_a_server_killed_mid_flight(tiny_model_dir, tiny_tokenizer, tmp_path):
     servers = launch_servers(serve_specs(tiny_model_dir, num_servers=2), ready_timeout_s=120, log_dir=tmp_path)
     a, b = servers.servers
-    engine = SGLangEngine([a.url, b.url], max_retries=2, backoff_s=0.05, probe_interval_s=0.2)
+    engine = SGLangEngine([a.url, b.url], api_key=servers.api_key, max_retries=2, backoff_s=0.05, probe_interval_s=0.2)
     setup = RolloutSetup.from_config(TrainConfig(
         agent=AgentConfig(max_assistant_turns=3), rollout=RolloutConfig(max_new_tokens=24), data=DataConfig(max_response_length=96),
     ))  # fmt: skip

@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from agentrl.trainer.algorithms import (
     ESTIMATORS,
+    POLICY_LOSSES,
     KLKind,
     LossAggMode,
     AdaptiveKLController,
@@ -41,7 +42,7 @@ def test_gae_three_sampled_tokens_by_hand():
     # delta2 = 1 - 0.7 = 0.3                       A2 = 0.3
     # delta1 = 0 + 0.9*0.7 - 0.6 = 0.03            A1 = 0.03 + 0.72*0.3 = 0.246
     # delta0 = 0 + 0.9*0.6 - 0.5 = 0.04            A0 = 0.04 + 0.72*0.246 = 0.21712
-    adv, ret = compute_gae(T([[0.0, 0, 1]]), T([[0.5, 0.6, 0.7]]), T([[1.0, 1, 1]]), gamma=0.9, lam=0.8)
+    adv, ret = compute_gae(T([[0.0, 0, 1]]), T([[0.5, 0.6, 0.7]]), T([[1.0, 1, 1]]), gamma=0.9, lam=0.8, whiten=False)
     assert_close(adv, T([[0.21712, 0.246, 0.3]]))
     assert_close(ret, T([[0.71712, 0.846, 1.0]]))
 
@@ -52,7 +53,7 @@ def test_gae_skips_observation_tokens_and_padding():
     rewards = T([[0.0, 0, 0, 0, 1, 0]])
     values = T([[0.5, 0.6, 9.0, 9.0, 0.7, 9.0]])
     mask = T([[1.0, 1, 0, 0, 1, 0]])
-    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
     assert_close(adv, T([[0.21712, 0.246, 0, 0, 0.3, 0]]))
     assert_close(ret, T([[0.71712, 0.846, 0, 0, 1.0, 0]]))
 
@@ -60,15 +61,15 @@ def test_gae_skips_observation_tokens_and_padding():
 def test_gae_moves_a_reward_on_an_observed_token_to_the_sampled_token_before_it():
     mask = T([[1.0, 0, 1]])
     values = torch.zeros(1, 3)
-    moved, _ = compute_gae(T([[0.0, 2.0, 0.0]]), values, mask, gamma=1.0, lam=1.0)
-    placed, _ = compute_gae(T([[2.0, 0.0, 0.0]]), values, mask, gamma=1.0, lam=1.0)
+    moved, _ = compute_gae(T([[0.0, 2.0, 0.0]]), values, mask, gamma=1.0, lam=1.0, whiten=False)
+    placed, _ = compute_gae(T([[2.0, 0.0, 0.0]]), values, mask, gamma=1.0, lam=1.0, whiten=False)
     assert_close(moved, placed)
     assert_close(moved, T([[2.0, 0, 0]]))
 
 
 def test_gae_uses_turn_rewards_on_any_sampled_token():
     # gamma = lam = 1, zero values: the advantage is the sum of rewards from each token on
-    adv, _ = compute_gae(T([[0.0, 0.5, 0, 0, 1.0]]), torch.zeros(1, 5), T([[1.0, 1, 0, 1, 1]]), 1.0, 1.0)
+    adv, _ = compute_gae(T([[0.0, 0.5, 0, 0, 1.0]]), torch.zeros(1, 5), T([[1.0, 1, 0, 1, 1]]), 1.0, 1.0, whiten=False)
     assert_close(adv, T([[1.5, 1.5, 0, 1.0, 1.0]]))
 
 
@@ -97,11 +98,31 @@ def test_rloo_subtracts_the_mean_of_the_others():
     assert_close(adv, T([0.0, -1.5, 1.5, 4.0]))
 
 
+def test_gae_advantages_are_whitened_over_the_response_mask_as_verl():
+    # issue 28's example: rewards [[0,1],[0,0]], values [[.5,0],[0,0]], gamma = lam = 1
+    # raw A = [[1 - .5, 1], [0, 0]] = [[.5, 1], [0, 0]]; mean .375, squared deviations
+    # .015625 + .390625 + .140625 * 2 = .6875, unbiased var .6875 / 3 = .229167, std .478714
+    # -> [[.261, 1.306], [-.783, -.783]]; returns stay raw: A + V
+    adv, ret = compute_gae(T([[0.0, 1], [0, 0]]), T([[0.5, 0], [0, 0]]), torch.ones(2, 2), gamma=1.0, lam=1.0)
+    std = math.sqrt(0.6875 / 3)
+    assert_close(adv, T([[0.125 / std, 0.625 / std], [-0.375 / std, -0.375 / std]]))
+    assert_close(adv, T([[0.261, 1.306], [-0.783, -0.783]]), atol=1e-3, rtol=0)
+    assert_close(ret, T([[1.0, 1.0], [0.0, 0.0]]))
+
+
+def test_reinforce_pp_restarts_the_return_at_observations_as_verl():
+    # gamma .5, one row [s s o s] rewards [0, 1, 0, 2]: verl resets the running return on the
+    # observation, so t1 = 1, t0 = .5 * 1 = .5 (the reward 2 after it reaches no earlier token)
+    rewards, mask = T([[0.0, 1, 0, 2]]), T([[1.0, 1, 0, 1]])
+    adv = compute_reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    assert_close(adv, masked_whiten(T([[0.5, 1, 0, 2]]), mask) * mask)
+
+
 def test_reinforce_pp_returns_to_go_then_whitened():
     # gamma .5, one row [s s o s] rewards [0, 1, 0, 2]:
     # return at t3 = 2, t1 = 1 + .5*2 = 2, t0 = 0 + .5*2 = 1   (the observation is transparent)
     rewards, mask = T([[0.0, 1, 0, 2]]), T([[1.0, 1, 0, 1]])
-    adv = compute_reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    adv = compute_reinforce_pp_advantages(rewards, mask, gamma=0.5, reset_at_observations=False)
     returns = T([[1.0, 2, 0, 2]])
     assert_close(adv, masked_whiten(returns, mask) * mask)
     # whitened over {1, 2, 2}: mean 5/3, std (unbiased) sqrt(1/3)
@@ -264,14 +285,14 @@ def test_gae_batch_rows_are_independent_and_a_reward_on_padding_reaches_the_last
     rewards = T([[0.0, 0, 1, 0], [0.0, 0, 0, 1]])
     values = T([[0.5, 0.6, 0.7, 3.0], [0.5, 0.5, float("nan"), float("nan")]])
     mask = T([[1.0, 1, 1, 0], [1.0, 1, 0, 0]])
-    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
     assert_close(adv, T([[0.21712, 0.246, 0.3, 0], [0.31, 0.5, 0, 0]]))
     assert_close(ret, T([[0.71712, 0.846, 1.0, 0], [0.81, 1.0, 0, 0]]))  # NaN values on padding stay out
 
 
 def test_gae_discounts_only_across_sampled_tokens():
     # s o o s with gamma .5, lam 1, zero values, reward 1 on t3: A3 = 1, A0 = .5 (one step, not three)
-    adv, _ = compute_gae(T([[0.0, 0, 0, 1]]), torch.zeros(1, 4), T([[1.0, 0, 0, 1]]), gamma=0.5, lam=1.0)
+    adv, _ = compute_gae(T([[0.0, 0, 0, 1]]), torch.zeros(1, 4), T([[1.0, 0, 0, 1]]), gamma=0.5, lam=1.0, whiten=False)
     assert_close(adv, T([[0.5, 0, 0, 1.0]]))
 
 
@@ -368,12 +389,15 @@ def test_ppo_loss_uses_the_aggregation_mode():
     assert_close(ppo_policy_loss(zeros, zeros, adv, mask, loss_agg_mode="seq-mean-token-sum")[0], T(-4.5))  # -(4+5)/2
     assert_close(ppo_policy_loss(zeros, zeros, adv, mask, loss_agg_mode="seq-mean-token-mean")[0], T(-3.5))  # -(2+5)/2
     loss, _ = ppo_policy_loss(zeros, zeros, adv, mask, loss_agg_mode="seq-mean-token-sum-norm", norm_length=9)
-    assert_close(loss, T(-0.5))  # -(4+5)/2/9
+    assert_close(loss, T(-1.0))  # -(4+5)/9: verl sums the sequences
 
 
 def test_seq_mean_token_sum_norm_needs_a_constant_length():
     loss, mask = T([[1.0, 2.0], [4.0, 0.0]]), T([[1.0, 1.0], [1.0, 0.0]])
-    assert_close(aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_length=4), T((3 + 4) / 2 / 4))
+    assert_close(aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_length=4), T((3 + 4) / 4))
+    # issue 28's example: ones 2x4, lengths 2 and 3, T = 4 -> verl (2 + 3) / 4 = 1.25
+    ones, lengths = torch.ones(2, 4), T([[1.0, 1, 0, 0], [1.0, 1, 1, 0]])
+    assert_close(aggregate_loss(ones, lengths, "seq-mean-token-sum-norm", norm_length=4), T(1.25))
     with pytest.raises(ValueError, match="needs a positive norm_length"):
         aggregate_loss(loss, mask, "seq-mean-token-sum-norm")
 
@@ -408,6 +432,7 @@ def test_config_choices_are_names_the_algorithms_accept():
     assert choices(AlgorithmConfig, "adv_estimator") == set(ESTIMATORS)
     assert choices(AlgorithmConfig, "kl_penalty") == set(get_args(KLKind))
     assert choices(ActorConfig, "kl_loss_type") == set(get_args(KLKind))
-    assert choices(ActorConfig, "loss_agg_mode") <= set(get_args(LossAggMode))
+    assert choices(ActorConfig, "loss_agg_mode") == set(get_args(LossAggMode))
+    assert choices(ActorConfig, "policy_loss") == set(POLICY_LOSSES)
     for kind in get_args(KLKind):
         kl_penalty(T([0.0]), T([0.0]), kind)  # each accepted

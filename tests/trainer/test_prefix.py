@@ -259,3 +259,20 @@ def test_a_metric_only_entropy_equals_the_differentiable_one_and_carries_no_grap
     torch.testing.assert_close(logprobs_m, logprobs, rtol=0, atol=0)
     _, expected = padded_forward(model, batch)
     torch.testing.assert_close(metric * batch.response_mask, expected.detach() * batch.response_mask, rtol=0, atol=1e-5)
+
+
+def test_gradient_checkpointing_in_training_gives_the_same_logprobs_and_gradients(tiny_model_dir, monkeypatch):
+    """A checkpointed model returns no K/V while training: rows then run their own prompts
+    (this path crashed with prompt sharing on, the default)."""
+    monkeypatch.setattr(packed, "packed_supported", lambda model, batch: False)
+    batch = make_batch([[5, 6, 7], [5, 6, 7], [9, 8]], [[11, 12, 13], [14, 15], [16]])
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    checkpointed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    checkpointed.gradient_checkpointing_enable()
+    plain.train(), checkpointed.train()
+    want_lp, want_grads = logprobs_and_grads(plain, batch, share=False)  # what it must fall back to
+    got_lp, got_grads = logprobs_and_grads(checkpointed, batch, share=True)
+    torch.testing.assert_close(got_lp, want_lp, atol=1e-6, rtol=0)
+    assert want_grads.keys() == got_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-6, rtol=1e-5)

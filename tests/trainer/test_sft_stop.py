@@ -132,4 +132,4 @@ def test_an_optimizer_reset_after_a_forward_only_pass_trains_the_sharded_paramet
     actor.sft_step(batch, float(batch.response_mask.sum()), 2)
     assert not torch.equal(actor.full_state()["model.embed_tokens.weight"], embed_before)
     actor.save(str(tmp_path / "ckpt"))
-    assert (tmp_path / "ckpt" / "actor.pt").is_file()
+    assert (tmp_path / "ckpt" / "actor" / "tensors.safetensors").is_file()

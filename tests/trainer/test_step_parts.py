@@ -37,7 +37,7 @@ def test_grpo_in_the_step_uses_turn_level_credit():
         traj("g", 1, [("assistant", 3, None)], reward=0.0),
     ]
     batch = collate(trajectories, pad_token_id=0)
-    out, _ = compute_advantages(batch, cfg_with(adv_estimator="grpo", turn_gamma=0.5), kl_coef=None)
+    out, _ = compute_advantages(batch, cfg_with(adv_estimator="grpo", turn_gamma=0.5, grpo_turn_credit=True), kl_coef=None)
     # turn returns: A = [0 + .5*1, 1] = [.5, 1], B = [0]; group mean .5, std .5
     a = out.advantages
     assert_close(a[0, :2], torch.full((2,), 0.0), atol=1e-4, rtol=0)
@@ -48,9 +48,12 @@ def test_grpo_in_the_step_uses_turn_level_credit():
 
 def test_gae_in_the_step_needs_values_and_returns_them():
     trajectories = [traj("g", 0, [("assistant", 3, None)], reward=1.0)]
-    batch = collate(trajectories, pad_token_id=0).replace(values=torch.zeros(1, 3))
+    batch = collate(trajectories, pad_token_id=0).replace(values=torch.tensor([[0.0, 0.5, 0.0]]))
     out, _ = compute_advantages(batch, cfg_with(adv_estimator="gae", gamma=1.0, lam=1.0), kl_coef=None)
-    assert_close(out.advantages, torch.ones(1, 3))
+    # raw GAE [1, .5, 1] (returns A + V = 1), whitened over the mask as verl: mean 5/6, unbiased
+    # std sqrt(1/12) -> [1/sqrt(3), -2/sqrt(3), 1/sqrt(3)]
+    s = 3 ** -0.5
+    assert_close(out.advantages, torch.tensor([[s, -2 * s, s]]))
     assert_close(out.returns, torch.ones(1, 3))
 
 

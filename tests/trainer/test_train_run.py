@@ -128,3 +128,15 @@ def test_weight_sync_through_disk_gives_the_steps_of_the_in_memory_sync(short_ru
         for key in compared:
             assert disk[step][key] == pytest.approx(memory[step][key], rel=1e-4, abs=1e-6), (step, key)
 
+
+
+def test_total_epochs_ends_the_run_at_the_end_of_the_data(tmp_path):
+    """8 rows in batches of 4 are 2 steps an epoch: total_epochs=1 stops there, before total_steps=5."""
+    changed = {"trainer.total_steps": "5", "trainer.total_epochs": "1", "data.task_train_size": "8", "actor.ppo_mini_batch_size": "4",
+               "trainer.save_freq": "0", "trainer.test_freq": "0", "trainer.export_hf": "false", "sft.enable": "false",
+               "trainer.val_before_train": "false", "trainer.save_rollouts": "false"}
+    args = [a for a in SHORT if a.split("=")[0] not in changed] + [f"{k}={v}" for k, v in changed.items()]
+    done = run_cli(args + [f"trainer.runs_root={tmp_path}", "trainer.run_name=epochs"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(metrics_by_step(tmp_path / "epochs")) == [1, 2]
+    assert json.loads((tmp_path / "epochs" / "summary.json").read_text())["steps"] == 2

@@ -3,12 +3,12 @@
 What makes SGLang 0.5.23 serve on a plain x86 CPU: its own venv (``env.py``),
 ``SGLANG_USE_CPU_ENGINE=1``, the pure-torch ``sgl_kernel`` stand-in first on the server's
 ``PYTHONPATH`` (``shim/``), and the flags in ``CPU_FLAGS``. Each server is a process group of
-three processes (HTTP front, scheduler, detokenizer) of about 3.5 GB RSS together; stopping it
+three processes (HTTP front, scheduler, detokenizer), gigabytes of RSS together; stopping it
 ends all three. Per-request ``sampling_seed`` is ignored on this path: SGLang honours it only
 with ``--enable-deterministic-inference``, which refuses the ``torch_native`` attention backend.
 
     with launch_sglang_cpu_server(model_dir) as servers:
-        engine = SGLangEngine(servers.urls)
+        engine = SGLangEngine(servers.urls, api_key=servers.api_key)
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from agentrl.errors import EngineUnavailable
 __all__ = ["CPU_FLAGS", "sglang_cpu_specs", "launch_sglang_cpu_server", "process_group_rss_bytes"]
 
 # Why each flag: the only attention and sampling backends of the CPU engine that need no compiled
-# kernels; overlap scheduling assumes CUDA streams; fp32 because bf16 is 14-25x slower on this
-# CPU; the launcher's own readiness check (/health_generate) replaces SGLang's warm-up.
-# --max-total-tokens is added separately: without it SGLang reserves ~15 GB of KV cache.
+# kernels; overlap scheduling assumes CUDA streams; fp32 because bf16 is many times slower on
+# this CPU; the launcher's own readiness check (/health_generate) replaces SGLang's warm-up.
+# --max-total-tokens is added separately: without it SGLang reserves most of the machine's
+# memory for KV cache (figures in docs/benchmarks.md).
 CPU_FLAGS = (
     "--device", "cpu",
     "--attention-backend", "torch_native",

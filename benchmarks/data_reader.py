@@ -1,6 +1,6 @@
 """Benchmark the row reader: shuffled batches from a large parquet file, time and memory.
 
-    python -m agentrl.data.bench [--rows 300000] [--batch-size 256] [--row-group-size 1024] [--cache-mib 256]
+    python -m agentrl_benchmarks.data_reader [--rows 300000] [--batch-size 256] [--row-group-size 1024] [--cache-mib 256]
 
 Writes a synthetic file of GSM8K-sized rows (about 800 bytes each, hardly compressible, in chunks, so the writer
 stays small too), then times ``RowDataset.next_batch`` shuffled and in order. Prints one JSON
@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
 import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from agentrl_benchmarks._scratch import scratch_dir
 
 
 def _rss_mib() -> float:
@@ -50,7 +51,7 @@ def write_synthetic(path: Path, rows: int, row_group_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agentrl.data.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m agentrl_benchmarks.data_reader", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=300_000)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--batches", type=int, default=10)
@@ -62,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from agentrl.data.dataset import RowDataset
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "rows.parquet"
+    with scratch_dir("data-reader") as work:
+        path = work / "rows.parquet"
         started = time.perf_counter()
         write_synthetic(path, args.rows, args.row_group_size)
         write_s = time.perf_counter() - started

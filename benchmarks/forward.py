@@ -28,7 +28,7 @@ def _grpo_batch(tokenizer, seed: int):
     import torch
 
     from agentrl.trainer.batch import collate_sequences
-    from agentrl.trainer.bench import _prompt
+    from agentrl_benchmarks.trainer import _prompt
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []

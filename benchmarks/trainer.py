@@ -11,17 +11,30 @@ Matched settings: no KL (TRL's ``beta=0``), GRPO group normalization with the st
 (``scale_rewards="group"``), token-mean loss over the whole batch (TRL's ``dapo``), constant
 learning rate, gradient clipping at 1.0, fp32, no reference model, and the same work: TRL keeps
 no rollouts, so agentrl's side does not write its rollout store (``trainer.save_rollouts=false``;
-with it, ~8 ms a step at 1M). agentrl runs its real
+its cost: docs/benchmarks.md). agentrl runs its real
 training path: Ray actors, one actor rank (which trains the module unwrapped, see
 ``dist.shard_model``), the built-in engine colocated with the actor, the single-turn agent loop;
-TRL runs in this process with transformers' ``generate``.
+TRL runs in its process with transformers' ``generate``.
 
-Per-step time is the mean wall time of the steps after the first (which pays one-time costs),
-each step being generation + scoring + update (+ agentrl's weight sync). Prints one JSON object:
-``agentrl_step_s``, ``trl_step_s``, ``ratio`` (TRL's step time over agentrl's), ``agentrl_reward``
-and ``trl_reward`` (held-out evaluation), tokens/s, and the settings.
+Each side trains ``--repeats`` times (default 3), each time in a process of its own, the sides
+alternating which goes first (agentrl, TRL, TRL, agentrl, agentrl, TRL, ...) so that the
+machine's drift hits both alike; every run's policy is evaluated. Two times per run:
 
-    agentrl bench trainer --json [--steps 10] [--prompts 8] [--n 8] [--skip-trl]
+* step time: the mean wall time of the steps after the first (which pays one-time costs), each
+  step being generation + scoring + update (+ agentrl's weight sync);
+* end to end (``e2e_s``): from before the side's process starts to its exit: interpreter
+  start-up, imports, model load, Ray and its actors (agentrl), the training, saving the policy
+  and shutting down. ``outside_train_s`` is the part of it outside the training call.
+
+Prints one JSON object. Per side (``agentrl_*``, ``trl_*``), the median over the repeats of:
+``step_s``, ``e2e_s``, ``reward`` (held-out evaluation; each also with ``_min``, ``_max`` and
+``_all``, the repeats in running order), ``first_step_s``, ``tokens_per_s``,
+``train_reward_last``, ``train_wall_s`` (the training call), ``outside_train_s``; and
+``*_train_rewards`` (the first repeat's, per step). Besides: ``ratio`` (TRL's median step time
+over agentrl's), ``e2e_ratio`` (the same end to end), ``order``, ``repeats``, ``start_reward``,
+``eval_answers``, ``trl_version`` and the settings.
+
+    agentrl bench trainer --json [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--skip-trl]
 """
 
 from __future__ import annotations
@@ -32,12 +45,15 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from agentrl_benchmarks._scratch import private_ray_temp_dir, scratch_dir
 
 __all__ = ["main", "Settings"]
 
@@ -60,6 +76,7 @@ class Settings:
     eval_samples: int = 16  # per held-out prompt: 1,024 scored answers, a standard error near 1 point at 90 %
     seed: int = 0
     threads: int = 2
+    repeats: int = 3  # runs per side, alternating which side goes first
 
 
 def _prompt(i: int) -> list[dict[str, str]]:
@@ -281,26 +298,99 @@ def _summary(run: dict[str, Any]) -> dict[str, float]:
     }
 
 
+SIDES = ("agentrl", "trl")
+SPREAD_KEYS = ("step_s", "e2e_s", "reward")  # reported with _min, _max and _all besides the median
+
+
+def _side_order(repeats: int, sides: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(repeat, side) in running order: the sides alternate which goes first, so that the
+    machine's drift over the run hits both alike (agentrl, trl, trl, agentrl, agentrl, ...)."""
+    order = []
+    for repeat in range(repeats):
+        order += [(repeat, side) for side in (sides if repeat % 2 == 0 else sides[::-1])]
+    return order
+
+
+def _run_side_process(side: str, start: Path, work: Path, settings: Settings) -> dict[str, Any]:
+    """One side's training as a process of its own, timed from before the interpreter starts
+    to its exit: start-up (imports, model load, Ray and its actors for agentrl) included."""
+    argv = [sys.executable, "-m", "agentrl_benchmarks.trainer", "--side", side, "--start", str(start), "--work", str(work)]
+    for name, value in asdict(settings).items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    timeout_s = 600 + 120 * settings.steps  # far above a real run's time, even on a loaded 2-core machine
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s)  # progress: our stderr
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the {side} side did not finish within {timeout_s} s (killed; its output is above on stderr)") from None
+    e2e = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"the {side} side exited with {done.returncode} (its output is above on stderr)")
+    run = json.loads(done.stdout.strip().splitlines()[-1])
+    run["policy"], run["e2e_s"] = Path(run["policy"]), e2e
+    return run
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"": statistics.median(values), "_min": min(values), "_max": max(values), "_all": values}
+
+
 def _run_both(settings: Settings, work: Path, *, with_trl: bool) -> dict[str, Any]:
+    """``settings.repeats`` runs per side, alternating. The keys of one run (step time, reward,
+    ...) hold the median over the repeats; ``*_min``, ``*_max`` and ``*_all`` the spread."""
     from agentrl.tiny import tiny_model_dir
 
     start = warm_start(tiny_model_dir(settings.model_size, seed=settings.seed), work / "start", settings)
     out: dict[str, Any] = {"settings": asdict(settings), "start_reward": evaluate(start, settings)}
-    ours = run_agentrl(start, work, settings)
-    a = _summary(ours)
-    out.update({f"agentrl_{k}": v for k, v in a.items()}, agentrl_reward=evaluate(ours["policy"], settings))
+    sides = SIDES if with_trl else SIDES[:1]
+    order = _side_order(settings.repeats, sides)
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    for repeat, side in order:
+        print(f"# repeat {repeat + 1}/{settings.repeats}: {side}", file=sys.stderr)
+        run = _run_side_process(side, start, work / f"{side}-{repeat}", settings)
+        run["reward"] = evaluate(run["policy"], settings)
+        runs[side].append(run)
+    out["repeats"], out["order"] = settings.repeats, [side for _, side in order]
     out["eval_answers"] = settings.eval_prompts * settings.eval_samples
-    out["agentrl_train_rewards"] = ours["train_rewards"]
+    for side, side_runs in runs.items():
+        summaries = [
+            _summary(run) | {"e2e_s": run["e2e_s"], "outside_train_s": run["e2e_s"] - run["wall_s"], "reward": run["reward"]}
+            for run in side_runs
+        ]
+        for key in summaries[0]:
+            values = [summary[key] for summary in summaries]
+            if key in SPREAD_KEYS:
+                out.update({f"{side}_{key}{suffix}": value for suffix, value in _spread(values).items()})
+            else:
+                out[f"{side}_{key}"] = statistics.median(values)
+        out[f"{side}_train_rewards"] = side_runs[0]["train_rewards"]  # the first repeat's, step by step
     if with_trl:
         import trl
 
-        theirs = run_trl(start, work, settings)
-        t = _summary(theirs)
-        out.update({f"trl_{k}": v for k, v in t.items()}, trl_reward=evaluate(theirs["policy"], settings))
-        out["trl_train_rewards"] = theirs["train_rewards"]
-        out["ratio"] = t["step_s"] / a["step_s"]
+        out["ratio"] = out["trl_step_s"] / out["agentrl_step_s"]
+        out["e2e_ratio"] = out["trl_e2e_s"] / out["agentrl_e2e_s"]
         out["trl_version"] = trl.__version__
     return out
+
+
+def _side_main(side: str, start: Path, work: Path, settings: Settings) -> int:
+    """The child of ``_run_side_process``: one side's training, one JSON line on stdout."""
+    import torch
+
+    torch.set_num_threads(settings.threads)
+    work.mkdir(parents=True, exist_ok=True)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line (TRL logs there)
+        run = (run_agentrl if side == "agentrl" else run_trl)(start, work, settings)
+    print(json.dumps(run | {"policy": str(run["policy"])}))
+    return 0
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,31 +401,34 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--skip-trl", action="store_true", help="run agentrl only (TRL not installed)")
     parser.add_argument("--keep", help="keep the work directory here instead of a temporary one")
+    # one side's training in a process of its own (what the benchmark runs; not for direct use)
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--start", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     settings = Settings(**{name: getattr(args, name) for name in asdict(defaults)})
+    if settings.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {settings.repeats}")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.side:
+        return _side_main(args.side, args.start, args.work, settings)
     if not args.skip_trl:
         try:
             import trl  # noqa: F401
         except ImportError:
             print("TRL is not installed: pip install 'agentrl[bench]' (or pass --skip-trl)", file=sys.stderr)
             return 2
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
     torch.set_num_threads(settings.threads)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="agentrl-bench-trainer-"))
-    work.mkdir(parents=True, exist_ok=True)
-    # stdout carries only the JSON object (TRL prints its logs there).
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            out = _run_both(settings, work, with_trl=not args.skip_trl)
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    out = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+    # stdout carries only the JSON object.
+    with scratch_dir("trainer", keep=args.keep) as work, private_ray_temp_dir(), contextlib.redirect_stdout(sys.stderr):
+        out = _run_both(settings, work, with_trl=not args.skip_trl)
+    out = {k: _rounded(v) for k, v in out.items()}
     if not args.json:
-        print(f"agentrl {out['agentrl_step_s']:.3f} s/step, TRL {out.get('trl_step_s', float('nan')):.3f} s/step", file=sys.stderr)
+        print(f"agentrl {out['agentrl_step_s']:.3f} s/step, {out['agentrl_e2e_s']:.1f} s end to end; "
+              f"TRL {out.get('trl_step_s', float('nan')):.3f} s/step, {out.get('trl_e2e_s', float('nan')):.1f} s end to end", file=sys.stderr)
     print(json.dumps(out))
     return 0
 

@@ -1,4 +1,4 @@
-"""The agent-loop benchmark command runs and reports what it promises (figures are in the README)."""
+"""The agent-loop benchmark command runs and reports what it promises (figures: docs/benchmarks.md)."""
 
 from __future__ import annotations
 

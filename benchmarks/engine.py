@@ -31,12 +31,13 @@ import os
 import platform
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from agentrl_benchmarks._scratch import scratch_dir
 
 __all__ = ["main", "Session", "make_sessions", "measure_matmul_gflops"]
 
@@ -242,14 +243,25 @@ def run_hf_static(model, sessions: list[Session], concurrency: int) -> tuple[int
     return generated, wall, requests, ttfts, {"padding_tokens": padding_tokens}
 
 
-def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int, vocab: int) -> tuple[int, float, int, list[float], dict]:
+SGLANG_READY_TIMEOUT_S = 600.0  # start-up on two shared cores can take minutes
+
+
+def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int, vocab: int, work: Path) -> tuple[int, float, int, list[float], dict]:
+    """A real SGLang server for this run; its log and its own temp files (SGLang makes IPC
+    files and a kernel cache there) go under ``work``, which the benchmark removes."""
+    from dataclasses import replace
+
     import httpx
 
-    from agentrl.engines.sglang_cpu.server import launch_sglang_cpu_server
+    from agentrl.engines.launch import launch_servers
+    from agentrl.engines.sglang_cpu.server import sglang_cpu_specs
 
-    threads = torch.get_num_threads()
+    server_tmp = work / "tmp"
+    server_tmp.mkdir(parents=True)
+    specs = sglang_cpu_specs(model_dir, threads=torch.get_num_threads(), extra_args=("--skip-tokenizer-init",))
+    specs = [replace(spec, env={**spec.env, "TMPDIR": str(server_tmp)}) for spec in specs]
     launched = time.perf_counter()
-    with launch_sglang_cpu_server(model_dir, threads=threads, extra_args=("--skip-tokenizer-init",)) as servers:
+    with launch_servers(specs, ready_timeout_s=SGLANG_READY_TIMEOUT_S, log_dir=work / "logs") as servers:
         ready_s = time.perf_counter() - launched
         ttfts: list[float] = []
 
@@ -294,7 +306,8 @@ def _sglang_unavailable() -> str | None:
 # ---------------------------------------------------------------------- driver
 
 
-def run_benchmark(args: argparse.Namespace) -> dict:
+def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
+    """Every row of the run; the models SGLang serves and its server logs are written under ``work``."""
     torch.set_num_threads(args.threads)
     gflops = measure_matmul_gflops()
     sglang_reason = _sglang_unavailable() if "sglang" in args.engines else None
@@ -316,11 +329,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     skipped.setdefault("hf_static@18m,c=1", "skipped in --quick (slow)")
                     continue
                 if engine == "sglang" and model_dir is None:
-                    model_dir = Path(tempfile.mkdtemp(prefix=f"agentrl-bench-{size}-"))
+                    model_dir = work / f"model-{size}"
                     model.save_pretrained(model_dir)
                 runner = {"builtin": lambda: run_builtin(model, sessions, concurrency),
                           "hf_static": lambda: run_hf_static(model, sessions, concurrency),
-                          "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size)}[engine]  # fmt: skip
+                          "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size, work / f"sglang-{size}-c{concurrency}")}[engine]  # fmt: skip
                 generated, wall, requests, ttfts, extra = runner()
                 tps = generated / wall
                 if "prefill_tokens" in extra:
@@ -420,7 +433,8 @@ def main(argv: list[str]) -> int:
     bad = [m for m in args.models if m not in TINY_SIZES] + [e for e in args.engines if e not in ("builtin", "hf_static", "sglang")]
     if bad:
         parser.error(f"unknown model or engine: {', '.join(bad)}")
-    report = run_benchmark(args)
+    with scratch_dir("engine") as work:
+        report = run_benchmark(args, work)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

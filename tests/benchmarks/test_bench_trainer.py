@@ -1,0 +1,123 @@
+"""`agentrl bench trainer --json` runs end to end and prints one JSON object (a smoke check of
+the command, with tiny settings; the figures themselves are in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+HAVE_TRL = importlib.util.find_spec("trl") is not None
+
+
+def test_bench_trainer_prints_one_json_object_with_both_sides_and_leaves_no_files(tmp_path):
+    """One repeat per side (the repeats' summary is checked below without training). Run with a
+    fresh TMPDIR, which must be empty afterwards: the work directory, the run directories and
+    the private Ray cluster's files are all removed (the caches that outlive a run on purpose,
+    tiny models and torch's compile cache, are pointed elsewhere)."""
+    fresh = Path(tempfile.mkdtemp(prefix="t"))  # short: Ray's unix socket paths under it are capped at 107 bytes
+    env = {**os.environ, "TMPDIR": str(fresh), "AGENTRL_CACHE": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("RAY_TMPDIR", None)
+    args = ["--steps", "2", "--prompts", "2", "--n", "4", "--max-new-tokens", "4", "--eval-prompts", "4", "--eval-samples", "2", "--repeats", "1"]
+    if not HAVE_TRL:
+        args.append("--skip-trl")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "agentrl.cli", "bench", "trainer", "--json", *args], env=env, capture_output=True, text=True, timeout=600
+        )
+        left = sorted(os.listdir(fresh))
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert left == []
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, done.stdout[-2000:]  # TRL's own logs go to stderr
+    out = json.loads(lines[0])
+    assert out["settings"]["steps"] == 2 and out["settings"]["n"] == 4
+    assert out["repeats"] == 1 and out["order"] == (["agentrl", "trl"] if HAVE_TRL else ["agentrl"])
+    sides = ["agentrl", "trl"] if HAVE_TRL else ["agentrl"]
+    for side in sides:
+        assert len(out[f"{side}_train_rewards"]) == 2
+        assert out[f"{side}_step_s"] > 0 and 0.0 <= out[f"{side}_reward"] <= 1.0
+        assert out[f"{side}_step_s_all"] == [out[f"{side}_step_s"]] and out[f"{side}_e2e_s_min"] == out[f"{side}_e2e_s_max"]
+        # the whole process against the training call inside it: start-up is counted
+        assert out[f"{side}_e2e_s"] > out[f"{side}_train_wall_s"] > out[f"{side}_step_s"]
+        assert out[f"{side}_outside_train_s"] == pytest.approx(out[f"{side}_e2e_s"] - out[f"{side}_train_wall_s"], abs=1e-3)
+    if HAVE_TRL:
+        assert out["ratio"] == pytest.approx(out["trl_step_s"] / out["agentrl_step_s"], rel=1e-2)  # the figures are rounded to 4 decimals
+        assert out["e2e_ratio"] == pytest.approx(out["trl_e2e_s"] / out["agentrl_e2e_s"], rel=1e-2)
+
+
+def test_the_sides_alternate_which_goes_first():
+    from agentrl_benchmarks.trainer import SIDES, _side_order
+
+    assert [f"{r}:{side}" for r, side in _side_order(4, SIDES)] == [
+        "0:agentrl", "0:trl", "1:trl", "1:agentrl", "2:agentrl", "2:trl", "3:trl", "3:agentrl",
+    ]
+    assert _side_order(2, SIDES[:1]) == [(0, "agentrl"), (1, "agentrl")]
+
+
+def test_repeats_are_summarised_by_median_min_and_max(tmp_path, monkeypatch):
+    """The summary of three runs per side, from hand-made runs: each key is the median, the spread
+    keys hold min, max and every run in running order."""
+    import types
+
+    import agentrl.tiny
+    from agentrl_benchmarks import trainer as bench
+
+    step_times = {"agentrl": [0.30, 0.10, 0.20], "trl": [0.50, 0.70, 0.60]}  # by repeat
+    e2e = {"agentrl": [9.0, 8.0, 10.0], "trl": [2.0, 1.0, 3.0]}
+    rewards = {"agentrl": [0.8, 0.9, 0.7], "trl": [0.6, 0.5, 0.7]}
+    ran: list[str] = []
+
+    def fake_process(side, start, work, settings):
+        repeat = int(work.name.split("-")[1])
+        ran.append(f"{repeat}:{side}")
+        step = step_times[side][repeat]
+        return {"step_times": [5.0, step, step], "tokens": [64.0, 32.0, 32.0], "train_rewards": [0.1, 0.2, 0.3],
+                "wall_s": e2e[side][repeat] - 1.0, "e2e_s": e2e[side][repeat], "policy": Path(f"{side}/{repeat}")}
+
+    monkeypatch.setattr(agentrl.tiny, "tiny_model_dir", lambda size, seed: tmp_path / "tiny")
+    monkeypatch.setattr(bench, "warm_start", lambda model_dir, out, settings: out)
+    monkeypatch.setattr(bench, "_run_side_process", fake_process)
+    monkeypatch.setattr(bench, "evaluate", lambda path, settings: 0.5 if path.name == "start" else rewards[path.parent.name][int(path.name)])
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(__version__="9.9"))
+    out = bench._run_both(bench.Settings(steps=3), tmp_path, with_trl=True)
+
+    assert ran == ["0:agentrl", "0:trl", "1:trl", "1:agentrl", "2:agentrl", "2:trl"]
+    assert out["order"] == ["agentrl", "trl", "trl", "agentrl", "agentrl", "trl"] and out["repeats"] == 3
+    assert out["start_reward"] == 0.5 and out["trl_version"] == "9.9"
+    assert (out["agentrl_step_s"], out["agentrl_step_s_min"], out["agentrl_step_s_max"]) == pytest.approx((0.20, 0.10, 0.30))
+    assert out["agentrl_step_s_all"] == pytest.approx([0.30, 0.10, 0.20])
+    assert (out["trl_step_s"], out["trl_step_s_min"], out["trl_step_s_max"]) == pytest.approx((0.60, 0.50, 0.70))
+    assert (out["agentrl_e2e_s"], out["agentrl_e2e_s_min"], out["agentrl_e2e_s_max"]) == (9.0, 8.0, 10.0)
+    assert (out["trl_e2e_s"], out["trl_e2e_s_min"], out["trl_e2e_s_max"]) == (2.0, 1.0, 3.0)
+    assert out["agentrl_outside_train_s"] == 1.0 and out["agentrl_train_wall_s"] == 8.0
+    assert (out["agentrl_reward"], out["agentrl_reward_all"]) == (0.8, [0.8, 0.9, 0.7])
+    assert (out["trl_reward"], out["trl_reward_min"], out["trl_reward_max"]) == (0.6, 0.5, 0.7)
+    assert out["agentrl_first_step_s"] == 5.0 and out["agentrl_tokens_per_s"] == pytest.approx(64.0 / 0.4)
+    assert out["ratio"] == pytest.approx(0.60 / 0.20) and out["e2e_ratio"] == pytest.approx(2.0 / 9.0)
+    assert out["agentrl_train_rewards"] == [0.1, 0.2, 0.3]
+
+
+def test_agentrl_side_has_the_matched_settings_not_the_quickstart_preset(tmp_path, tiny_model_dir):
+    from agentrl.data.io import write_rows
+    from agentrl_benchmarks.trainer import Settings, _rows, agentrl_config
+
+    train_file = write_rows(_rows(0, 8), tmp_path / "train.parquet")
+    cfg = agentrl_config(tiny_model_dir, train_file, tmp_path, Settings())
+    assert not cfg.use_reference and not cfg.actor.use_kl_loss  # TRL's beta=0: no KL, no reference model
+    assert cfg.actor.optim.lr_warmup_steps == 0 and cfg.actor.optim.lr_scheduler == "constant"
+    assert cfg.actor.optim.lr == Settings().lr and cfg.actor.optim.betas == (0.9, 0.999)
+    assert cfg.rollout.temperature == Settings().temperature and cfg.rollout.n == Settings().n
+    assert not cfg.trainer.save_rollouts  # TRL keeps no rollouts: the same work on both sides
+
