@@ -34,6 +34,7 @@ def require_builtin_engine(cfg: TrainConfig) -> None:
 def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
+    from agentrl.agent.families import require_exact_template
     from agentrl.agent.outcomes import summarize_finishes
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.setup import RolloutSetup
@@ -54,6 +55,7 @@ def cli_main(argv: list[str]) -> int:
     rows = [dataset.row(i) for i in range(dataset.num_rows)]
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    require_exact_template(tokenizer, cfg, model_path)  # token drift stops the rollout before the engine loads
     started = time.perf_counter()
     engine = BuiltinEngine(model_path, max_batch_size=cfg.engine.max_batch_size, seed=cfg.trainer.seed)
     try:
