@@ -25,7 +25,7 @@ from typing import Any
 
 from agentrl.agent.render import ChatRenderer
 
-__all__ = ["StopTokens", "stop_tokens", "detect_tool_parser", "TemplateReport", "check_template", "cli_main"]
+__all__ = ["StopTokens", "stop_tokens", "detect_tool_parser", "TemplateReport", "check_template", "require_exact_template", "cli_main"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,3 +288,19 @@ def cli_main(argv: list[str]) -> int:
     else:
         print(report.render())
     return 0 if report.ok else (2 if report.refused or report.tools.startswith("refused") else 1)
+
+
+def require_exact_template(tokenizer: Any, cfg: Any, model_dir: str | Path) -> TemplateReport:
+    """The startup check of ``agentrl train`` and ``agentrl rollout``: the same scripted
+    conversation as ``agentrl check-template``, with the run's parser and template variables;
+    tool results are checked when the run offers tools. Drift or a refused template stops the run
+    before any model is loaded, with the report."""
+    from agentrl.errors import ConfigError
+
+    agent = cfg.agent
+    offers_tools = agent.default_loop == "tool_agent" or bool(agent.tool_config) or agent.tool_config_path is not None
+    report = check_template(tokenizer, chat_template_kwargs=dict(agent.chat_template_kwargs), tool_parser=agent.tool_parser,
+                            model_dir=model_dir, tools=offers_tools)
+    if not report.ok:
+        raise ConfigError([("model.path", f"the chat template check failed (agentrl check-template {model_dir}):\n{report.render()}")])
+    return report

@@ -25,6 +25,7 @@ __all__ = ["cli_main"]
 def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
+    from agentrl.agent.families import require_exact_template
     from agentrl.agent.outcomes import summarize_finishes
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.setup import RolloutSetup
@@ -47,6 +48,7 @@ def cli_main(argv: list[str]) -> int:
     rows = [dataset.row(i) for i in range(dataset.num_rows)]
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    require_exact_template(tokenizer, cfg, model_path)  # token drift stops the rollout before the engine loads
     started = time.perf_counter()
     servers = None
     if cfg.engine.backend == "sglang" and not cfg.engine.servers:

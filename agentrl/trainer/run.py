@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from agentrl.agent.families import require_exact_template
 from agentrl.config import TrainConfig, load_config
 from agentrl.data.prepare import prepare_data
 from agentrl.data.rollout_store import RolloutStore
@@ -88,6 +89,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        require_exact_template(self.tokenizer, cfg, self.model_path)  # token drift stops the run here, before the workers
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
         init_local_ray()

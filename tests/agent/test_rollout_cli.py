@@ -76,3 +76,27 @@ def test_rollout_where_every_trajectory_fails_exits_1_with_the_first_error_in_fu
     assert first.endswith("RuntimeError: no sandbox here: " + "x" * 300)  # whole, not cut
     assert "3 of 3 trajectories failed, more than rollout.max_failure_rate = 0.5" in done.stderr
     assert len(list(RolloutStore(tmp_path / "r" / "rollouts").iter_stored())) == 3  # nothing lost
+
+
+def test_rollout_stops_at_startup_when_the_chat_template_cannot_show_tool_results(tmp_path, tiny_model_dir):
+    """The check-template check runs before any engine is built (here: gemma2's real template on
+    the tiny tokenizer, which lacks gemma's end-of-turn token)."""
+    import shutil
+
+    from family_fixtures import family_template
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = family_template("gemma2")
+    tok.save_pretrained(model)
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "rollout", f"model.path={model}", "agent=tool_agent", "data.task_train_size=2",
+         f"trainer.runs_root={tmp_path}", "trainer.run_name=r", "logging.progress=false"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "model.path: the chat template check failed (agentrl check-template" in done.stderr
+    assert "which does not start with an added token: generation needs an end-of-turn token to stop at" in done.stderr
+    assert not (tmp_path / "r" / "rollouts").exists()  # stopped before generating anything
