@@ -253,6 +253,7 @@ def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int, vocab
 
     import httpx
 
+    from agentrl.engines.guard import auth_headers
     from agentrl.engines.launch import launch_servers
     from agentrl.engines.sglang_cpu.server import sglang_cpu_specs
 
@@ -266,7 +267,7 @@ def run_sglang(model_dir: Path, sessions: list[Session], concurrency: int, vocab
         ttfts: list[float] = []
 
         async def drive():
-            async with httpx.AsyncClient(base_url=servers.urls[0], timeout=600) as http:
+            async with httpx.AsyncClient(base_url=servers.urls[0], timeout=600, headers=auth_headers(servers.api_key)) as http:
 
                 async def generate(ids, n, seed, rid):
                     payload = {

@@ -108,7 +108,7 @@ class ScriptedEngine:
 
 def _end_of_turn(tokenizer: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer.eos_token
+        return str(tokenizer.eos_token)
     from agentrl.agent.render import ChatRenderer
 
-    return ChatRenderer(tokenizer).eos_token
+    return str(ChatRenderer(tokenizer).eos_token)

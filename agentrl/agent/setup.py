@@ -123,7 +123,7 @@ class RolloutSetup:
             weights_dir=weights_dir,
             engine_backend=engine.backend,
             server_urls=urls,
-            request_timeout_s=engine.request_timeout_s,
-            max_retries=engine.max_retries,
+            request_timeout_s=cfg.engine.request_timeout_s,
+            max_retries=cfg.engine.max_retries,
             api_key=api_key,
         )

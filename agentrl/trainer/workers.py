@@ -617,7 +617,7 @@ def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveTimeout(WorkerDied):
     """Some ranks of a group did not finish a call within the collective timeout of the others:
     a hang (ranks making different collectives, a rank stuck) turned into an error."""
 

@@ -179,8 +179,9 @@ def test_a_deeply_nested_state_file_is_refused(actor, saved, tmp_path):
 
 
 def test_state_that_is_not_data_cannot_be_written(tmp_path):
-    with pytest.raises(CheckpointError, match="builtin_function_or_method at scheduler/fn is not data"):
-        write_state(tmp_path, "actor", {"scheduler": {"fn": print}})
+    # not builtins.print: Ray replaces it with a function of its own once a run has started in the process
+    with pytest.raises(CheckpointError, match="Path at scheduler/fn is not data"):
+        write_state(tmp_path, "actor", {"scheduler": {"fn": tmp_path}})
 
 
 def test_an_older_pickle_checkpoint_converts_with_the_cli_and_then_loads(actor, saved, tmp_path):

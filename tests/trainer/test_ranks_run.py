@@ -49,4 +49,4 @@ def test_a_run_on_several_ranks_finishes(tmp_path, name):
         assert any("sft/loss" in row for row in rows)  # the SFT warm start ran on both ranks
     else:
         assert all(row["critic/grad_norm"] >= 0 for row in rows if "reward/mean" in row)
-        assert (run / "checkpoints" / "step_2" / "critic.pt").is_file()
+        assert (run / "checkpoints" / "step_2" / "critic" / "tensors.safetensors").is_file()
