@@ -32,30 +32,9 @@ INTERACTION_SYSTEM = (
     "You are a math expert. You are given a question and you need to solve it step by step. You should rethinking carefully "
     "if user point out your answer is wrong. Put your final answer in the format of `#### <answer>`."
 )
-TOOL_YAML = """\
-tools:
-  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
-    config:
-      type: native
-    tool_schema:
-      type: "function"
-      function:
-        name: "calc_gsm8k_reward"
-        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
-        parameters:
-          type: "object"
-          properties:
-            answer:
-              type: "string"
-              description: "The model's answer to the GSM8K math problem, must be a digits"
-          required: ["answer"]
-"""
-INTERACTION_YAML = """\
-interaction:
-  - name: "gsm8k"
-    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
-    config: {}
-"""
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "verl"  # verl's own tool and interaction YAML
+TOOL_YAML = (FIXTURES / "gsm8k_tool_config.yaml").read_text()
+INTERACTION_YAML = (FIXTURES / "gsm8k_interaction_config.yaml").read_text()
 
 
 def verl_rows(variant: str) -> list[dict]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -19,31 +20,10 @@ from agentrl.plugins import PluginRegistry
 from agentrl_interactions.gsm8k import Gsm8kInteraction
 from agentrl_tools.gsm8k_answer import Gsm8kAnswerTool
 
-# verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as written there
-VERL_GSM8K_TOOL_YAML = """\
-tools:
-  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
-    config:
-      type: native
-    tool_schema:
-      type: "function"
-      function:
-        name: "calc_gsm8k_reward"
-        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
-        parameters:
-          type: "object"
-          properties:
-            answer:
-              type: "string"
-              description: "The model's answer to the GSM8K math problem, must be a digits"
-          required: ["answer"]
-"""
-VERL_GSM8K_INTERACTION_YAML = """\
-interaction:
-  - name: "gsm8k"
-    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
-    config: {}
-"""
+# verl's examples/sglang_multiturn/config/{tool,interaction}_config/gsm8k_*.yaml, as written there
+VERL_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
+VERL_GSM8K_TOOL_YAML = (VERL_FIXTURES / "gsm8k_tool_config.yaml").read_text()
+VERL_GSM8K_INTERACTION_YAML = (VERL_FIXTURES / "gsm8k_interaction_config.yaml").read_text()
 
 
 def write(tmp_path, name, text):
