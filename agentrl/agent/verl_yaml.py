@@ -66,15 +66,26 @@ def _import(dotted: str, key: str, where: str) -> Any:
         raise ConfigError([(key, f"{where}.class_name: cannot import {dotted!r}: {exc}")]) from exc
 
 
+def _plugin_of(
+    spec: ToolSpec | InteractionSpec, verl_classes: dict[str, tuple[str, dict[str, Any]]], registry: PluginRegistry,
+    group: str, key: str,
+) -> tuple[str | None, dict[str, Any]]:
+    """The agentrl plugin (and the config that gives it verl's behaviour) that runs ``class_name``:
+    a verl class of the table, or an installed plugin's name; None for a dotted path. A verl class
+    without a counterpart is refused."""
+    plugin, extra = verl_classes.get(spec.class_name, (None, {}))
+    if plugin is None and spec.class_name.startswith("verl."):
+        known = ", ".join(sorted(verl_classes))
+        raise ConfigError([(key, f"{spec.where}.class_name: verl's {spec.class_name} has no agentrl counterpart (mapped: {known}); "
+                                 f"give the dotted path of your own class or an agentrl {group[:-1]} plugin")])
+    if plugin is None and spec.class_name in registry.names(group):
+        plugin = spec.class_name
+    return plugin, extra
+
+
 def build_tool(spec: ToolSpec, registry: PluginRegistry, key: str = "agent.tool_config_path") -> Tool:
     """The tool object that runs ``spec`` (its schema is the spec's, applied by the ToolBox)."""
-    plugin, extra = VERL_TOOLS.get(spec.class_name, (None, {}))
-    if plugin is None and spec.class_name.startswith("verl."):
-        known = ", ".join(sorted(VERL_TOOLS))
-        raise ConfigError([(key, f"{spec.where}.class_name: verl's {spec.class_name} has no agentrl counterpart (mapped: {known}); "
-                                 "give the dotted path of your own class or an agentrl tool plugin")])
-    if plugin is None and spec.class_name in registry.names("tools"):
-        plugin = spec.class_name
+    plugin, extra = _plugin_of(spec, VERL_TOOLS, registry, "tools", key)
     if plugin is not None:
         return registry.load("tools", plugin)(**{**extra, **spec.config})
     cls = _import(spec.class_name, key, spec.where)
@@ -88,12 +99,7 @@ def build_tool(spec: ToolSpec, registry: PluginRegistry, key: str = "agent.tool_
 
 
 def build_interaction(spec: InteractionSpec, registry: PluginRegistry, key: str = "agent.interaction_config_path") -> Interaction:
-    plugin, extra = VERL_INTERACTIONS.get(spec.class_name, (None, {}))
-    if plugin is None and spec.class_name.startswith("verl."):
-        known = ", ".join(sorted(VERL_INTERACTIONS))
-        raise ConfigError([(key, f"{spec.where}.class_name: verl's {spec.class_name} has no agentrl counterpart (mapped: {known})")])
-    if plugin is None and spec.class_name in registry.names("interactions"):
-        plugin = spec.class_name
+    plugin, extra = _plugin_of(spec, VERL_INTERACTIONS, registry, "interactions", key)
     if plugin is not None:
         return registry.load("interactions", plugin)(**{**extra, **spec.config})
     cls = _import(spec.class_name, key, spec.where)
