@@ -1,4 +1,5 @@
-"""Tokenizers of real model families for tests: the real chat template, stand-in vocabulary.
+"""Tokenizers of real model families for tests: the real chat template, and a stand-in vocabulary
+or, for five families, the released one (``real_vocab.py``).
 
 ``tests/fixtures/families/<family>/chat_template.jinja`` is the family's released chat template
 (source and license in that folder's README). No model hub is reachable here, so the vocabulary
@@ -13,37 +14,29 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from real_vocab import VOCABS as REAL_VOCABS
+from real_vocab import build_tokenizer as build_real_tokenizer
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "families"
 SPECS: dict[str, dict] = {k: v for k, v in json.loads((FIXTURES / "families.json").read_text()).items() if not k.startswith("_")}
 FAMILIES = list(SPECS)
+REAL_VOCAB_FAMILIES = list(REAL_VOCABS)
 
 
 def family_template(family: str) -> str:
     return (FIXTURES / family / "chat_template.jinja").read_text()
 
 
-def build_family_dir(family: str, out_dir: Path) -> Path:
-    """A tokenizer directory (tokenizer.json, tokenizer_config.json, generation_config.json) for ``family``."""
-    from tokenizers import AddedToken
+def build_family_dir(family: str, out_dir: Path, *, real_vocab: bool = False) -> Path:
+    """A tokenizer directory (tokenizer.json, tokenizer_config.json, generation_config.json) for
+    ``family``: the stand-in vocabulary, or with ``real_vocab`` the released one (``real_vocab.py``,
+    for the families in ``REAL_VOCAB_FAMILIES``)."""
     from transformers import PreTrainedTokenizerFast
-
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    from agentrl.tiny import QWEN2_SPLIT_REGEX, _corpus
 
     spec = SPECS[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # agentrl.tiny's pipeline, trained without tiny's own special tokens: only the family's are added
-    raw = Tokenizer(models.BPE())
-    raw.normalizer = normalizers.NFC()
-    raw.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    raw.train_from_iterator((line for _, line in zip(range(3000), _corpus(0))), trainer=trainer)
-    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec["added_tokens"]])
+    raw = build_real_tokenizer(family) if real_vocab else _standin_tokenizer(spec)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw,
         eos_token=spec["eos_token"],
@@ -57,3 +50,21 @@ def build_family_dir(family: str, out_dir: Path) -> Path:
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in spec["generation_config_eos"]]
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0]}))
     return out
+
+
+def _standin_tokenizer(spec: dict):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from agentrl.tiny import QWEN2_SPLIT_REGEX, _corpus
+
+    # agentrl.tiny's pipeline, trained without tiny's own special tokens: only the family's are added
+    raw = Tokenizer(models.BPE())
+    raw.normalizer = normalizers.NFC()
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    raw.train_from_iterator((line for _, line in zip(range(3000), _corpus(0))), trainer=trainer)
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec["added_tokens"]])
+    return raw

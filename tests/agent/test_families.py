@@ -15,7 +15,7 @@ import re
 
 import pytest
 from agent_helpers import make_row
-from family_fixtures import FAMILIES, build_family_dir, family_template
+from family_fixtures import FAMILIES, REAL_VOCAB_FAMILIES, build_family_dir, family_template
 from transformers import AutoTokenizer
 
 from agentrl.agent.families import check_template, cli_main, detect_tool_parser, stop_tokens
@@ -69,14 +69,35 @@ REFUSED = {
 }
 
 
+REAL = "+real"  # a case suffix: the family's released vocabulary instead of the stand-in
+
+
+def _base(case: str) -> str:
+    return case.removesuffix(REAL)
+
+
 def _family(case: str) -> str:
-    return case.removesuffix("-no-thinking")
+    return _base(case).removesuffix("-no-thinking")
+
+
+def _key(case: str) -> str:
+    """The tokenizer a case runs on: the family's stand-in, or ``family+real``."""
+    return _family(case) + (REAL if case.endswith(REAL) else "")
+
+
+def _with_real(cases) -> list[str]:
+    """Each case, and again on the released vocabulary where the family has one: real merges join
+    text across the boundaries the template puts between turns, which the stand-in rarely does."""
+    cases = list(cases)
+    return cases + [c + REAL for c in cases if _family(c) in REAL_VOCAB_FAMILIES]
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {name: build_family_dir(name, root / name) for name in FAMILIES}
+    dirs = {name: build_family_dir(name, root / name) for name in FAMILIES}
+    dirs |= {name + REAL: build_family_dir(name, root / (name + REAL), real_vocab=True) for name in REAL_VOCAB_FAMILIES}
+    return dirs
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +109,28 @@ def test_every_family_in_the_fixtures_is_covered():
     assert {_family(c) for c in TOOL_FAMILIES} | set(REFUSED) == set(FAMILIES)
 
 
+@pytest.mark.parametrize("family", REAL_VOCAB_FAMILIES)
+def test_real_vocabularies_encode_as_rank_bpe(family, tokenizers):
+    """The released vocabularies are converted faithfully: the tokenizer built from each rank file
+    encodes like an independent rank-based BPE encoder, and its special tokens sit at the released ids."""
+    from real_vocab import reference_encode
+
+    tok = tokenizers[family + REAL]
+    text = "Natalia sold 48/2 = 24 clips in May.\n\n  naïve café — 北京 don't WE'LL {\"x\": 12345}\t\r\n#### 72"
+    assert tok.encode(text, add_special_tokens=False) == reference_encode(family, text)
+    released = {"qwen3": ("<|im_end|>", 151645), "qwen2.5": ("<tool_call>", 151657), "llama3.1": ("<|eot_id|>", 128009),
+                "llama3.2": ("<|python_tag|>", 128010), "mistral-nemo": ("[TOOL_CALLS]", 9)}[family]
+    assert tok.convert_tokens_to_ids(released[0]) == released[1]
+    assert tok.encode("Hello world", add_special_tokens=False) == {
+        "qwen3": [9707, 1879], "qwen2.5": [9707, 1879], "llama3.1": [9906, 1917], "llama3.2": [9906, 1917], "mistral-nemo": [22177, 4304],
+    }[family]
+
+
 # ---------------------------------------------------------------------- the multi-turn tool conversation
-@pytest.mark.parametrize("case", list(TOOL_FAMILIES))
+@pytest.mark.parametrize("case", _with_real(TOOL_FAMILIES))
 def test_tool_conversation_is_sampled_ids_plus_the_templates_rendering_of_each_observation(case, tokenizers, make_ctx):
-    kwargs, parser, call_text, tool_text, stops, append_only = TOOL_FAMILIES[case]
-    tok = tokenizers[_family(case)]
+    kwargs, parser, call_text, tool_text, stops, append_only = TOOL_FAMILIES[_base(case)]
+    tok = tokenizers[_key(case)]
     think = "<think>\nmultiply\n</think>\n\n" if "<think>" in tok.chat_template and kwargs.get("enable_thinking") is not False else ""
     script = [think + "Let me compute.\n" + call_text if parser == "hermes" else call_text, think + "#### 408"]
     engine = ScriptedEngine(tok, {"r0": script})
@@ -135,10 +173,10 @@ def test_tool_conversation_is_sampled_ids_plus_the_templates_rendering_of_each_o
         assert t.prompt_ids + t.response_ids == tok.encode(final, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("case", [c for c in TOOL_FAMILIES if "<think>" in family_template(_family(c))])
+@pytest.mark.parametrize("case", _with_real(c for c in TOOL_FAMILIES if "<think>" in family_template(_family(c))))
 def test_reasoning_blocks_stay_in_the_trajectory_as_sampled(case, tokenizers, make_ctx):
-    kwargs, parser, call_text, *_ = TOOL_FAMILIES[case]
-    tok = tokenizers[_family(case)]
+    kwargs, parser, call_text, *_ = TOOL_FAMILIES[_base(case)]
+    tok = tokenizers[_key(case)]
     script = ["<think>\n12 * 34 needs the tool\n</think>\n\n" + call_text, "<think>\ndone\n</think>\n\n#### 408"]
     engine = ScriptedEngine(tok, {"r0": script})
     ctx = make_ctx(engine, tokenizer=tok, agent={"chat_template_kwargs": kwargs})
@@ -188,8 +226,8 @@ def test_stop_tokens_are_end_of_turn_then_every_eos(tokenizers):
     }
     for family, tok in tokenizers.items():
         stops = stop_tokens(tok)
-        assert stops.ids == tuple(tok.convert_tokens_to_ids(s) for s in expected[family]), family
-        assert stops.end_of_turn == expected[family][0]
+        assert stops.ids == tuple(tok.convert_tokens_to_ids(s) for s in expected[_family(family)]), family
+        assert stops.end_of_turn == expected[_family(family)][0]
     phi = stop_tokens(tokenizers["phi3.5"])
     assert phi.sources[tokenizers["phi3.5"].convert_tokens_to_ids("<|assistant|>")] == ("generation_config.json eos_token_id",)
 
@@ -208,10 +246,13 @@ def test_scripted_engine_ends_a_text_with_the_family_end_of_turn_token_and_stops
 
 # ---------------------------------------------------------------------- parsers
 def test_auto_parser_follows_the_template(tokenizers):
-    assert {f: detect_tool_parser(t) for f, t in tokenizers.items()} == {
+    assert {f: detect_tool_parser(t) for f, t in tokenizers.items() if not f.endswith(REAL)} == {
         "qwen3": "hermes", "qwen2.5": "hermes", "llama3.1": "llama3_json", "llama3.2": "llama3_json", "mistral-nemo": "mistral",
         "phi3.5": "hermes", "phi4-mini": "phi4_mini", "gemma2": "hermes", "gemma3": "hermes",
         "deepseek-r1-distill-qwen": "deepseek_r1", "smollm2": "hermes", "smollm3": "hermes",
+    }
+    assert {f: detect_tool_parser(tokenizers[f + REAL]) for f in REAL_VOCAB_FAMILIES} == {
+        "qwen3": "hermes", "qwen2.5": "hermes", "llama3.1": "llama3_json", "llama3.2": "llama3_json", "mistral-nemo": "mistral",
     }
 
 
@@ -273,6 +314,7 @@ def test_a_malformed_mistral_call_goes_through_the_policy(tokenizers, make_ctx):
 # ---------------------------------------------------------------------- check-template
 CHECK_OK = [("qwen3", {}), ("qwen3", {"enable_thinking": False}), ("qwen2.5", {}), ("llama3.1", {}), ("llama3.2", {}),
             ("mistral-nemo", {}), ("phi4-mini", {}), ("smollm2", {}), ("smollm3", {}), ("smollm3", {"enable_thinking": False})]
+CHECK_OK += [(f + REAL, kw) for f, kw in CHECK_OK if f in REAL_VOCAB_FAMILIES]
 
 
 @pytest.mark.parametrize("family,kwargs", CHECK_OK)
@@ -326,13 +368,13 @@ GSM8K = {
 }
 
 
-@pytest.mark.parametrize("case", list(TOOL_FAMILIES))
+@pytest.mark.parametrize("case", _with_real(TOOL_FAMILIES))
 def test_gsm8k_tool_rollout_with_each_familys_native_calls(case, tokenizers, make_ctx):
     from agentrl.data.row import Row
     from data_prep.gsm8k import convert_record
 
-    kwargs, parser, _, tool_text, stops, _ = TOOL_FAMILIES[case]
-    tok = tokenizers[_family(case)]
+    kwargs, parser, _, tool_text, stops, _ = TOOL_FAMILIES[_base(case)]
+    tok = tokenizers[_key(case)]
     fmt = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser, "phi4_mini": Phi4MiniToolParser}[parser]
     calls = [("calculator", {"expression": "48 + 24"}), ("check_answer", {"answer": "72"})]
     script = [fmt.format_calls([calls[0]]), fmt.format_calls([calls[1]]), "Natalia sold 72 clips.\n#### 72"]
