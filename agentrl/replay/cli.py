@@ -132,9 +132,23 @@ class _Style:
         return f"\033[{code}m{text}\033[0m" if self.color and text else text
 
 
+def split_reasoning(text: str) -> tuple[str, str] | None:
+    """(reasoning, answer) of an assistant turn's text that closes a ``<think>`` block, the tags kept
+    with the reasoning; None when it has none. The opening tag may be missing: templates such as
+    DeepSeek-R1's put ``<think>`` in the generation prompt, so the sampled text only closes it."""
+    end = text.find("</think>")
+    if end < 0:
+        return None
+    end += len("</think>")
+    while end < len(text) and text[end] == "\n":
+        end += 1
+    return text[:end], text[end:]
+
+
 def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool = False) -> str:
     """A trajectory as terminal text, turn by turn. Sampled text is marked ``│``, observed
-    (masked) text ``┆``, line breaks ``↵``; with ``color``, observed text is also dimmed."""
+    (masked) text ``┆``, line breaks ``↵``; an assistant turn's ``<think>`` block is shown under
+    ``reasoning:`` apart from its ``answer:``. With ``color``, observed text is also dimmed."""
     style = _Style(color)
     t = s.trajectory
     sampled = sum(t.response_mask)
@@ -169,7 +183,17 @@ def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool
             label = style(f"  ── {turn.role} [{turn.start}, {turn.end}) {n} sampled tokens{reward}", "34")
         else:
             label = style(f"  ── {turn.role} [{turn.start}, {turn.end}) {n} observed tokens (masked){reward}", "2")
-        block(label, t.response_ids[turn.start : turn.end], t.response_mask[turn.start : turn.end])
+        ids = t.response_ids[turn.start : turn.end]
+        reasoning = split_reasoning(text(ids)) if turn.role == "assistant" and decode is not None else None
+        if reasoning is None:
+            block(label, ids, t.response_mask[turn.start : turn.end])
+        else:  # the tokens stay as sampled; only the display separates thinking from the answer
+            lines.append(label)
+            for name, part, code in (("reasoning", reasoning[0], "35"), ("answer", reasoning[1], "")):
+                lines.append(f"    {name}:")
+                pieces = part.split("\n")
+                for line in [p + "↵" for p in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else []):
+                    lines.append("    │ " + (style(line, code) if code else line))
         for c in t.tool_calls:
             if c.turn == k:
                 error = style(f" [{c.error}]", "31") if c.error else ""

@@ -74,3 +74,32 @@ def test_rerun_command_matches_then_flags_changed_limits_and_exits_1(scripted_st
     assert lines[1].startswith("  [observation] turn 1 (tool) tokens differ: stored '\\n<|im_start|>user\\n<tool_response>\\n408")
     assert "4...[truncated 2 tokens]" in lines[1]  # "408" is three tokens
     assert json.loads("\n".join(lines[2:]))["differences_by_kind"] == {"observation": 1}
+
+
+def test_show_puts_a_turns_reasoning_apart_from_its_answer():
+    """Reasoning is shown under its own heading while the tokens stay as sampled (ids here are
+    character codes, so the expected text is exact)."""
+    from agentrl.data.rollout_store import StoredTrajectory
+    from agentrl.replay.cli import format_trajectory, split_reasoning
+    from agentrl.trajectory import Trajectory, Turn
+
+    def ids(text):
+        return [ord(c) for c in text]
+
+    first, tool, second = "<think>\nadd them\n</think>\n\ncall(1+2)", "3\n", "</think>\n#### 3"
+    a, b = len(first), len(first) + len(tool)
+    t = Trajectory(row_id="r", group_id="g", sample_index=0, data_source="d", agent_name="tool_agent",
+                   prompt_ids=[1], response_ids=ids(first + tool + second),
+                   response_mask=[1] * len(first) + [0] * len(tool) + [1] * len(second),
+                   logprobs=[0.0] * len(first + tool + second),
+                   turns=[Turn("assistant", 0, a), Turn("tool", a, b), Turn("assistant", b, b + len(second))],
+                   messages=[], finish_reason="stop")
+    stored = StoredTrajectory(split="train", step=0, writer_id=0, trajectory=t, row=None)
+    out = format_trajectory(stored, lambda x: "".join(map(chr, x))).splitlines()
+    i = out.index(f"  ── assistant [0, {a}) {a} sampled tokens")
+    assert out[i + 1 : i + 8] == ["    reasoning:", "    │ <think>↵", "    │ add them↵", "    │ </think>↵", "    │ ↵", "    answer:",
+                                  "    │ call(1+2)"]
+    j = out.index(f"  ── assistant [{b}, {b + len(second)}) {len(second)} sampled tokens")  # opened in the prompt
+    assert out[j + 1 : j + 5] == ["    reasoning:", "    │ </think>↵", "    answer:", "    │ #### 3"]
+    assert out[out.index(f"  ── tool [{a}, {b}) {len(tool)} observed tokens (masked)") + 1] == "    ┆ 3↵"
+    assert split_reasoning("#### 3") is None
