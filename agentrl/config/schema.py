@@ -96,6 +96,11 @@ class EngineConfig(Section):
     # what a managed server runs: real SGLang, or `agentrl serve` (same protocol; fast tests, CPU)
     launcher: Literal["sglang", "agentrl"] = "sglang"
     ready_timeout_s: float = Field(600.0, gt=0)  # start-up until /health_generate answers
+    # managed servers: `driver` runs them as child processes of agentrl's process, on its machine;
+    # `ray` (agentrl train) puts each in a bundle of a Ray placement group, on any node of the cluster
+    placement: Literal["driver", "ray"] = "driver"
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"  # placement=ray: bundles over nodes
+    cpus_per_server: float = Field(0.5, gt=0)  # placement=ray: CPUs each server's bundle reserves (GPUs: tp_size on cuda)
     request_timeout_s: float = Field(300.0, gt=0)  # sglang: one /generate call
     max_retries: int = Field(3, ge=0)  # sglang: transport errors and 5xx, per server, before failover
     max_batch_size: int = Field(64, ge=1)  # builtin: sequences decoded together

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -40,7 +40,7 @@ import httpx
 from agentrl.engines.guard import API_KEY_ENV, auth_headers, new_api_key, require_key_off_loopback
 from agentrl.errors import EngineUnavailable
 
-__all__ = ["ServerSpec", "ServerProcess", "LaunchedServers", "launch_servers", "sglang_specs", "serve_specs", "free_port"]
+__all__ = ["ServerSpec", "ServerProcess", "LaunchedServers", "launch_servers", "sglang_specs", "serve_specs", "free_port", "with_lifeline"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,15 @@ class ServerProcess:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def archive_log(self, suffix: str) -> None:
+        """Keep this (dead) server's log beside the next one's, as ``server-<port>.log.<suffix>``."""
+        if self.log_path.exists():
+            self.log_path.rename(self.log_path.with_suffix(f".log.{suffix}"))
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -249,6 +258,13 @@ def serve_specs(
         )
         for port in ports
     ]
+
+
+def with_lifeline(spec: ServerSpec, owner_pid: int | None = None) -> ServerSpec:
+    """The same server run under ``agentrl.engines.lifeline``: it ends when ``owner_pid`` (this
+    process by default) ends, however it ends."""
+    owner = os.getpid() if owner_pid is None else owner_pid
+    return replace(spec, command=[sys.executable, "-m", "agentrl.engines.lifeline", str(owner), "--", *spec.command])
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -270,10 +270,10 @@ class Trainer:
         for group in (self.actor, self.reference, self.critic):
             if group is not None:
                 group.kill()
+        if self.servers is not None:  # before Ray goes: Ray-placed servers are stopped through their host actors
+            self.servers.stop()
         if ray.is_initialized():
             ray.shutdown()
-        if self.servers is not None:
-            self.servers.stop()
 
 
 # ----------------------------------------------------------------------------- the job

@@ -49,6 +49,7 @@ def sglang_cpu_specs(
     threads: int = 2,
     extra_args: Sequence[str] = (),
     venv: Path | None = None,
+    api_key: str | None = None,
 ) -> list[ServerSpec]:
     """Specs for ``launch_servers``: SGLang from its venv, on the CPU, the stand-in first on its path."""
     env = {
@@ -57,7 +58,8 @@ def sglang_cpu_specs(
         "OMP_NUM_THREADS": str(threads),
     }
     flags = [*CPU_FLAGS, "--max-total-tokens", str(max_total_tokens), *extra_args]
-    specs = sglang_specs(model_path, num_servers=num_servers, python=venv_python(venv), host=host, ports=ports, extra_args=flags)
+    specs = sglang_specs(model_path, num_servers=num_servers, python=venv_python(venv), host=host, ports=ports, extra_args=flags,
+                         api_key=api_key)
     return [replace(spec, env={**spec.env, **env}) for spec in specs]
 
 
