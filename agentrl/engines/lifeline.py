@@ -11,7 +11,9 @@ session of its own). It starts the command as its child in that group and watche
 * on the owner's death, or a SIGTERM/SIGINT, it SIGTERMs the whole group (an SGLang server is
   three processes: HTTP front, scheduler, detokenizer), waits ``GRACE_S``, then SIGKILLs it;
 * when the command exits on its own, the lifeline ends the rest of the group and exits with the
-  command's status, so the owner sees the server die (and can restart it).
+  command's status, so the owner sees the server die (and can restart it);
+* when the lifeline itself is SIGKILLed (it cannot clean up then), the kernel SIGKILLs the server
+  (its ``PR_SET_PDEATHSIG``, set before exec); SGLang's own subprocesses die with the server.
 
 Standard library only: it must start in well under a second.
 """
@@ -30,11 +32,18 @@ POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the getppid() poll still works
         pass
+
+
+def _server_dies_with_lifeline() -> None:
+    """In the server, before exec: if the lifeline is SIGKILLed it cannot stop the group (Ray, for
+    one, SIGKILLs the children of an actor it kills), so the server gets SIGKILL from the kernel;
+    SGLang's scheduler and detokenizer already die with the server."""
+    _die_with_parent(signal.SIGKILL)
 
 
 def _signal_group(sig: int) -> None:
@@ -71,7 +80,7 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     if os.getppid() != parent:  # the owner died before the death signal was armed
         return 1
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, preexec_fn=_server_dies_with_lifeline)
     while True:
         try:
             code = child.wait(timeout=POLL_S)

@@ -25,12 +25,16 @@ from agentrl.errors import ConfigError, EngineUnavailable
 pytestmark = pytest.mark.ray
 
 
-def _alive(pid: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is left in a process group."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _parent(pid: int) -> int:
@@ -101,14 +105,14 @@ def test_servers_run_in_their_bundles_under_host_actors_and_end_with_them(local_
         # the host actor dies (as with a lost node): its server ends with it, a new host in the same bundle restarts it
         second_pgid, second_host_pid = second.pgid, ray.get(second.host.pid.remote())
         ray.kill(second.host)
-        _wait_until(lambda: not _alive(second_pgid), 30, "the killed host's server to end (lifeline)")
+        _wait_until(lambda: not _group_alive(second_pgid), 30, "every process of the killed host's server to end")
         _wait_until(lambda: servers.restarts[1] == 1 and servers.servers[1].alive(), 120, "server 1 to be restarted on a new host")
         assert ray.get(servers.servers[1].host.pid.remote()) != second_host_pid and servers.servers[1].url == second.url
         assert _generate(servers.urls, servers.api_key) == [6, 6, 6, 6]
     finally:
         pgids, group = [s.pgid for s in servers.servers], servers.placement.group
         servers.stop()
-    assert not any(_alive(p) for p in pgids)
+    assert not any(_group_alive(p) for p in pgids)
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
     servers.stop()  # idempotent
 
@@ -158,6 +162,6 @@ def test_agentrl_train_with_ray_placed_servers(tmp_path):
             argv = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"agentrl.engines.lifeline" in argv and any(p in argv for p in ports):
+        if (b"agentrl.engines.lifeline" in argv or b"agentrl.engines.serve" in argv) and any(p in argv for p in ports):
             left.append(int(cmdline.parent.name))
     assert not left, f"server processes outlived the run: {left}"
