@@ -13,7 +13,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K_TRAIN = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
 @pytest.fixture(scope="session")
@@ -33,12 +32,15 @@ def tiny_tokenizer(tiny_model_dir):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """In CI (``CI=true``) a skipped real-SGLang test (marker ``sglang``) is a failure with the
-    skip's reason: CI builds the SGLang CPU environment, so a skip there means the build or the
-    environment broke. On a developer machine the skip stays a skip, its reason printed."""
+    """In CI (``CI=true``) a skipped real-SGLang test (marker ``sglang``) or real-GSM8K test (marker
+    ``gsm8k``) is a failure with the skip's reason: CI builds the SGLang CPU environment and is
+    given the GSM8K file, so a skip there means the build or the environment broke. On a developer
+    machine the skip stays a skip, its reason printed."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and item.get_closest_marker("sglang") is not None and os.environ.get("CI", "").lower() == "true":
+    needs = [m for m in ("sglang", "gsm8k") if item.get_closest_marker(m) is not None]
+    if report.skipped and needs and os.environ.get("CI", "").lower() == "true":
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = f"real-SGLang test skipped in CI (CI=true), which is a failure: {reason}"
+        what = "real-SGLang" if "sglang" in needs else "real-GSM8K"
+        report.longrepr = f"{what} test skipped in CI (CI=true), which is a failure: {reason}"

@@ -16,8 +16,8 @@ from agentrl.errors import ToolError
 from agentrl.plugins import PluginRegistry
 from agentrl_tools.calculator import CalculatorTool, evaluate, format_number
 from agentrl_tools.check_answer import CheckAnswerTool
+from real_data import GSM8K_TRAIN
 
-GSM8K_TRAIN = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
 def calc(expression: str) -> str:
@@ -92,7 +92,8 @@ def test_format_number_drops_zero_fractions_and_rounds_to_six_decimals():
     ]
 
 
-@pytest.mark.skipif(not GSM8K_TRAIN.exists(), reason="needs ../shared/data/gsm8k/train.jsonl")
+@pytest.mark.gsm8k
+@pytest.mark.skipif(not GSM8K_TRAIN.exists(), reason=f"the GSM8K training file is not at {GSM8K_TRAIN} (set AGENTRL_GSM8K)")
 def test_calculator_reproduces_every_gsm8k_training_annotation():
     # <<48/2=24>>: the sft data variant turns each annotation into a calculator call
     annotation = re.compile(r"<<([^=<>]*)=([^<>]*)>>")

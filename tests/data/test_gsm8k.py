@@ -15,9 +15,10 @@ from agentrl.data.dataset import RowDataset, validate_files
 from agentrl.data.io import iter_raw_rows, write_rows
 from agentrl.data.row import Row
 from agentrl_data_prep.gsm8k import VARIANTS, MalformedRecord, convert, convert_record, ground_truth_of, sft_messages
+from real_data import GSM8K_TRAIN, needs_gsm8k
 
 REPO = Path(__file__).resolve().parents[2]
-REAL = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+REAL = GSM8K_TRAIN
 ANSWER = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether.\n#### 1,272"
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "48/2"}}}
 
@@ -122,7 +123,10 @@ def test_a_parquet_source_without_the_columns_is_named(tmp_path, capsys):
 
 # ---------------------------------------------------------------- the real 7,473-row training file
 
-needs_real = pytest.mark.skipif(not REAL.is_file(), reason=f"the GSM8K training file is not at {REAL}")
+def needs_real(test):
+    for mark in needs_gsm8k:
+        test = mark(test)
+    return test
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from agentrl.engines.sglang_cpu.env import unavailable_reason
+from real_data import GSM8K_TRAIN as GSM8K
 
 _REASON = unavailable_reason()
 pytestmark = [pytest.mark.sglang, pytest.mark.ray, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -136,10 +137,8 @@ def test_rollout_command_with_managed_sglang(tmp_path):
     assert len(ports) == 1 and not _processes_on_port(ports[0])
 
 
-GSM8K = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-
-
-@pytest.mark.skipif(not GSM8K.is_file(), reason=f"the GSM8K training file is not at {GSM8K}")
+@pytest.mark.gsm8k
+@pytest.mark.skipif(not GSM8K.is_file(), reason=f"the GSM8K training file is not at {GSM8K} (set AGENTRL_GSM8K)")
 def test_gsm8k_tool_rollout_through_sglang_gives_the_builtin_engines_tokens(tmp_path):
     """`agentrl rollout engine=sglang` on the GSM8K tool variant (real rows rendered with their
     calculator and check_answer schemas, tool_agent) equals the same command on the built-in engine,
