@@ -167,3 +167,35 @@ def test_gsm8k_tool_rollout_through_sglang_gives_the_builtin_engines_tokens(tmp_
     served = rollout("sglang", "engine=sglang")
     assert served == builtin
     assert all(len(p) > 100 for p, _, _ in served.values())  # the tool schemas are in the prompt
+
+
+def test_resume_with_managed_sglang_serves_the_checkpointed_policy(tmp_path):
+    """`agentrl train engine=sglang` (real SGLang) stops after a checkpoint and resumes: the new
+    server starts from the base model and is synced to the checkpoint before the first resumed
+    rollout, so SGLang's sampled logprobs agree with the trainer's recomputation of the moved
+    policy, and the stored weight versions continue from the checkpoint."""
+    from agentrl.data.rollout_store import RolloutStore
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    base = ["engine=sglang", "sft.enable=false", "data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=8",
+            "data.max_response_length=32", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
+            "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_freq=1", "actor.entropy_coeff=0.1",
+            "actor.optim.lr=0.01", "logging.progress=false", "logging.loggers=[jsonl]", f"trainer.runs_root={tmp_path}",
+            "trainer.run_name=run", "trainer.export_hf=false"]
+
+    def train(*extra: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *base, *extra], capture_output=True, text=True,
+                              timeout=900, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    train("trainer.total_steps=1")
+    train("trainer.total_steps=2", f"trainer.resume={tmp_path / 'run'}")
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [m for m in metrics if m.get("step") == 2 and "logprob_mismatch/max" in m]
+    assert resumed and resumed[-1]["logprob_mismatch/max"] < MISMATCH_TOLERANCE, resumed
+    stored = list(RolloutStore(tmp_path / "run" / "rollouts").iter_stored())
+    versions = {(s.step, s.trajectory.metrics["weight_version_min"], s.trajectory.metrics["weight_version_max"])
+                for s in stored if s.split == "train"}
+    assert versions == {(0, 0.0, 0.0), (1, 1.0, 1.0)}
+    ports = _ports_of(tmp_path / "run" / "servers")
+    assert len(ports) == 2 and not any(_processes_on_port(p) for p in ports)
