@@ -13,7 +13,7 @@ from agent_helpers import make_row
 
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl_agent_loops.openai_agent import OpenAIAgentLoop
-from agentrl_agents.gsm8k_calculator import CALCULATOR
+from agentrl_agent_programs.gsm8k_calculator import CALCULATOR
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
 
@@ -137,7 +137,7 @@ def test_turn_limit_ends_the_trajectory_with_its_finish_reason(tiny_tokenizer, m
     ctx = make_ctx(engine, limits={"max_assistant_turns": 2})
 
     def program(task):
-        from agentrl_agents.gsm8k_calculator import solve
+        from agentrl_agent_programs.gsm8k_calculator import solve
 
         return solve(task, max_turns=5)
 
@@ -151,7 +151,7 @@ def test_concurrent_agents_on_the_real_tiny_model_keep_their_own_sessions(tiny_m
     from transformers import AutoModelForCausalLM
 
     from agentrl.engines.builtin import BuiltinEngine
-    from agentrl_agents.gsm8k_calculator import solve
+    from agentrl_agent_programs.gsm8k_calculator import solve
 
     engine = BuiltinEngine(tiny_model_dir, max_batch_size=8, seed=0)
     try:
@@ -171,3 +171,41 @@ def test_concurrent_agents_on_the_real_tiny_model_keep_their_own_sessions(tiny_m
         reference = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, len(t.prompt_ids):, None])[:, 0]
         mask = torch.tensor(t.response_mask, dtype=torch.bool)
         assert (torch.tensor(t.logprobs)[mask] - reference[mask]).abs().max() < 1e-4
+
+
+def test_openai_agents_sdk_agent_trains_token_exact(tiny_tokenizer, make_ctx):
+    """A real framework (the OpenAI Agents SDK) that knows nothing of agentrl: its tool round trip
+    is merged into one exact stream."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [CALL, "#### 408"]})
+    ctx = make_ctx(engine)
+    executed = []
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        executed.append(expression)
+        return str(eval(expression, {"__builtins__": {}}, {}))
+
+    async def program(task):
+        client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        agent = Agent(name="math", instructions="Use the calculator.", tools=[calculator],
+                      model=OpenAIChatCompletionsModel(model=task.model, openai_client=client))
+        result = await Runner.run(agent, "What is 12 * 34?", max_turns=4)
+        return result.final_output
+
+    (t,) = run(loop_with(program), ctx, [("r0", row())])
+    assert t.finish_reason == "stop", t.reward_info
+    assert executed == ["12 * 34"] and t.reward == 1.0
+    r = ctx.renderer
+    first, second = engine.requests
+    sampled1 = tiny_tokenizer.encode(CALL, add_special_tokens=False) + [r.eos_id]
+    sampled2 = tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [r.eos_id]
+    assert t.prompt_ids == first.input_ids and second.input_ids[: len(first.input_ids) + len(sampled1)] == first.input_ids + sampled1
+    observed = second.input_ids[len(first.input_ids) + len(sampled1):]
+    assert tiny_tokenizer.decode(observed).count("408") == 1  # the tool result, masked
+    assert t.response_ids == sampled1 + observed + sampled2 + r.separator_ids
+    assert t.response_mask == [1] * len(sampled1) + [0] * len(observed) + [1] * len(sampled2) + [0] * len(r.separator_ids)
+    assert t.metrics["segment_splits"] == 0
