@@ -43,7 +43,7 @@ from agentrl.agent.render import ChatRenderer
 from agentrl.agent.tool_parsers import ToolParser
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, SamplingParams
 from agentrl.errors import EngineError
-from agentrl.trajectory import TrajectoryBuilder, TrajectoryFinish
+from agentrl.trajectory import TrajectoryBuilder, TrajectoryFinish, TurnRole
 
 __all__ = ["OpenAIEndpoint", "EndpointSession", "Segment", "CallRecord", "RequestRefused", "endpoint"]
 
@@ -181,6 +181,9 @@ class EndpointSession:
         unknown = sorted(set(body) - _ACCEPTED_KEYS)
         if unknown:
             raise RequestRefused(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
+        for key in ("logprobs", "frequency_penalty", "presence_penalty"):
+            if body.get(key):  # accepted when off; the sampled policy must be the rollout's
+                raise RequestRefused(f"{key}={body[key]!r}: not supported (leave it unset)", param=key)
         n = body.get("n")
         if n not in (None, 1):
             raise RequestRefused(f"n={n!r}: only n=1 is supported (one trajectory samples one answer per call)", param="n")
@@ -218,7 +221,7 @@ class EndpointSession:
             if (tools == seg.tools and messages[:known] == seg.messages and rest
                     and all(m["role"] in ("tool", "user") for m in rest)):
                 delta = self.renderer.observation_ids(rest, after_eos=seg.stopped_on_eos)
-                role = "tool" if rest[0]["role"] == "tool" else "user"
+                role: TurnRole = "tool" if rest[0]["role"] == "tool" else "user"
                 if self.limits.max_response_tokens - len(seg.builder) - len(delta) < 1:
                     self._end(TrajectoryFinish.RESPONSE_BUDGET)
                 seg.builder.append_observed(delta, role)

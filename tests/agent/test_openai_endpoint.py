@@ -113,7 +113,7 @@ def test_refusals_name_the_field(tiny_tokenizer, make_ctx):
 
     def program(task):
         client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
-        for field, extra in [("n", {"n": 2}), ("tool_choice", {"tool_choice": "required"}), ("stop", {"stop": "two words"})]:
+        for field, extra in [("n", {"n": 2}), ("tool_choice", {"tool_choice": "required"}), ("stop", {"stop": "two words"}), ("logprobs", {"logprobs": True})]:
             with pytest.raises(openai.BadRequestError) as info:
                 client.chat.completions.create(model=task.model, messages=task.messages, **extra)
             errors[field] = info.value.body
@@ -129,7 +129,7 @@ def test_refusals_name_the_field(tiny_tokenizer, make_ctx):
     assert t.finish_reason == "stop", t.reward_info
     assert errors["n"]["param"] == "n" and "only n=1" in errors["n"]["message"]
     assert errors["tool_choice"]["param"] == "tool_choice"
-    assert errors["stop"]["param"] == "stop"
+    assert errors["stop"]["param"] == "stop" and errors["logprobs"]["param"] == "logprobs"
 
 
 def test_turn_limit_ends_the_trajectory_with_its_finish_reason(tiny_tokenizer, make_ctx):
@@ -209,3 +209,31 @@ def test_openai_agents_sdk_agent_trains_token_exact(tiny_tokenizer, make_ctx):
     assert t.response_ids == sampled1 + observed + sampled2 + r.separator_ids
     assert t.response_mask == [1] * len(sampled1) + [0] * len(observed) + [1] * len(sampled2) + [0] * len(r.separator_ids)
     assert t.metrics["segment_splits"] == 0
+
+
+def test_a_program_past_the_trajectory_timeout_ends_it_and_its_session(tiny_tokenizer, make_ctx):
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": ["#### 408"]})
+    ctx = make_ctx(engine, limits={"trajectory_timeout_s": 0.5})
+    urls = []
+
+    async def program(task):
+        urls.append(task.base_url)
+        await asyncio.sleep(30)
+
+    (t,) = run(loop_with(program), ctx, [("r0", row())])
+    assert t.finish_reason == "trajectory_timeout" and t.response_ids == []
+    from agentrl.agent.openai_endpoint import endpoint
+
+    with pytest.raises(openai.NotFoundError):  # the session is closed with its trajectory
+        openai.OpenAI(base_url=urls[0], api_key=endpoint().api_key, max_retries=0).models.list()
+
+
+def test_the_program_is_found_by_entry_point(tiny_tokenizer):
+    from agentrl.errors import PluginError
+    from agentrl.plugins import PluginRegistry
+    from agentrl_agent_loops.openai_agent import find_program
+    from agentrl_agent_programs.gsm8k_calculator import solve
+
+    assert find_program(make_row(agent="openai_agent"), PluginRegistry()) is solve  # the one installed
+    with pytest.raises(PluginError, match="no plugin named 'nosuch' in group agentrl.agents"):
+        find_program(make_row(agent="openai_agent", agent_program="nosuch"), PluginRegistry())
