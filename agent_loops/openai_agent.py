@@ -81,7 +81,7 @@ class OpenAIAgentLoop(AgentLoop):
             builder, messages = seg.builder, seg.messages
             sep = ctx.renderer.separator_ids
             if seg.stopped_on_eos and builder.turns and builder.turns[-1].role == "assistant" and (
-                    len(sep) <= ctx.limits.max_response_tokens - len(builder)):
+                    len(sep) <= session.tokens_left(seg)):
                 builder.append_template(sep)  # what the template writes after the final end-of-turn token
         else:  # the program made no call
             builder, messages = TrajectoryBuilder(ctx.renderer.prompt_ids(row.messages())), row.messages()

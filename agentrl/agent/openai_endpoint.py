@@ -121,12 +121,9 @@ class EndpointSession:
         if self.finish is not None:
             raise RequestRefused(f"this trajectory has ended ({self.finish.value})", finish=self.finish)
         messages, tools, parse_calls, stop_ids, max_tokens = self._read(body)
-        if self.assistant_turns >= self.limits.max_assistant_turns:  # before an observation no turn would read
-            self._end(TrajectoryFinish.MAX_ASSISTANT_TURNS)
+        self.check_turn(None)  # before an observation that no turn would read
         segment, merged = self._extend_or_split(messages, tools)
-        left = self.limits.max_response_tokens - len(segment.builder)
-        if left < 1:
-            self._end(TrajectoryFinish.RESPONSE_BUDGET)
+        left = self.check_turn(segment, 1) + 1  # the tokens this answer may sample
         stops = tuple(dict.fromkeys((*(self.sampling.stop_token_ids or (self.renderer.eos_id,)), *stop_ids)))
         n = len(self.calls)
         sampling = SamplingParams(
@@ -172,6 +169,23 @@ class EndpointSession:
             "choices": [{"index": 0, "message": answer, "finish_reason": finish, "logprobs": None}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
         }
+
+    def tokens_left(self, segment: Segment) -> int:
+        """What ``max_response_tokens`` leaves in this segment."""
+        return self.limits.max_response_tokens - len(segment.builder)
+
+    def check_turn(self, segment: Segment | None, tokens: int = 1) -> int:
+        """The endpoint's one check of the turn limits (as ``Episode.check_turn`` is the loops'):
+        another assistant turn, and ``tokens`` more in ``segment``; refuses the request and ends
+        the trajectory with the limit's finish reason, else returns the tokens left after them."""
+        if self.assistant_turns >= self.limits.max_assistant_turns:
+            self._end(TrajectoryFinish.MAX_ASSISTANT_TURNS)
+        if segment is None:
+            return 0
+        left = self.tokens_left(segment) - tokens
+        if left < 0:
+            self._end(TrajectoryFinish.RESPONSE_BUDGET)
+        return left
 
     def _end(self, finish: TrajectoryFinish, *, status: int = 400) -> Any:
         self.finish = finish
@@ -222,8 +236,7 @@ class EndpointSession:
                     and all(m["role"] in ("tool", "user") for m in rest)):
                 delta = self.renderer.observation_ids(rest, after_eos=seg.stopped_on_eos)
                 role: TurnRole = "tool" if rest[0]["role"] == "tool" else "user"
-                if self.limits.max_response_tokens - len(seg.builder) - len(delta) < 1:
-                    self._end(TrajectoryFinish.RESPONSE_BUDGET)
+                self.check_turn(seg, len(delta) + 1)  # the observation and at least one token to read it
                 seg.builder.append_observed(delta, role)
                 seg.messages.extend(rest)
                 return seg, True

@@ -237,3 +237,18 @@ def test_the_program_is_found_by_entry_point(tiny_tokenizer):
     assert find_program(make_row(agent="openai_agent"), PluginRegistry()) is solve  # the one installed
     with pytest.raises(PluginError, match="no plugin named 'nosuch' in group agentrl.agents"):
         find_program(make_row(agent="openai_agent", agent_program="nosuch"), PluginRegistry())
+
+
+def test_the_response_budget_caps_max_tokens_and_ends_the_trajectory(tiny_tokenizer, make_ctx):
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [CALL, "#### 408"]})
+    call_len = len(tiny_tokenizer.encode(CALL, add_special_tokens=False)) + 1
+    ctx = make_ctx(engine, limits={"max_response_tokens": call_len + 3, "max_new_tokens": 500})
+
+    def program(task):
+        from agentrl_agent_programs.gsm8k_calculator import solve
+
+        return solve(task)
+
+    (t,) = run(loop_with(program), ctx, [("r0", row())])
+    assert [r.sampling.max_new_tokens for r in engine.requests] == [call_len + 3]  # the budget, not max_new_tokens
+    assert t.finish_reason == "response_budget" and [turn.role for turn in t.turns] == ["assistant"]
