@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from agentrl.agent.interaction import Interaction, InteractionResponse
 from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd
+from agentrl.agent.program import AgentResult, AgentTask
 from agentrl.agent.runner import RolloutRunner
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.agent.tool import Tool, ToolResult
@@ -52,6 +53,8 @@ __all__ = [
     # plugin APIs
     "Engine",
     "AgentLoop",
+    "AgentTask",
+    "AgentResult",
     "Episode",
     "EpisodeEnd",
     "Tool",

@@ -27,6 +27,7 @@ GROUPS: tuple[str, ...] = (
     "agentrl.interactions",
     "agentrl.rewards",
     "agentrl.tool_parsers",
+    "agentrl.agents",
 )
 
 # verl's names for the built-in loops, accepted wherever a loop name is.

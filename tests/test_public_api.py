@@ -96,6 +96,7 @@ INTERNAL_EXCEPTIONS = {
     "EpisodeEnd": "control flow: raised inside a loop's play(), caught by AgentLoop as a finish reason",
     "InteractionFailure": "control flow: an interaction's exception, turned into the finish reason interaction_error",
     "BadRequest": "inside `agentrl serve`: answered as HTTP 400, never raised to a client",
+    "RequestRefused": "inside the OpenAI endpoint: answered as an HTTP error body naming the field, never raised to a client",
     "BuildError": "the real-SGLang test environment builder (scripts, test fixtures), not the library",
     "_BodyTooLarge": "inside the servers' request guard: answered as HTTP 413, never raised to a client",
     "_UndecodableField": "inside data/io.py: turned into a DataError naming the file, row and field",

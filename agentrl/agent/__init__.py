@@ -15,6 +15,7 @@ from __future__ import annotations
 from agentrl.agent.interaction import Interaction, InteractionResponse
 from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd, Limits, LoopContext, ask_interaction
 from agentrl.agent.families import TemplateReport, check_template, detect_tool_parser, stop_tokens
+from agentrl.agent.program import AgentResult, AgentTask
 from agentrl.agent.render import ChatRenderer, TemplateUnsupported
 from agentrl.agent.runner import LoopTable, RewardTable, RolloutRunner, build_context, check_agent_names, check_row_plugins
 from agentrl.agent.scripted import ScriptedEngine
@@ -48,6 +49,9 @@ __all__ = [
     "LoopContext",
     "Limits",
     "ask_interaction",
+    # agent programs behind the OpenAI endpoint (the openai_agent loop)
+    "AgentTask",
+    "AgentResult",
     # running many
     "RolloutRunner",
     "LoopTable",

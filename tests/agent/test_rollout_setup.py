@@ -154,6 +154,9 @@ def test_turn_limits_are_read_only_by_the_episodes_one_check():
         ("agentrl/agent/setup.py", "from_config"),  # Limits.from_config: AgentConfig -> Limits
         ("agentrl/agent/loop.py", "check_turn"),
         ("agentrl/agent/loop.py", "tokens_left"),
+        # the OpenAI endpoint's sessions are episodes of programs that are no loops: their one check
+        ("agentrl/agent/openai_endpoint.py", "check_turn"),
+        ("agentrl/agent/openai_endpoint.py", "tokens_left"),
     }
 
 

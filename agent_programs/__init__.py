@@ -1,0 +1,1 @@
+"""Agent programs (entry point group ``agentrl.agents``) that know nothing of agentrl."""

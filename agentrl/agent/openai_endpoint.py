@@ -1,0 +1,419 @@
+"""An OpenAI-compatible chat-completions endpoint in front of the rollout engine.
+
+An agent program written against the ``openai`` client (or any framework that speaks the chat
+completions API) gets a ``base_url`` and ``api_key`` for one trajectory (``EndpointSession``).
+Each request is rendered with the policy's chat template (``ChatRenderer``, the path agentrl's
+own loops use), generated token in / token out by the engine, and answered with the text and the
+``tool_calls`` the family's parser reads from it. Every call's prompt ids, sampled ids and
+logprobs are kept, and the calls are assembled into exact token streams:
+
+* a request whose messages are the session's context so far (the earlier messages and the
+  assistant message this endpoint answered, as the client echoes it) followed by tool or user
+  messages *extends* the context: the new messages are rendered as an observation delta (masked)
+  after the sampled tokens, which are never re-tokenized;
+* any other request (the program dropped, rewrote or summarised its history, or changed its
+  tools) starts a new *segment* from a fresh rendering; ``segment_splits`` counts them.
+
+The server (``OpenAIEndpoint``) runs uvicorn in a thread of its own, bound to 127.0.0.1, with a
+random key per process; a session is a random path under it, so concurrent agents never mix.
+Generation runs on the event loop that owns the engine (the rollout's), reached with
+``run_coroutine_threadsafe``, and every wait is bounded by the trajectory timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agentrl.agent.setup import Limits
+from agentrl.agent.render import ChatRenderer
+from agentrl.agent.tool_parsers import ToolParser
+from agentrl.engines.base import Engine, FinishReason, GenerateRequest, SamplingParams
+from agentrl.errors import EngineError
+from agentrl.trajectory import TrajectoryBuilder, TrajectoryFinish, TurnRole
+
+__all__ = ["OpenAIEndpoint", "EndpointSession", "Segment", "CallRecord", "RequestRefused", "endpoint"]
+
+MODEL_NAME = "agentrl-policy"
+_SAMPLING_KEYS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed"}
+_ACCEPTED_KEYS = _SAMPLING_KEYS | {
+    "model", "messages", "tools", "tool_choice", "stream", "stream_options", "parallel_tool_calls", "user",
+    "metadata", "store", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
+}
+
+
+class RequestRefused(Exception):
+    """A request the endpoint will not serve: answered with ``status`` and an OpenAI error body
+    naming the field; ``finish`` set when the refusal ends the trajectory (a limit)."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 finish: TrajectoryFinish | None = None):
+        super().__init__(message)
+        self.param, self.status, self.finish = param, status, finish
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One chat-completions call as the engine saw it."""
+
+    segment: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # the engine's: stop | length | abort
+    merged: bool  # True: the prompt extended the segment's context
+
+
+@dataclass(slots=True)
+class Segment:
+    """One exact token stream: a prompt, then sampled (mask 1) and observed (mask 0) tokens."""
+
+    builder: TrajectoryBuilder
+    messages: list[dict[str, Any]]  # the context as normalised messages, ending with the last answer
+    tools: list[dict[str, Any]] | None
+    stopped_on_eos: bool = False
+
+
+@dataclass(slots=True)
+class EndpointSession:
+    """One trajectory's view of the endpoint: its calls, segments and counters."""
+
+    engine: Engine
+    renderer: ChatRenderer
+    parser: ToolParser
+    limits: Limits
+    sampling: SamplingParams
+    session_id: str
+    seed: int | None = None
+    loop: asyncio.AbstractEventLoop | None = None  # the loop the engine runs on (set by open_session)
+    calls: list[CallRecord] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    assistant_turns: int = 0
+    finish: TrajectoryFinish | None = None  # set when a limit or the engine ended the trajectory
+    error: str | None = None
+    weight_versions: list[int] = field(default_factory=list)
+    gen_time: float = 0.0
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def segment_splits(self) -> int:
+        return max(0, len(self.segments) - 1)
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Serve one chat-completions request body; returns the (non-streamed) response object."""
+        async with self._lock:  # one call at a time: a trajectory's calls are ordered
+            return await self._complete(body)
+
+    async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.finish is not None:
+            raise RequestRefused(f"this trajectory has ended ({self.finish.value})", finish=self.finish)
+        messages, tools, parse_calls, stop_ids, max_tokens = self._read(body)
+        self.check_turn(None)  # before an observation that no turn would read
+        segment, merged = self._extend_or_split(messages, tools)
+        left = self.check_turn(segment, 1) + 1  # the tokens this answer may sample
+        stops = tuple(dict.fromkeys((*(self.sampling.stop_token_ids or (self.renderer.eos_id,)), *stop_ids)))
+        n = len(self.calls)
+        sampling = SamplingParams(
+            max_new_tokens=min(self.limits.max_new_tokens, left, max_tokens or left),
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
+            stop_token_ids=stops, seed=None if self.seed is None else self.seed + 7919 * n,
+        )
+        prompt = segment.builder.all_ids
+        start = time.perf_counter()
+        try:
+            result = await self.engine.generate(GenerateRequest(
+                input_ids=prompt, sampling=sampling, rid=f"{self.session_id}/{n}", session_id=self.session_id))
+        except EngineError as exc:
+            self.error = str(exc)
+            self._end(TrajectoryFinish.ENGINE_ERROR, status=502)
+        finally:
+            self.gen_time += time.perf_counter() - start
+        if result.finish_reason is FinishReason.ABORT:
+            self._end(TrajectoryFinish.ABORT, status=503)
+        self.weight_versions.append(result.weight_version)
+        self.assistant_turns += 1
+        segment.builder.append_sampled(result.output_ids, result.logprobs)
+        self.calls.append(CallRecord(len(self.segments) - 1, prompt, list(result.output_ids), list(result.logprobs),
+                                     result.finish_reason.value, merged))
+        ids = result.output_ids
+        segment.stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] in stops
+        text = self.renderer.decode(ids[:-1] if segment.stopped_on_eos else ids)
+        parsed = self.parser.parse(text) if parse_calls else None
+        content = parsed.content if parsed is not None else text
+        calls = [c for c in parsed.calls if c.name is not None] if parsed is not None else []
+        tool_calls = [{
+            "id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments or {}, ensure_ascii=False)},
+        } for c in calls]
+        answer: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
+        if tool_calls:
+            answer["tool_calls"] = tool_calls
+        segment.messages.append(normalize_message(answer, where="response"))
+        finish = "length" if result.finish_reason is FinishReason.LENGTH else "tool_calls" if tool_calls else "stop"
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": MODEL_NAME,
+            "choices": [{"index": 0, "message": answer, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
+        }
+
+    def tokens_left(self, segment: Segment) -> int:
+        """What ``max_response_tokens`` leaves in this segment."""
+        return self.limits.max_response_tokens - len(segment.builder)
+
+    def check_turn(self, segment: Segment | None, tokens: int = 1) -> int:
+        """The endpoint's one check of the turn limits (as ``Episode.check_turn`` is the loops'):
+        another assistant turn, and ``tokens`` more in ``segment``; refuses the request and ends
+        the trajectory with the limit's finish reason, else returns the tokens left after them."""
+        if self.assistant_turns >= self.limits.max_assistant_turns:
+            self._end(TrajectoryFinish.MAX_ASSISTANT_TURNS)
+        if segment is None:
+            return 0
+        left = self.tokens_left(segment) - tokens
+        if left < 0:
+            self._end(TrajectoryFinish.RESPONSE_BUDGET)
+        return left
+
+    def _end(self, finish: TrajectoryFinish, *, status: int = 400) -> Any:
+        self.finish = finish
+        raise RequestRefused(f"the trajectory ended: {finish.value}", status=status, finish=finish)
+
+    def _read(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool, list[int], int | None]:
+        unknown = sorted(set(body) - _ACCEPTED_KEYS)
+        if unknown:
+            raise RequestRefused(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
+        for key in ("logprobs", "frequency_penalty", "presence_penalty"):
+            if body.get(key):  # accepted when off; the sampled policy must be the rollout's
+                raise RequestRefused(f"{key}={body[key]!r}: not supported (leave it unset)", param=key)
+        n = body.get("n")
+        if n not in (None, 1):
+            raise RequestRefused(f"n={n!r}: only n=1 is supported (one trajectory samples one answer per call)", param="n")
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise RequestRefused("messages: a non-empty list is required", param="messages")
+        messages = [normalize_message(m, where=f"messages[{i}]") for i, m in enumerate(raw)]
+        tools = body.get("tools") or None
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise RequestRefused("tools: a list of tool objects is required", param="tools")
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise RequestRefused(f"tool_choice={choice!r}: only 'auto' and 'none' are supported "
+                                 "(generation is not constrained)", param="tool_choice")
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stop_ids: list[int] = []
+        for s in stops:
+            ids = self.renderer.encode(s) if isinstance(s, str) else []
+            if len(ids) != 1:
+                raise RequestRefused(f"stop={s!r}: only stop strings that are one token of the vocabulary are "
+                                     "supported (the engine stops on token ids)", param="stop")
+            stop_ids.append(ids[0])
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise RequestRefused(f"max_tokens={max_tokens!r}: a positive integer is required", param="max_tokens")
+        return messages, tools, choice != "none", stop_ids, max_tokens
+
+    def _extend_or_split(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[Segment, bool]:
+        """The segment this request continues (observation tokens appended, masked), or a new one."""
+        if self.segments:
+            seg = self.segments[-1]
+            known = len(seg.messages)
+            rest = messages[known:]
+            if (tools == seg.tools and messages[:known] == seg.messages and rest
+                    and all(m["role"] in ("tool", "user") for m in rest)):
+                delta = self.renderer.observation_ids(rest, after_eos=seg.stopped_on_eos)
+                role: TurnRole = "tool" if rest[0]["role"] == "tool" else "user"
+                self.check_turn(seg, len(delta) + 1)  # the observation and at least one token to read it
+                seg.builder.append_observed(delta, role)
+                seg.messages.extend(rest)
+                return seg, True
+        try:
+            prompt = self.renderer.prompt_ids(messages, tools)
+        except Exception as exc:
+            raise RequestRefused(f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}",
+                                 param="messages") from exc
+        seg = Segment(TrajectoryBuilder(prompt), list(messages), tools)
+        self.segments.append(seg)
+        return seg, False
+
+
+def normalize_message(message: Any, *, where: str) -> dict[str, Any]:
+    """A chat message as the template renders it and as the context comparison sees it: role,
+    text content, tool calls with their arguments parsed; what a client adds beside is dropped."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestRefused(f"{where}: a message object with a 'role' is required", param="messages")
+    role = message["role"]
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise RequestRefused(f"{where}.role={role!r}: unsupported role", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestRefused(f"{where}.content: only text parts are supported, not {kind!r}", param="messages")
+            parts.append(str(part.get("text", "")))
+        content = "".join(parts)
+    out: dict[str, Any] = {"role": role, "content": content if isinstance(content, str) else ""}
+    calls = message.get("tool_calls")
+    if role == "assistant" and calls:
+        out["tool_calls"] = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict):
+                raise RequestRefused(f"{where}.tool_calls[{j}].function is required", param="messages")
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise RequestRefused(f"{where}.tool_calls[{j}].function.arguments is not JSON", param="messages") from None
+            entry: dict[str, Any] = {"type": "function", "function": {"name": fn.get("name"), "arguments": args}}
+            if call.get("id"):
+                entry["id"] = call["id"]
+            out["tool_calls"].append(entry)
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if message.get(key):
+                out[key] = message[key]
+    return out
+
+
+def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}},
+                        status_code=status)
+
+
+async def _sse(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    """The answer as a chat.completion.chunk stream (one chunk per part: generation is not
+    streamed token by token, the answer is complete when the first chunk is sent)."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": MODEL_NAME}
+    choice = response["choices"][0]
+    message = choice["message"]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield chunk({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    yield chunk({}, choice["finish_reason"])
+    if include_usage:
+        yield "data: " + json.dumps({**base, "choices": [], "usage": response["usage"]}) + "\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class OpenAIEndpoint:
+    """The HTTP server: ``/s/<session>/v1/chat/completions`` and ``/s/<session>/v1/models``."""
+
+    def __init__(self, *, host: str = "127.0.0.1", start_timeout_s: float = 30.0):
+        self.host = host
+        self.api_key = "sk-agentrl-" + secrets.token_urlsafe(24)
+        self.sessions: dict[str, EndpointSession] = {}
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self.port: int = self._sock.getsockname()[1]
+        app = Starlette(routes=[
+            Route("/s/{sid}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/s/{sid}/v1/models", self._models, methods=["GET"]),
+        ])
+        import uvicorn
+
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._serve, name="agentrl-openai-endpoint", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the OpenAI endpoint on {host}:{self.port} did not start within {start_timeout_s} s")
+            time.sleep(0.01)
+
+    def _serve(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._sock]))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+    def open_session(self, session: EndpointSession) -> tuple[str, str]:
+        """Register a session (on the caller's running loop); returns (base_url, api_key)."""
+        session.loop = asyncio.get_running_loop()
+        sid = secrets.token_urlsafe(16)
+        self.sessions[sid] = session
+        return f"http://{self.host}:{self.port}/s/{sid}/v1", self.api_key
+
+    def close_session(self, base_url: str) -> None:
+        sid = base_url.rstrip("/").split("/s/", 1)[1].split("/", 1)[0]
+        self.sessions.pop(sid, None)
+
+    def _session(self, request: Request) -> EndpointSession | Response:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return _error("invalid api key", 401)
+        session = self.sessions.get(request.path_params["sid"])
+        if session is None or session.loop is None:
+            return _error("unknown or closed session (each trajectory has its own base_url)", 404)
+        return session
+
+    async def _models(self, request: Request) -> Response:
+        found = self._session(request)
+        if isinstance(found, Response):
+            return found
+        return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "agentrl"}]})
+
+    async def _chat(self, request: Request) -> Response:
+        found = self._session(request)
+        if isinstance(found, Response):
+            return found
+        session = found
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error("the request body is not JSON", 400)
+        if not isinstance(body, dict):
+            return _error("the request body must be a JSON object", 400)
+        assert session.loop is not None
+        future = asyncio.run_coroutine_threadsafe(session.complete(body), session.loop)
+        timeout = session.limits.trajectory_timeout_s
+        try:
+            response = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except RequestRefused as exc:
+            return _error(str(exc), exc.status, exc.param)
+        except asyncio.TimeoutError:
+            future.cancel()
+            return _error(f"the rollout engine did not answer within the trajectory timeout ({timeout} s)", 504)
+        if body.get("stream"):
+            include = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_sse(response, include), media_type="text/event-stream")
+        return JSONResponse(response)
+
+
+_endpoint: OpenAIEndpoint | None = None
+_endpoint_lock = threading.Lock()
+
+
+def endpoint(factory: Callable[[], OpenAIEndpoint] = OpenAIEndpoint) -> OpenAIEndpoint:
+    """The process's endpoint, started on first use (one server for every concurrent session)."""
+    global _endpoint
+    with _endpoint_lock:
+        if _endpoint is None:
+            _endpoint = factory()
+        return _endpoint
