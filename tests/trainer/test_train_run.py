@@ -89,9 +89,10 @@ def test_every_step_reports_the_metrics_that_matter(short_run):
 
 
 def test_engine_and_trainer_logprobs_agree_in_fp32(short_run):
+    # measured on this run: mean 1.9e-7, max 9.5e-7 (float rounding of the two forwards)
     for row in metrics_by_step(short_run).values():
-        assert row["logprob_mismatch/mean"] < 1e-3
-        assert row["logprob_mismatch/max"] < 1e-2
+        assert row["logprob_mismatch/mean"] < 1e-6
+        assert row["logprob_mismatch/max"] < 1e-5
 
 
 def test_resume_continues_with_the_same_metrics(short_run, tmp_path):
