@@ -242,7 +242,10 @@ class RowDataset:
             return self._cache[key]
         if file_index not in self._parquet:
             self._parquet[file_index] = open_parquet(self.files[file_index])
-        table = self._parquet[file_index].read_row_group(group, use_threads=False)  # one small group: threads do not pay
+        try:
+            table = self._parquet[file_index].read_row_group(group, use_threads=False)  # one small group: threads do not pay
+        except (pa.ArrowException, OSError) as exc:  # the footer opened, the pages are damaged
+            raise DataError(f"row group {group} is not readable: {exc}", file=self.files[file_index]) from exc
         self.reads += 1
         self._cache[key] = table
         self._cached_bytes += table.nbytes

@@ -63,6 +63,10 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
 
     ``timeout_s`` bounds every collective (and the group's rendezvous): a rank that waits longer
     for its peers raises instead of hanging (``trainer.collective_timeout_s``)."""
+    if world_size == 1:
+        # no peer needs to find the store: port 0 lets it bind a free port itself, atomically,
+        # where a port picked earlier (free_port) may have been taken by another process since
+        master_port = 0
     os.environ.update(
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )

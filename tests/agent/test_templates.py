@@ -192,3 +192,14 @@ def _renderer(tokenizer) -> ChatRenderer:
     if id(tokenizer) not in _RENDERERS:
         _RENDERERS[id(tokenizer)] = ChatRenderer(tokenizer)
     return _RENDERERS[id(tokenizer)]
+
+
+def test_an_observation_after_a_turn_that_did_not_end_on_eos_has_no_separator(tiny_tokenizer):
+    """The separator the template writes after <|im_end|> follows only a turn that sampled
+    <|im_end|>; after a turn cut short (stop string, length) the observation starts bare."""
+    renderer = ChatRenderer(tiny_tokenizer)
+    tool = [{"role": "tool", "content": "408"}]
+    after_eos = "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert renderer.separator == "\n"
+    assert renderer.observation_text(tool) == after_eos
+    assert renderer.observation_text(tool, after_eos=False) == after_eos[1:]

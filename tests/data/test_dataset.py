@@ -334,3 +334,39 @@ def test_rows_of_several_files_get_distinct_uids_even_when_each_file_indexes_fro
     assert uids(both) == ["plain/test/arith:0", "plain/test/arith:1", "tool/test/arith:0", "tool/test/arith:1"]
     same_stem = RowDataset([b, c], batch_size=3, shuffle=False).next_batch()
     assert uids(same_stem) == ["0.tool/test/arith:0", "0.tool/test/arith:1", "1.tool/test/arith:0"]
+
+
+def damaged(data_file, how: str):
+    raw = data_file.read_bytes()
+    if how == "truncated":  # the footer (schema, row groups) is gone
+        data_file.write_bytes(raw[: len(raw) // 2])
+    elif how == "empty":
+        data_file.write_bytes(b"")
+    else:  # the footer is intact, the first row group's first page header is garbage
+        data_file.write_bytes(raw[:4] + bytes(255 - b for b in raw[4:68]) + raw[68:])
+    return data_file
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty"])
+def test_a_truncated_parquet_file_is_a_data_error_naming_it(data_file, how):
+    damaged(data_file, how)
+    for load in (lambda: RowDataset([str(data_file)], batch_size=4, seed=0), lambda: list(iter_raw_rows(data_file))):
+        with pytest.raises(DataError, match="not a readable parquet file") as caught:
+            load()
+        assert caught.value.file == str(data_file)
+    # validation collects its problems instead of raising
+    [problem] = validate_files([str(data_file)], known_agent_names=LOOPS)
+    assert problem.file == str(data_file) and "not a readable parquet file" in str(problem)
+
+
+def test_a_corrupt_row_group_is_a_data_error_naming_the_file(data_file):
+    """The footer still opens; the damage shows when the rows are read, and the error says where."""
+    dataset_before = RowDataset([str(data_file)], batch_size=4, seed=0)
+    damaged(data_file, "corrupt")
+    dataset = RowDataset([str(data_file)], batch_size=4, seed=0)
+    assert len(dataset) == len(dataset_before)
+    with pytest.raises(DataError) as caught:
+        for index in range(len(dataset)):
+            dataset.row(index)
+    assert caught.value.file == str(data_file)
+    assert str(data_file) in str(caught.value)

@@ -21,6 +21,9 @@ SHORT = [
     "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
     "data.task_train_size=32", "data.task_val_size=8", "rollout.max_new_tokens=32", "data.max_response_length=96",
     "sft.num_demos=32", "sft.epochs=1", "logging.progress=false", "actor.optim.lr=1e-3",
+    # rewards that differ within a group (any number 0.5, the right one 1): the policy moves, so
+    # the resumed run's metrics can only match if the optimizer and weights were restored
+    "reward.default=gsm8k_flexible", "reward.format_score=0.5",
 ]
 
 
@@ -69,20 +72,30 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     return out
 
 
-def run(args, cwd, **popen):
-    return subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)
+def run(args, cwd, log: Path, **popen):
+    """The run's output goes to a file: a pipe nobody reads fills up (Ray's logs are long) and
+    blocks the run on its next write."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", *args], cwd=cwd, stdout=out,
+                                stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:]
 
 
 def test_trainer_killed_with_sigkill_resumes_with_the_same_metrics(tmp_path):
-    reference = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=straight"], tmp_path)
-    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    reference = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=straight"], tmp_path, logs / "straight.txt")
+    assert reference.wait(timeout=600) == 0, tail(logs / "straight.txt")
     killed_dir = tmp_path / "killed"
-    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=killed"], tmp_path, start_new_session=True)
+    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=killed"], tmp_path, logs / "killed.txt",
+                 start_new_session=True)
     deadline = time.monotonic() + 600
     while not (killed_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file():
-        assert victim.poll() is None, victim.stderr.read()[-3000:]
-        assert time.monotonic() < deadline
+        assert victim.poll() is None, tail(logs / "killed.txt")
+        assert time.monotonic() < deadline, "the run to be killed wrote no step_1 checkpoint in 600 s"
         time.sleep(0.2)
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray and its workers, mid-run
     victim.wait()
@@ -92,6 +105,9 @@ def test_trainer_killed_with_sigkill_resumes_with_the_same_metrics(tmp_path):
     assert "resumed from" in done.stderr
     straight, resumed = metrics(tmp_path / "straight"), metrics(killed_dir)
     assert sorted(resumed) == [1, 2, 3]
+    # the policy moved: the comparison below sees the update, not a run that never trains
+    assert all(straight[step]["reward/std"] > 0 and straight[step]["actor/grad_norm"] > 0 for step in straight), straight
+    assert all(straight[step]["kl/policy_ref"] > 0 for step in (2, 3)), straight
     for step in (2, 3):
         for key, value in straight[step].items():
             if not key.startswith(("timing/", "tokens/per_s")):

@@ -1,65 +1,158 @@
 """The trainer scores the distribution the engine sampled from, at any rollout temperature.
 
-Real tiny model, real built-in engine (continuous batching, padded-free ragged forward) against
-the trainer's padded batch forward (left-padded prompts of different lengths): fp32 on CPU.
+Real built-in engine (continuous batching, padding-free ragged forward) against the trainer's
+forward over left-padded prompts of different lengths, fp32 on CPU, both on their fast paths
+(the engine's packed decoder, the trainer's packed segments) and on their module paths (the
+model's own ``forward``). The model is the tiny Qwen2 re-initialised with weights large enough
+that the distribution is far from uniform, every layer changes it and so does each token's
+position: with the default 0.02 initialisation a skipped layer or a wrong position moves a
+logprob by less than 1e-3, so a loose tolerance would let either bug through.
+
+Measured agreement on this model (fp32, CPU): max 6.2e-6, mean 1.8e-6 over all paths and
+temperatures; the tolerances are 1e-5 and 3e-6.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 import torch
 
+import agentrl.engines._packed as engine_packed
+import agentrl.trainer.packed as trainer_packed
 from agentrl.engines.base import GenerateRequest, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
 from agentrl.trainer.batch import collate_sequences
 from agentrl.trainer.workers import response_logprobs
 
 PROMPTS = [[5, 17, 99, 3], [40, 41], [7, 8, 9, 10, 11, 12, 13]]
+MAX_ABS = 1e-5
+MAX_MEAN = 3e-6
 
 
-def engine_samples(model_dir, temperature: float):
+@pytest.fixture(scope="module")
+def sharp_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with N(0, 0.1) matrices, norms near 1 and small random biases."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    out = tmp_path_factory.mktemp("sharp-tiny")
+    model.save_pretrained(out)
+    for f in tiny_model_dir.iterdir():
+        if f.is_file() and f.name not in {"config.json", "model.safetensors", "generation_config.json"}:
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharp_model(sharp_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(sharp_model_dir, dtype=torch.float32).eval()
+
+
+def engine_samples(model_dir, temperature: float, *, module_path: bool = False, monkeypatch=None):
+    if module_path:
+        monkeypatch.setattr(engine_packed, "fast_decoder_supported", lambda decoder: False)
+
     async def run():
         async with BuiltinEngine(model_dir, max_batch_size=8) as engine:
+            assert isinstance(engine._forward, engine_packed.ModuleForward) == module_path
             requests = [
                 GenerateRequest(p, SamplingParams(max_new_tokens=12, temperature=temperature, seed=i)) for i, p in enumerate(PROMPTS)
             ]
             return await asyncio.gather(*(engine.generate(r) for r in requests))
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    finally:
+        if module_path:
+            monkeypatch.undo()
+
+
+def as_batch(results):
+    return collate_sequences(
+        PROMPTS, [r.output_ids for r in results], [[1] * len(r.output_ids) for r in results],
+        pad_token_id=0, logprobs=[r.logprobs for r in results],
+    )
+
+
+def trainer_logprobs(model, batch, temperature, *, module_path: bool, monkeypatch):
+    if module_path:
+        monkeypatch.setattr(trainer_packed, "packed_supported", lambda model, batch: False)
+    try:
+        assert trainer_packed.packed_supported(model, batch) != module_path
+        with torch.no_grad():
+            return response_logprobs(model, batch, temperature=temperature)[0]
+    finally:
+        monkeypatch.undo()
+
+
+def mismatch(logprobs, batch) -> tuple[float, float]:
+    mask = batch.response_mask
+    delta = (logprobs - batch.engine_logprobs).abs() * mask
+    return float(delta.max()), float(delta.sum() / mask.sum())
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
-def test_trainer_logprobs_match_the_engine_within_1e_3(tiny_model_dir, temperature):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("engine_path", ["packed", "module"])
+def test_trainer_logprobs_match_the_engine_within_1e_5(sharp_model_dir, sharp_model, temperature, engine_path, monkeypatch):
+    results = engine_samples(sharp_model_dir, temperature, module_path=engine_path == "module", monkeypatch=monkeypatch)
+    batch = as_batch(results)
+    assert int(batch.response_mask.sum()) == sum(len(r.output_ids) for r in results) > 20
+    # the sampled tokens are far from uniform: a tolerance of 1e-5 is a real constraint here
+    mean_logprob = float((batch.engine_logprobs * batch.response_mask).sum() / batch.response_mask.sum())
+    assert -6.5 < mean_logprob < -0.5
+    for trainer_path in ("packed", "module"):
+        got = trainer_logprobs(sharp_model, batch, temperature, module_path=trainer_path == "module", monkeypatch=monkeypatch)
+        worst, mean = mismatch(got, batch)
+        assert worst < MAX_ABS and mean < MAX_MEAN, (trainer_path, worst, mean)
 
-    results = engine_samples(tiny_model_dir, temperature)
-    batch = collate_sequences(
-        PROMPTS, [r.output_ids for r in results], [[1] * len(r.output_ids) for r in results],
-        pad_token_id=0, logprobs=[r.logprobs for r in results],
-    )
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+def test_every_layer_and_each_position_move_the_logprobs_far_beyond_the_tolerance(sharp_model_dir, sharp_model, monkeypatch):
+    """The agreement above could not hold with a skipped layer or a position off by one."""
+    batch = as_batch(engine_samples(sharp_model_dir, 1.0))
+    for layer in sharp_model.model.layers:
+        # the layer adds nothing to the residual stream: it is skipped on both paths
+        outputs = [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
+        saved = [w.detach().clone() for w in outputs]
+        with torch.no_grad():
+            for w in outputs:
+                w.zero_()
+        try:
+            for path in ("packed", "module"):
+                skipped = trainer_logprobs(sharp_model, batch, 1.0, module_path=path == "module", monkeypatch=monkeypatch)
+                assert mismatch(skipped, batch)[1] > 1000 * MAX_MEAN, path
+        finally:
+            with torch.no_grad():
+                for w, s in zip(outputs, saved):
+                    w.copy_(s)
+    # every response token one position further from its prompt
+    P, mask = batch.prompt_length, batch.response_mask
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    for shift in (0, 1):
+        moved = positions.clone()
+        moved[:, P:] += shift
+        with torch.no_grad():
+            logits = sharp_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=moved).logits
+        logprobs = torch.log_softmax(logits[:, P - 1 : -1].float(), -1).gather(-1, batch.input_ids[:, P:, None])[..., 0] * mask
+        worst, mean = mismatch(logprobs, batch)
+        if shift == 0:
+            assert worst < MAX_ABS and mean < MAX_MEAN
+        else:
+            assert mean > 1000 * MAX_MEAN
+
+
+def test_ignoring_the_temperature_would_be_caught(sharp_model_dir, sharp_model):
+    """Scoring T = 0.6 samples at T = 1 is far off."""
+    batch = as_batch(engine_samples(sharp_model_dir, 0.6))
     with torch.no_grad():
-        trainer, _ = response_logprobs(model, batch, temperature=temperature)
-    mask = batch.response_mask
-    delta = (trainer - batch.engine_logprobs).abs() * mask
-    assert mask.sum() == sum(len(r.output_ids) for r in results)
-    assert float(delta.sum() / mask.sum()) < 1e-3
-    assert float(delta.max()) < 1e-2
-
-
-def test_ignoring_the_temperature_would_be_caught(tiny_model_dir):
-    """The check above can fail: scoring T = 0.6 samples at T = 1 is far off."""
-    from transformers import AutoModelForCausalLM
-
-    results = engine_samples(tiny_model_dir, 0.6)
-    batch = collate_sequences(
-        PROMPTS, [r.output_ids for r in results], [[1] * len(r.output_ids) for r in results],
-        pad_token_id=0, logprobs=[r.logprobs for r in results],
-    )
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        untempered, _ = response_logprobs(model, batch)
-    mask = batch.response_mask
-    assert float(((untempered - batch.engine_logprobs).abs() * mask).sum() / mask.sum()) > 1e-2
+        untempered, _ = response_logprobs(sharp_model, batch)
+    assert mismatch(untempered, batch)[1] > 1e-2
