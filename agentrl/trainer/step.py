@@ -239,6 +239,14 @@ def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> 
             if key.startswith("tool_errors/"):
                 m[f"{prefix}{key}"] = m.get(f"{prefix}{key}", 0.0) + value
     m.update(tool_call_metrics(trajectories, prefix))
+    # what interactions (interaction/<key>, summed over the trajectory's turns) and custom loops
+    # (loop/<key>) emit: the mean over the trajectories that report the key
+    emitted: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in t.metrics.items():
+            if key.startswith(("interaction/", "loop/")):
+                emitted.setdefault(key, []).append(float(value))
+    m.update({f"{prefix}{key}": sum(v) / len(v) for key, v in emitted.items()})
     # the retry task: success at the second attempt (first answer judged wrong, second right)
     second = [t for t in trajectories if sum(1 for x in t.turns if x.role == "user") >= 1]
     if second:

@@ -105,6 +105,16 @@ def test_tool_call_metrics_are_averaged_per_tool_name_with_call_counts():
     assert not [k for k in m if k.startswith("val/tool/None")]  # the unparsed call has no name to file it under
 
 
+def test_interaction_and_loop_metrics_are_averaged_over_the_trajectories_that_report_them():
+    a = traj("g", 0, [("assistant", 1, None)], reward=1.0)
+    a.metrics.update({"interaction/attempts": 2.0, "loop/plans": 1.0})
+    b = traj("g", 1, [("assistant", 1, None)], reward=0.0)
+    b.metrics.update({"interaction/attempts": 5.0})
+    c = traj("g", 2, [("assistant", 1, None)], reward=0.0)
+    m = trajectory_metrics([a, b, c])
+    assert m["interaction/attempts"] == 3.5 and m["loop/plans"] == 1.0
+
+
 def test_rows_padded_for_sharding_carry_no_loss():
     trajectories = [traj("g", i, [("assistant", 2, None)], reward=float(i)) for i in range(3)]
     batch = collate(trajectories, pad_token_id=0)
