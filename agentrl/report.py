@@ -41,6 +41,7 @@ PLOTS: tuple[Plot, ...] = (
     Plot("assistant turns per trajectory", ("turns/mean", "val/turns/mean")),
     Plot("tool calls per trajectory", ("tool_calls/mean", "val/tool_calls/mean")),
     Plot("tool errors by kind (per step)", prefixes=("tool_errors/",)),
+    Plot("per tool: calls and mean ToolResult.metrics (per step)", prefixes=("tool/",)),
     Plot("response length (tokens)", ("response_length/mean", "val/response_length/mean")),
     Plot("finish reasons (fraction)", prefixes=("finish/",)),
     Plot("SFT loss", ("sft/loss",)),
@@ -126,6 +127,7 @@ def _calls_html(t: Trajectory, turn_index: int) -> str:
             continue
         error = f' <b class="err">{html.escape(c.error)}</b>' if c.error else ""
         reward = f" · reward {c.reward:g}" if c.reward is not None else ""
+        reward += "".join(f" · {html.escape(k)} {v:g}" for k, v in sorted(c.metrics.items()))
         result = c.result if len(c.result) <= 400 else c.result[:400] + "…"
         items.append(f"<li><code>{html.escape(str(c.name))}({html.escape(str(c.arguments))})</code>{error}{reward}"
                      f" → <code>{html.escape(result)}</code></li>")

@@ -104,6 +104,7 @@ class ToolCallRecord:
     error: str | None = None  # error kind: bad_json | unknown_tool | invalid_arguments | tool_exception | timeout
     reward: float | None = None
     duration_s: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # the tool's ToolResult.metrics for this call
 
 
 @dataclass(slots=True)

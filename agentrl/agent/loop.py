@@ -237,6 +237,7 @@ class Episode:
                 ToolCallRecord(
                     turn=turn_index, name=outcome.call.name, arguments=outcome.call.arguments, raw=outcome.call.raw,
                     result=outcome.text, error=outcome.error, reward=outcome.reward, duration_s=outcome.duration_s,
+                    metrics=dict(outcome.metrics or {}),
                 )
             )
         if malformed:

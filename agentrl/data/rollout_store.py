@@ -44,13 +44,14 @@ from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, Tur
 __all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
            "trajectories_to_table", "shard_name"]
 
-SCHEMA_VERSION = "2"
-READABLE_VERSIONS = ("1", "2")
+SCHEMA_VERSION = "3"  # 3: each tool call's metrics
+READABLE_VERSIONS = ("1", "2", "3")
 VERSION_KEY = b"agentrl_schema_version"
 
 _TURN = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64()), ("reward", pa.float64())])
 _CALL = pa.struct([("turn", pa.int64()), ("name", pa.string()), ("arguments", pa.string()), ("raw", pa.string()),
-                   ("result", pa.string()), ("error", pa.string()), ("reward", pa.float64()), ("duration_s", pa.float64())])
+                   ("result", pa.string()), ("error", pa.string()), ("reward", pa.float64()), ("duration_s", pa.float64()),
+                   ("metrics", pa.string())])
 SCHEMA = pa.schema(
     [
         ("step", pa.int64()), ("split", pa.string()), ("writer_id", pa.int64()),
@@ -150,7 +151,8 @@ def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | Non
         "reward_info": json.dumps(t.reward_info, default=str),
         "tool_calls": [
             {"turn": c.turn, "name": c.name, "arguments": json.dumps(c.arguments), "raw": c.raw, "result": c.result,
-             "error": c.error, "reward": c.reward, "duration_s": c.duration_s}
+             "error": c.error, "reward": c.reward, "duration_s": c.duration_s,
+             "metrics": json.dumps(c.metrics)}
             for c in t.tool_calls
         ],
         "metrics": json.dumps(t.metrics), "policy_version": t.policy_version, "ground_truth": t.ground_truth,
@@ -168,7 +170,8 @@ def _decode(r: dict[str, Any]) -> Trajectory:
         reward_info=json.loads(r["reward_info"]),
         tool_calls=[
             ToolCallRecord(turn=c["turn"], name=c["name"], arguments=json.loads(c["arguments"]), raw=c["raw"],
-                           result=c["result"], error=c["error"], reward=c["reward"], duration_s=c["duration_s"])
+                           result=c["result"], error=c["error"], reward=c["reward"], duration_s=c["duration_s"],
+                           metrics=json.loads(c.get("metrics") or "{}"))  # none before schema version 3
             for c in r["tool_calls"]
         ],
         metrics=json.loads(r["metrics"]), policy_version=r["policy_version"], ground_truth=r["ground_truth"],

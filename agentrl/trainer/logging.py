@@ -59,7 +59,8 @@ class MetricsLogger:
         self.jsonl.flush()
         sft_step = metrics.get("sft/step")
         if sft_step is None or int(sft_step) % SFT_CONSOLE_EVERY == 0 or "sft/heldout_greedy_success" in metrics:
-            shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+            keys = [*CONSOLE_KEYS, *sorted(k for k in metrics if k.startswith("tool/") and k.endswith("/calls"))]
+            shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
             self.console(f"[step {step}] {shown}")
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:

@@ -238,10 +238,39 @@ def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> 
         for key, value in t.metrics.items():
             if key.startswith("tool_errors/"):
                 m[f"{prefix}{key}"] = m.get(f"{prefix}{key}", 0.0) + value
+    m.update(tool_call_metrics(trajectories, prefix))
+    # what interactions (interaction/<key>, summed over the trajectory's turns) and custom loops
+    # (loop/<key>) emit: the mean over the trajectories that report the key
+    emitted: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in t.metrics.items():
+            if key.startswith(("interaction/", "loop/")):
+                emitted.setdefault(key, []).append(float(value))
+    m.update({f"{prefix}{key}": sum(v) / len(v) for key, v in emitted.items()})
     # the retry task: success at the second attempt (first answer judged wrong, second right)
     second = [t for t in trajectories if sum(1 for x in t.turns if x.role == "user") >= 1]
     if second:
         m[f"{prefix}retry/second_attempt_success"] = sum(1 for t in second if t.reward >= 1.0 - 1e-6) / len(second)
+    return m
+
+
+def tool_call_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+    """Per tool name over every call of the batch: ``tool/<name>/calls`` (the count) and
+    ``tool/<name>/<metric>`` (the mean of ``ToolResult.metrics[metric]`` over the calls that gave it)."""
+    calls: dict[str, int] = {}
+    sums: dict[tuple[str, str], list[float]] = {}
+    for t in trajectories:
+        for c in t.tool_calls:
+            if c.name is None:  # unparsed calls are counted in tool_errors/*
+                continue
+            calls[c.name] = calls.get(c.name, 0) + 1
+            for key, value in c.metrics.items():
+                acc = sums.setdefault((c.name, key), [0.0, 0.0])
+                acc[0] += float(value)
+                acc[1] += 1.0
+    m = {f"{prefix}tool/{name}/calls": float(n) for name, n in calls.items()}
+    for (name, key), (total, count) in sums.items():
+        m[f"{prefix}tool/{name}/{key}"] = total / count
     return m
 
 

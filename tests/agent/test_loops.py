@@ -143,3 +143,15 @@ def test_a_trajectory_records_the_weight_versions_that_sampled_it(tiny_tokenizer
     (t,) = asyncio.run(runner.run([("r0", make_row())], n=1))
     assert t.metrics["generate_calls"] == 2
     assert (t.metrics["weight_version_min"], t.metrics["weight_version_max"]) == (6.0, 7.0)
+
+
+def test_a_tool_results_metrics_are_kept_on_its_call_record_and_aggregated_per_tool(run_rows):
+    from agentrl.trainer.step import trajectory_metrics
+
+    ok = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
+    fails = '<tool_call>\n{"name": "python", "arguments": {"code": "raise SystemExit(3)"}}\n</tool_call>'
+    [t], *_ = run_rows({"r0": [ok, fails, "#### 1"]}, [("r0", make_row(tools_kwargs={"python": {"create_kwargs": {}}}))], tools=("python",))
+    assert [c.metrics["exit_code"] for c in t.tool_calls] == [0.0, 3.0]
+    assert [c.metrics["timed_out"] for c in t.tool_calls] == [0.0, 0.0]
+    m = trajectory_metrics([t])
+    assert m["tool/python/calls"] == 2.0 and m["tool/python/exit_code"] == 1.5 and m["tool/python/timed_out"] == 0.0

@@ -11,7 +11,8 @@ from agentrl.report import render_report
 def metric_rows():
     return [{"step": s, "reward/mean": s / 4, "val/reward/mean": 0.5, "success_rate": s / 8, "turns/mean": 2.0,
              "tool_calls/mean": 1.0, "tool_errors/bad_json": 3 - s, "tool_errors/timeout": 1.0, "response_length/mean": 40.0,
-             "finish/stop": 0.75, "finish/length": 0.25, "actor/pg_loss": 0.1} for s in range(4)]
+             "finish/stop": 0.75, "finish/length": 0.25, "actor/pg_loss": 0.1, "tool/python/calls": 2.0,
+             "tool/python/exit_code": 0.5} for s in range(4)]
 
 
 def test_report_plots_every_metric_family_over_steps_without_network_resources(scripted_store):
@@ -19,9 +20,11 @@ def test_report_plots_every_metric_family_over_steps_without_network_resources(s
     page = render_report(metric_rows(), trajectories, "run <x>")
     titles = re.findall(r'<svg class="plot"[^>]*aria-label="([^"]*)"', page)
     assert titles == ["reward (mean)", "success rate", "assistant turns per trajectory", "tool calls per trajectory",
-                      "tool errors by kind (per step)", "response length (tokens)", "finish reasons (fraction)"]
+                      "tool errors by kind (per step)", "per tool: calls and mean ToolResult.metrics (per step)",
+                      "response length (tokens)", "finish reasons (fraction)"]
     keys = re.findall(r'<polyline class="series" data-key="([^"]*)"', page)
-    assert {"reward/mean", "val/reward/mean", "tool_errors/bad_json", "tool_errors/timeout", "finish/stop", "finish/length"} <= set(keys)
+    assert {"reward/mean", "val/reward/mean", "tool_errors/bad_json", "tool_errors/timeout", "finish/stop", "finish/length",
+            "tool/python/calls", "tool/python/exit_code"} <= set(keys)
     # reward/mean rises from the bottom left to the top right of its plot (y grows downwards in SVG)
     points = re.search(r'data-key="reward/mean"[^>]*points="([^"]*)"', page)[1].split()
     ys = [float(p.split(",")[1]) for p in points]
@@ -54,3 +57,11 @@ def test_report_command_plots_the_stored_steps_and_the_runs_metrics(scripted_sto
     assert {"reward/mean", "val/reward/mean", "finish/stop", "finish/interaction_done", "logprob_mismatch/mean"} <= keys
     # samples come from the last stored step (the validation step 2 of one row)
     assert page.count('<section class="traj">') == 1 and "r0 #0" in page
+
+
+def test_report_shows_each_calls_tool_metrics(scripted_store):
+    [t] = scripted_store.iter_trajectories(limit=1)
+    assert t.tool_calls, "the scripted store's first trajectory makes a tool call"
+    t.tool_calls[0].metrics = {"wall_s": 0.25, "exit_code": 0.0}
+    page = render_report([], [t], "r")
+    assert " · exit_code 0 · wall_s 0.25 → " in page

@@ -33,7 +33,7 @@ def odd_trajectory(**changes) -> Trajectory:
         reward_info={"nested": {"x": [1.5, "y", None, True]}, "inf": math.inf},
         tool_calls=[ToolCallRecord(turn=0, name=None, arguments=None, raw="{bad", result="error: bad json", error="bad_json"),
                     ToolCallRecord(turn=0, name="calculator", arguments={"expression": "1+1", "k": [1, {"z": None}]},
-                                   raw="...", result="2", reward=0.5, duration_s=0.001)],
+                                   raw="...", result="2", reward=0.5, duration_s=0.001, metrics={"exit_code": 0.0, "wall_s": 0.25})],
         metrics={"turns": 2.0, "tool_errors/bad_json": 1.0}, policy_version=7, ground_truth=None,
     )
     return dataclasses.replace(t, **changes)
@@ -65,6 +65,8 @@ def test_a_shard_of_an_unknown_schema_version_is_refused_naming_the_file(tmp_pat
 
 def test_version_1_files_of_the_rollout_command_are_read_without_rows(tmp_path):
     t = odd_trajectory()
+    for call in t.tool_calls:
+        call.metrics = {}  # version 1 kept no per-call metrics; they read back empty
     write_trajectories([t], tmp_path / "rollout-00000.parquet", step=5, split="train")
     [stored] = RolloutStore(tmp_path).iter_stored()
     assert stored.trajectory == t and (stored.split, stored.step, stored.writer_id, stored.row) == ("train", 5, 0, None)

@@ -9,7 +9,7 @@ from agentrl.config.schema import TrainConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import collate
 from agentrl.trainer.step import compute_advantages, pad_rows, shards, trajectory_metrics
-from agentrl.trajectory import Trajectory, Turn
+from agentrl.trajectory import ToolCallRecord, Trajectory, Turn
 
 
 def traj(group: str, sample: int, turns: list[tuple[str, int, float | None]], reward: float, finish: str = "stop") -> Trajectory:
@@ -87,6 +87,32 @@ def test_trajectory_metrics_count_turns_tools_errors_and_finishes():
     assert m["tool_errors/bad_json"] == 2.0
     assert m["turn_reward/mean"] == 0.5
     assert m["retry/second_attempt_success"] == 1.0
+
+
+def test_tool_call_metrics_are_averaged_per_tool_name_with_call_counts():
+    def call(name: str | None, **metrics: float) -> ToolCallRecord:
+        return ToolCallRecord(turn=0, name=name, arguments={}, raw="", result="", metrics=metrics)
+
+    a = traj("g", 0, [("assistant", 1, None)], reward=1.0)
+    a.tool_calls = [call("search", hits=3.0, latency=0.5), call("search", hits=1.0), call("calculator")]
+    b = traj("g", 1, [("assistant", 1, None)], reward=0.0)
+    b.tool_calls = [call("search", hits=8.0, latency=1.5), call(None)]
+    m = trajectory_metrics([a, b], prefix="val/")
+    # search: 3 calls; hits (3 + 1 + 8) / 3 = 4; latency given by 2 calls: (0.5 + 1.5) / 2 = 1
+    assert m["val/tool/search/calls"] == 3.0 and m["val/tool/search/hits"] == 4.0 and m["val/tool/search/latency"] == 1.0
+    assert m["val/tool/calculator/calls"] == 1.0
+    assert not [k for k in m if k.startswith("val/tool/calculator/") and k != "val/tool/calculator/calls"]
+    assert not [k for k in m if k.startswith("val/tool/None")]  # the unparsed call has no name to file it under
+
+
+def test_interaction_and_loop_metrics_are_averaged_over_the_trajectories_that_report_them():
+    a = traj("g", 0, [("assistant", 1, None)], reward=1.0)
+    a.metrics.update({"interaction/attempts": 2.0, "loop/plans": 1.0})
+    b = traj("g", 1, [("assistant", 1, None)], reward=0.0)
+    b.metrics.update({"interaction/attempts": 5.0})
+    c = traj("g", 2, [("assistant", 1, None)], reward=0.0)
+    m = trajectory_metrics([a, b, c])
+    assert m["interaction/attempts"] == 3.5 and m["loop/plans"] == 1.0
 
 
 def test_rows_padded_for_sharding_carry_no_loss():
