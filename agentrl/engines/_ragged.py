@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+# transformers' attention registries are imported where they are used: importing them loads its
+# quantization integrations (about 1.4 s), which a process that never runs a forward (the driver)
+# should not pay.
 
 __all__ = [
     "ATTENTION_NAME", "LAYOUT_KWARG", "SHORT_SPAN", "SlotKVCache", "PrefillSpan", "PrefixCopy", "ShortPrefills",
@@ -327,6 +328,8 @@ def ragged_attention(
     """transformers' attention-interface entry: ``attend`` when a StepLayout is passed, else SDPA."""
     layout: StepLayout | None = kwargs.pop(LAYOUT_KWARG, None)
     if layout is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     head_dim = query.shape[-1]
     out = attend(
@@ -342,5 +345,8 @@ def ragged_attention(
 
 def install() -> None:
     """Register the attention (idempotent). Masks for fallback calls come from SDPA's builder."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
     AttentionInterface.register(ATTENTION_NAME, ragged_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)

@@ -16,13 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -141,24 +134,33 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# torch.distributed.checkpoint is imported where it is used: it costs about a second to import,
+# and the driver process, which imports this module, never gathers or loads a state dict.
 
 
 def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the full state dict on rank 0 (CPU tensors); ``{}`` on the other ranks."""
-    return get_model_state_dict(model, options=_FULL)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Collective: load a full state dict held by rank 0 (the others may pass ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return get_optimizer_state_dict(model, optimizer, options=_FULL)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     set_optimizer_state_dict(
         model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
