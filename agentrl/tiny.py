@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
 
-__all__ = ["TINY_SIZES", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model"]
+__all__ = ["TINY_SIZES", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model", "model_dir_arg"]
 
 BUILDER_VERSION = "1"
 VOCAB_SIZE = 2048
@@ -253,3 +253,17 @@ def resolve_model(cfg: "TrainConfig") -> Path:
     if cfg.model.path is not None:
         return Path(cfg.model.path)
     return tiny_model_dir(cfg.model.tiny.size, seed=cfg.model.tiny.seed)
+
+
+def model_dir_arg(value: str | Path) -> Path:
+    """A model directory given on a command line: ``tiny`` (or ``tiny:SIZE``, SIZE one of
+    ``TINY_SIZES``) is the built-in tiny model, as ``model=tiny`` is for the config commands,
+    so every command that takes a model directory also reaches it; anything else is a path."""
+    text = str(value)
+    name, _, size = text.partition(":")
+    if name != "tiny" or Path(text).exists():  # a real directory named "tiny" wins
+        return Path(text)
+    size = size or "1m"
+    if size not in TINY_SIZES:
+        raise ValueError(f"{text}: the tiny model comes in sizes {', '.join(TINY_SIZES)}, not {size!r}")
+    return tiny_model_dir(size)

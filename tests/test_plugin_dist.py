@@ -236,3 +236,15 @@ def test_plugins_resolve_inside_a_ray_actor(dist_path):
     assert (text, done, loop) == ("RAY", True, "one_shot")
     assert "distribution myplugin) failed to load: ImportError" in broken
     assert dists == ["agentrl", "myplugin"]
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "rollout"])
+def test_a_configured_plugin_that_fails_to_import_stops_the_command_before_any_data_or_model(site, tmp_path, command):
+    """The issue's late error: a reward that fails to import was found only after the SFT phase."""
+    runs = tmp_path / "runs"
+    done = agentrl(site, command, "reward.default=broken", f"trainer.runs_root={runs}")
+    assert done.returncode != 0
+    assert ("reward.default: plugin 'broken' in group agentrl.rewards (entry point broken = "
+            "myplugin_broken:compute_score, distribution myplugin) failed to load: ImportError: "
+            "this plugin is broken on purpose") in done.stderr
+    assert not runs.exists()  # refused while reading the config: no run directory, no data, no model

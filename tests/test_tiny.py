@@ -150,3 +150,42 @@ def test_cached_builder_reuses_its_directory(tmp_path):
 def test_unknown_size_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="unknown tiny model size '2m'"):
         build_tiny_model(tmp_path, size="2m")
+
+
+def test_model_dir_arg_names_the_tiny_model_like_model_equals_tiny(tmp_path, monkeypatch):
+    """``tiny`` on any command's model argument is the cached tiny model ``model=tiny`` uses."""
+    from agentrl.tiny import model_dir_arg
+
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
+    built = model_dir_arg("tiny")
+    assert built == tiny_model_dir("1m") and (built / "config.json").is_file()
+    assert built.parent == tmp_path / "cache" / "tiny"
+    assert model_dir_arg("tiny:1m") == built
+    with pytest.raises(ValueError, match=r"tiny:2m: the tiny model comes in sizes 1m, 5m, 18m, not '2m'"):
+        model_dir_arg("tiny:2m")
+    assert model_dir_arg("models/qwen") == __import__("pathlib").Path("models/qwen")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()  # a real directory named tiny is the user's, not ours
+    assert model_dir_arg("tiny") == __import__("pathlib").Path("tiny")
+
+
+def test_check_template_and_serve_take_tiny_as_their_model(tmp_path, monkeypatch):
+    """The argparse commands reach the tiny model too: check-template passes on it, serve names the sizes."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AGENTRL_CACHE": str(tmp_path / "cache")}
+    cli = [sys.executable, "-m", "agentrl.cli"]
+    done = subprocess.run([*cli, "check-template", "tiny", "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] is True
+    # the stop id comes from the tiny model directory's generation_config.json, so that directory was used
+    assert report["stop_tokens"] == {
+        "2": "chat template end-of-turn '<|im_end|>'; tokenizer eos '<|im_end|>'; generation_config.json eos_token_id"
+    }
+    assert (tiny_model_dir("1m", cache_root=tmp_path / "cache" / "tiny") / "config.json").is_file()  # built there for it
+    bad = subprocess.run([*cli, "serve", "--model", "tiny:9m"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2
+    assert "--model tiny:9m: the tiny model comes in sizes 1m, 5m, 18m, not '9m'" in bad.stderr

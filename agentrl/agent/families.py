@@ -268,13 +268,19 @@ def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(prog="agentrl check-template", description="check a tokenizer's chat template for token drift")
-    ap.add_argument("model_dir", help="a directory with tokenizer files (and generation_config.json)")
+    ap.add_argument("model_dir", help="a directory with tokenizer files (and generation_config.json), or tiny[:SIZE] (the built-in tiny model)")
     ap.add_argument("--chat-template", help="a jinja file to use instead of the tokenizer's template")
     ap.add_argument("--kwargs", default="{}", help='chat_template_kwargs as JSON, e.g. \'{"enable_thinking": false}\'')
     ap.add_argument("--tool-parser", default="auto")
     ap.add_argument("--no-tools", action="store_true", help="check a conversation without tool calls")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    from agentrl.tiny import model_dir_arg
+
+    try:
+        args.model_dir = str(model_dir_arg(args.model_dir))
+    except ValueError as exc:
+        ap.error(str(exc))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     template = Path(args.chat_template).read_text() if args.chat_template else None
     report = check_template(

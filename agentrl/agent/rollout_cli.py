@@ -4,7 +4,7 @@ Uses the ``rollout`` config (``configs/rollout.yaml``): rows from ``data.train_f
 built-in ``data.task``), the model from ``model.path`` (or the tiny model), the engine of
 ``engine.backend`` (the built-in engine in this process, or SGLang servers: ``engine=sglang``
 starts ``engine.num_servers`` of them for this command and stops them at its end, or uses
-``engine.servers=[url,...]``), ``rollout.n`` samples per row. Trajectories are written as parquet in the rollout store format
+``engine.servers=[url,...]``; ``engine=scripted engine.script=FILE`` answers from a script, no model), ``rollout.n`` samples per row. Trajectories are written as parquet in the rollout store format
 (token ids, masks, logprobs, turn spans, messages, tool calls, rewards, turn rewards, metrics,
 policy version) under ``<runs_root>/<run_name>/rollouts``, with a progress bar; the last
 printed line is ``rollouts: <path>``.
@@ -16,6 +16,7 @@ import asyncio
 import json
 import sys
 import time
+from typing import Any
 
 from agentrl.config import load_config
 
@@ -46,6 +47,13 @@ def cli_main(argv: list[str]) -> int:
     files, _ = prepare_data(cfg, run.data)  # validated before any generation
     dataset = RowDataset(files, batch_size=1, shuffle=False, seed=cfg.data.seed, drop_last=False)
     rows = [dataset.row(i) for i in range(dataset.num_rows)]
+    script = None
+    if cfg.engine.backend == "scripted":
+        from agentrl.agent.script_file import load_script, require_script_rows
+
+        assert cfg.engine.script is not None  # check_engine_config refused a scripted engine without one
+        script = load_script(cfg.engine.script)
+        require_script_rows(script, (row_id for row_id, _ in rows), cfg.engine.script)
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     require_exact_template(tokenizer, cfg, model_path)  # token drift stops the rollout before the engine loads
@@ -61,7 +69,12 @@ def cli_main(argv: list[str]) -> int:
 
         async def generate():
             # SGLangEngine's HTTP clients belong to the event loop they are created on: this one
-            engine = builtin or SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries,
+            if script is not None:
+                from agentrl.agent.scripted import ScriptedEngine
+
+                engine: Any = ScriptedEngine(tokenizer, script, record_requests=False)
+            else:
+                engine = builtin or SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries,
                                              api_key=setup.api_key)  # None: $AGENTRL_API_KEY
             try:
                 ctx = build_context(engine, tokenizer, setup)
@@ -69,7 +82,7 @@ def cli_main(argv: list[str]) -> int:
                                        max_concurrency=setup.max_concurrency)
                 return await runner.run(rows, n=cfg.rollout.n, seed=cfg.trainer.seed, progress=cfg.logging.progress and "rollout")
             finally:
-                if builtin is None:
+                if builtin is None and script is None:
                     await engine.aclose()
 
         try:

@@ -77,7 +77,7 @@ class RolloutSetup:
     weights_dir: str | None  # the checkpoint directory of weight_sync=disk (set by the trainer)
     # which engine the loops drive: the builtin engine in the hosting process, or SGLang servers
     # (``server_urls``, managed or external: ``engines/managed.py``) through ``SGLangEngine``
-    engine_backend: Literal["builtin", "sglang"]
+    engine_backend: Literal["builtin", "sglang", "scripted"]
     server_urls: tuple[str, ...]
     request_timeout_s: float  # sglang: one /generate call
     max_retries: int  # sglang: transport errors and 5xx, per server

@@ -229,7 +229,9 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
         if (group, name) == ("tool_parsers", "auto"):  # chosen from the chat template when the tokenizer is loaded
             continue
         try:
-            registry.spec(group, name)
+            # imported, not just looked up: a plugin that fails to import stops the run here, before
+            # any data or model is loaded, not at its first use (a reward after the SFT phase)
+            registry.load(group, name)
         except PluginError as exc:
             problems.append((key, str(exc)))
     return problems

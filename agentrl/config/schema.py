@@ -78,8 +78,10 @@ class DataConfig(Section):
 
 
 class EngineConfig(Section):
-    # builtin: the engine in the trainer's process; sglang: SGLang servers (engines/managed.py)
-    backend: Literal["builtin", "sglang"] = "builtin"
+    # builtin: the engine in the trainer's process; sglang: SGLang servers (engines/managed.py);
+    # scripted: answers from engine.script, no model (agentrl rollout only; agent/script_file.py)
+    backend: Literal["builtin", "sglang", "scripted"] = "builtin"
+    script: str | None = None  # scripted: a JSONL file of {"row": ROW_ID, "answers": [...]} lines
     # sglang: base URLs of running servers (external mode); empty: agentrl launches
     # `num_servers` servers and stops them when the job ends (managed mode, engines/managed.py).
     servers: list[str] = Field(default_factory=list)

@@ -222,6 +222,14 @@ def check_engine_config(cfg: TrainConfig, *, training: bool) -> None:
                             "agentrl train yet; use disk (sglang) or memory/disk (builtin)")])
     if engine.backend == "builtin":
         return
+    if engine.backend == "scripted":
+        if training:
+            raise ConfigError([("engine.backend", "scripted answers from a script and has no weights to train; "
+                                "smoke-test a loop with agentrl rollout engine=scripted engine.script=FILE")])
+        if engine.script is None:
+            raise ConfigError([("engine.script", "engine=scripted needs a script file: engine.script=FILE "
+                                "(one {\"row\": ROW_ID, \"answers\": [...]} per line)")])
+        return
     if engine.placement == "ray" and not training:
         raise ConfigError([("engine.placement", "ray: Ray-placed servers are started by agentrl train, which runs Ray; "
                             "agentrl rollout starts its servers on this machine (placement=driver) or uses engine.servers")])

@@ -512,7 +512,7 @@ def build_app(
 
 def cli_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl serve", description="Serve a model over SGLang's native HTTP protocol.")
-    parser.add_argument("--model", required=True, help="a transformers save_pretrained directory")
+    parser.add_argument("--model", required=True, help="a transformers save_pretrained directory, or tiny[:SIZE] (the built-in tiny model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--device", default="cpu")
@@ -536,6 +536,12 @@ def cli_main(argv: list[str]) -> int:
 
     import uvicorn
 
+    from agentrl.tiny import model_dir_arg
+
+    try:
+        args.model = str(model_dir_arg(args.model))
+    except ValueError as exc:
+        parser.error(f"--model {exc}")
     if not Path(args.model).is_dir():
         parser.error(f"--model {args.model} is not a directory")
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")

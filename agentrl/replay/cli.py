@@ -111,7 +111,9 @@ def _tokenizer(store: RolloutStore, explicit: str | None, *, required: bool, cfg
     from transformers import AutoTokenizer
 
     if explicit:
-        return AutoTokenizer.from_pretrained(explicit)
+        from agentrl.tiny import model_dir_arg
+
+        return AutoTokenizer.from_pretrained(model_dir_arg(explicit))
     if cfg is None and _run_config_path(store) is not None:
         cfg = _config_from(store, None, (), "rollout")
     if cfg is None and not required:
@@ -351,7 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     _add_filters(p)
     p.add_argument("--limit", type=int, default=10, help="at most this many trajectories (default 10)")
-    p.add_argument("--tokenizer")
+    p.add_argument("--tokenizer", help="a tokenizer directory, or tiny[:SIZE] (the built-in tiny model)")
     p.set_defaults(run=_show)
 
     p = sub.add_parser("report", help="a static HTML report")
@@ -360,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_filters(p)
     p.add_argument("--samples", type=int, default=6, help="sample trajectories from the last step (default 6)")
     p.add_argument("--title")
-    p.add_argument("--tokenizer")
+    p.add_argument("--tokenizer", help="a tokenizer directory, or tiny[:SIZE] (the built-in tiny model)")
     p.set_defaults(run=_report)
 
     p = sub.add_parser("rescore", help="recompute trajectory rewards into a new store")
@@ -386,7 +388,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_filters(p)
     p.add_argument("--limit", type=int)
     p.add_argument("--config", help="a config YAML (default: the run's config.yaml, else the rollout preset)")
-    p.add_argument("--tokenizer")
+    p.add_argument("--tokenizer", help="a tokenizer directory, or tiny[:SIZE] (the built-in tiny model)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(run=_rerun)
     return parser
