@@ -93,6 +93,9 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
         init_local_ray()
+        from agentrl.trainer.nodes import check_nodes_can_write
+
+        check_nodes_can_write([self.run.path, self.run.checkpoints])  # before any worker loads a model
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
