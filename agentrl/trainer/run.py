@@ -93,6 +93,9 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
         init_local_ray()
+        from agentrl.trainer.nodes import check_nodes_can_write
+
+        check_nodes_can_write([self.run.path, self.run.checkpoints])  # before any worker loads a model
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
@@ -216,6 +219,14 @@ class Trainer:
         })
         return metrics
 
+    def during(self, label: str) -> None:
+        """What the job does now ("step 3", "SFT warm start"): a hang or a lost worker's error
+        begins with it, so that it says when as well as which call and which ranks."""
+        for name in ("actor", "reference", "critic"):  # the SFT warm start runs before the others exist
+            group = getattr(self, name, None)
+            if group is not None:
+                group.during = label
+
     def sync_weights(self, version: int) -> None:
         self.actor.call_all("sync_weights", version)
         self.weight_version = version
@@ -230,6 +241,7 @@ class Trainer:
         return trajectory_metrics(trajectories, prefix="val/")
 
     def warm_start_sft(self) -> None:
+        self.during("SFT warm start")
         run_sft_on_actor(self.actor, self.cfg, self.model_path, self.tokenizer, self.pad_id, self.log, self.run.path)
         self.actor.call_all("reset_optimizer", self.cfg.actor.optim, max(1, self.total_steps))
         self.sync_weights(0)
@@ -247,6 +259,7 @@ class Trainer:
 
     def resume(self) -> None:
         directory = self.run.latest_checkpoint()
+        self.during(f"resume from {directory}")
         if directory is None:
             raise CheckpointError(f"no checkpoint to resume from in {self.run.checkpoints}")
         state = read_json(directory / TRAINER_STATE, root=self.run.path)  # checked: inside the run, plain JSON, bounded
@@ -292,6 +305,7 @@ def train(cfg: TrainConfig) -> RunResult:
     summary: dict[str, Any] = {"algorithm": cfg.algorithm.adv_estimator, "run_dir": str(run.path)}
     try:
         if cfg.trainer.val_before_train and trainer.start_step == 0:
+            trainer.during("validation before step 1")
             before = trainer.validate(0)
             log.log(0, before)
             summary["heldout_success_before"] = before.get("val/success_rate")
@@ -299,6 +313,8 @@ def train(cfg: TrainConfig) -> RunResult:
                    initial=trainer.start_step, total=cfg.trainer.total_steps)
         metrics: dict[str, float] = {}
         for step in bar:
+            # numbered as the metrics and checkpoints are: step N is the N-th update (step_N)
+            trainer.during(f"step {step + 1} of {cfg.trainer.total_steps}")
             rows = trainer.dataset.next_batch()
             metrics = trainer.train_step(step, rows)
             done = step + 1
@@ -308,6 +324,7 @@ def train(cfg: TrainConfig) -> RunResult:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", success=f"{metrics['success_rate']:.2f}")
             if cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0:
                 trainer.save(done)
+        trainer.during(f"final validation after step {cfg.trainer.total_steps}")
         after = trainer.validate(cfg.trainer.total_steps)
         log.log(cfg.trainer.total_steps, after)
         summary["heldout_success_after"] = after.get("val/success_rate")

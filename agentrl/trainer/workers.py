@@ -654,6 +654,9 @@ class WorkerGroup:
         self.stacks_dir = Path(stacks_dir) if stacks_dir else Path(tempfile.gettempdir())
         self._stacks_prefix = name if stacks_dir else f"agentrl-{os.getpid()}-{name}"
         self.broken: str | None = None  # set by a timeout: the ranks' collectives no longer line up
+        # what the driver is doing ("step 3", "start-up"): errors begin with it, so that a hang or
+        # a lost worker says when it happened as well as in which call (set by the driver)
+        self.during = "start-up"
         # One bundle per rank, on one node where it fits (PACK) or over several (SPREAD); the
         # process group meets at rank 0's node, whose address and free port are asked there.
         self.placement = placement_group([{"CPU": num_cpus}] * world_size, strategy=placement)
@@ -661,7 +664,7 @@ class WorkerGroup:
         ready, _ = ray.wait([self.placement.ready()], timeout=start_wait)
         if not ready:
             ray.util.remove_placement_group(self.placement)
-            raise CollectiveTimeout(f"{name} group: {world_size} ranks of {num_cpus:g} CPU could not be placed ({placement}) "
+            raise CollectiveTimeout(f"{self.during}: {name} group: {world_size} ranks of {num_cpus:g} CPU could not be placed ({placement}) "
                                     f"within {start_wait:g} s: the cluster has not the free resources")
         in_bundle = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r) for r in range(world_size)]
         meeting = ray.remote(_rendezvous).options(scheduling_strategy=in_bundle[0], num_cpus=0)
@@ -705,7 +708,7 @@ class WorkerGroup:
         try:
             return ray.get(refs)
         except ray.exceptions.RayActorError as exc:
-            raise WorkerDied(f"a worker of the {self.name} group died: {exc}") from exc
+            raise WorkerDied(f"{self.during}: a worker of the {self.name} group died: {exc}") from exc
 
     def _collect(self, method: str, refs: list[Any], from_start: bool = False) -> list[Any]:
         """Every rank's answer to ``method``; once one rank has answered, the others get
@@ -714,7 +717,7 @@ class WorkerGroup:
         import ray
 
         if self.broken is not None:
-            raise CollectiveTimeout(f"{self.name} group: not calling `{method}`, the group is broken ({self.broken})")
+            raise CollectiveTimeout(f"{self.during}: {self.name} group: not calling `{method}`, the group is broken ({self.broken})")
         if self.timeout_s is None:
             return self.get(refs)
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
@@ -732,7 +735,7 @@ class WorkerGroup:
                 errors = "".join(f"\n  rank {rank} failed: {str(error).strip().splitlines()[-1][:300]}" for rank, error in sorted(failed.items()))
                 self.broken = f"`{method}` timed out"
                 raise CollectiveTimeout(
-                    f"{self.name} group: `{method}` hangs: rank(s) {missing} of {self.world_size} did not answer within "
+                    f"{self.during}: {self.name} group: `{method}` hangs: rank(s) {missing} of {self.world_size} did not answer within "
                     + (f"{max(self.timeout_s, _START_TIMEOUT_S):g} s of their start." if from_start else
                        f"{self.timeout_s:g} s of rank(s) {sorted(finished + list(failed))} (trainer.collective_timeout_s).")
                     + f"{errors}\n  Python stacks of the ranks in the call: "
@@ -743,7 +746,7 @@ class WorkerGroup:
                 try:
                     answered[rank_of[ref]] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    raise WorkerDied(f"a worker of the {self.name} group died in `{method}`: {exc}") from exc
+                    raise WorkerDied(f"{self.during}: a worker of the {self.name} group died in `{method}`: {exc}") from exc
                 except Exception as exc:  # the rank's own error: raised once every rank answered or timed out
                     failed[rank_of[ref]] = exc
             if deadline is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,3 +113,52 @@ def test_trainer_killed_with_sigkill_resumes_with_the_same_metrics(tmp_path):
         for key, value in straight[step].items():
             if not key.startswith(("timing/", "tokens/per_s")):
                 assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
+
+
+def _descendants_named(root: int, prefix: str) -> list[int]:
+    """Processes under ``root`` whose command line (Ray's process title) starts with ``prefix``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                if (Path("/proc") / str(pid) / "cmdline").read_bytes().startswith(prefix.encode()):
+                    found.append(pid)
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_a_training_worker_killed_mid_run_is_an_error_naming_the_step(tmp_path):
+    """The real actor worker gets SIGKILL after step 1: the run ends (no hang) with an error that
+    says which step was running, which group lost a worker, and keeps step 1's checkpoint."""
+    run_dir = tmp_path / "lost"
+    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=lost"], tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 500
+        while not (run_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file():
+            assert victim.poll() is None, victim.stderr.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        workers = _descendants_named(victim.pid, "ray::ActorWorker")
+        assert len(workers) == 1, workers  # actor.world_size=1
+        os.kill(workers[0], signal.SIGKILL)
+        _, stderr = victim.communicate(timeout=120)
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+    assert victim.returncode != 0
+    # step 2 is running when the worker dies (or step 3, on a machine fast enough to finish step 2 first)
+    assert re.search(r"step [23] of 3: a worker of the actor group died", stderr), stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file()

@@ -45,7 +45,8 @@ def test_a_rank_that_never_joins_the_collective_is_an_error_with_its_stack(tiny_
             model_path=str(tiny_model_dir), device="cpu", seed=0, collective_timeout_s=TIMEOUT_S,
             stacks_dir=str(tmp_path / "stacks"),
         )
-        assert group.call_all("stall", -1, 0.0) == [2.0, 2.0]  # no sleeper: the collective completes
+        assert group.call_all("stall", -1, 0.0) == [2.0, 2.0]
+        group.during = "step 3 of 6"  # what the driver sets before each step (Trainer.during)  # no sleeper: the collective completes
         assert list((tmp_path / "stacks").glob("*")) == []  # calls that returned leave no stack file
         started = time.monotonic()
         with pytest.raises(CollectiveTimeout) as caught:
@@ -54,6 +55,7 @@ def test_a_rank_that_never_joins_the_collective_is_an_error_with_its_stack(tiny_
         assert waited < 2 * TIMEOUT_S + 5, f"the hang took {waited:.1f} s to become an error"
         message = str(caught.value)
         stacks = tmp_path / "stacks" / "reference-rank1-stacks.txt"
+        assert message.startswith("step 3 of 6: reference group: `stall` hangs:")  # when, which group, which call
         assert f"reference group: `stall` hangs: rank(s) [1] of 2 did not answer within {TIMEOUT_S:g} s of rank(s) [0]" in message
         assert "rank 0 failed:" in message  # its all-reduce timed out (gloo's timeout)
         assert str(stacks) in message
@@ -63,7 +65,7 @@ def test_a_rank_that_never_joins_the_collective_is_an_error_with_its_stack(tiny_
         assert "line" in dump and "in stall" in dump  # faulthandler's frame: the sleeping line of stall
         # the group's collectives no longer line up: later calls fail at once instead of hanging
         started = time.monotonic()
-        with pytest.raises(CollectiveTimeout, match="reference group: not calling `ready`, the group is broken"):
+        with pytest.raises(CollectiveTimeout, match="step 3 of 6: reference group: not calling `ready`, the group is broken"):
             group.call_all("ready")
         assert time.monotonic() - started < 1.0
         group.kill()
