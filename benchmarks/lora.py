@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             result[f"{name}_{key}_all"] = values
     result["step_ratio_full_over_lora"] = result["full_step_s"] / result["lora_step_s"]
     result["peak_rss_ratio_full_over_lora"] = result["full_peak_rss_mib"] / result["lora_peak_rss_mib"]
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result))
     return 0
 
 
