@@ -1,7 +1,7 @@
 """``agentrl bench lora``: peak memory and step time of LoRA against full fine-tuning, side by side.
 
 Both sides run the real ``ActorWorker`` (one rank, fp32 on CPU, unwrapped as ``dist.shard_model``
-does for one fp32 rank) on the same tiny model (``--size``, default the 18M config), the same
+does for one fp32 rank) on the same tiny model (``--model-size``, default the 18M config), the same
 seeded batch of ``--batch`` trajectories (``--prompt-len`` + ``--response-len`` tokens) and the
 same PPO update: an old-logprob pass, then one optimizer step. Only ``actor.lora.rank`` differs
 (0 for full fine-tuning).
@@ -14,7 +14,7 @@ activations, interpreter), ``optimizer_state_mib`` (AdamW's moments, exact) and
 ``trainable_params``. Prints one JSON object: per side the medians over repeats (with ``_all``),
 the ratios full/lora, and the settings.
 
-    agentrl bench lora --json [--size 18m] [--rank 8] [--steps 5] [--repeats 3]
+    agentrl bench lora --json [--model-size 18m] [--rank 8] [--steps 5] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _one_run(args: argparse.Namespace, rank: int, cache: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench lora", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON (the only output form)")
-    parser.add_argument("--size", default="18m", help="tiny model size (agentrl/tiny.py)")
+    parser.add_argument("--model-size", dest="size", default="18m", help="tiny model size (agentrl/tiny.py)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 * rank, attention projections)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating order")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     order = [name for i in range(args.repeats) for name in (("full", "lora") if i % 2 == 0 else ("lora", "full"))]
     runs: dict[str, list[dict[str, Any]]] = {"full": [], "lora": []}
     with scratch_dir("bench-lora") as scratch:
-        passed = [f"--size={args.size}", f"--steps={args.steps}", f"--batch={args.batch}",
+        passed = [f"--model-size={args.size}", f"--steps={args.steps}", f"--batch={args.batch}",
                   f"--prompt-len={args.prompt_len}", f"--response-len={args.response_len}", f"--cache={scratch}"]
         for name in order:
             child = subprocess.run(

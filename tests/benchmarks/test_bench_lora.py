@@ -12,7 +12,7 @@ import pytest
 
 def test_bench_lora_runs_both_sides_alternating_and_counts_adapter_parameters_exactly():
     done = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "bench", "lora", "--json", "--size", "1m", "--rank", "8", "--steps", "1",
+        [sys.executable, "-m", "agentrl.cli", "bench", "lora", "--json", "--model-size", "1m", "--rank", "8", "--steps", "1",
          "--repeats", "2", "--batch", "2", "--prompt-len", "8", "--response-len", "8"],
         capture_output=True, text=True, timeout=600,
     )
