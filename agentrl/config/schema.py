@@ -30,6 +30,7 @@ __all__ = [
     "AlgorithmConfig",
     "RolloutCorrectionConfig",
     "OptimConfig",
+    "LoraConfig",
     "ActorConfig",
     "CriticConfig",
     "SFTConfig",
@@ -214,6 +215,14 @@ class RolloutCorrectionConfig(Section):
     outlier_threshold: float | None = Field(None, gt=1)  # ratios outside [1/t, t] get weight 0
 
 
+class LoraConfig(Section):
+    # LoRA adapters on the actor through peft (agentrl[lora]); engines get merged weights
+    rank: int = Field(0, ge=0)  # 0: off (full fine-tuning)
+    alpha: float = Field(16.0, gt=0)  # scaling alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # module names to adapt
+
+
 class ActorConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     world_size: int = Field(1, ge=1)  # FSDP2 ranks
@@ -234,6 +243,7 @@ class ActorConfig(Section):
     # verl's policy_loss.loss_mode: vanilla (PPO clip), gspo (sequence ratio), cispo (clipped IS weight)
     policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_validator(mode="after")
     def _gspo_aggregates_by_sequence(self) -> "ActorConfig":

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from agentrl.agent.setup import RolloutSetup
-from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
+from agentrl.config.schema import ActorConfig, CriticConfig, LoraConfig, OptimConfig
 from agentrl.errors import WorkerDied
 from agentrl.trainer import algorithms as algo
 from agentrl.errors import CheckpointError
@@ -48,6 +48,7 @@ from agentrl.trainer.dist import (
     resolve_device,
     shard_model,
 )
+from agentrl.trainer.lora import apply_lora, merged_state, trainable_parameters
 from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
 from agentrl.trainer.prefix import response_logprobs, response_values
 
@@ -98,10 +99,12 @@ class _Worker:
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
 
-    def _load_causal_lm(self, path: str) -> torch.nn.Module:
+    def _load_causal_lm(self, path: str, lora: LoraConfig | None = None) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+        if lora is not None and lora.rank > 0:  # adapters before sharding: FSDP2 shards them with their layer
+            model = apply_lora(model, lora)
         return shard_model(model, self.mesh, param_dtype=self.param_dtype)
 
     def ready(self) -> int:
@@ -171,10 +174,12 @@ class ActorWorker(_Worker):
         self.temperature = temperature  # the rollout's sampling temperature (see response_logprobs)
         self.share_prompts = share_prompts
         self.model_path = model_path
-        self.model = self._load_causal_lm(model_path)
+        self.lora = config.lora if config.lora.rank > 0 else None
+        self.model = self._load_causal_lm(model_path, self.lora)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.optimizer = build_optimizer(self.model.parameters(), config.optim)
+        # with LoRA only the adapters require grad: the optimizer holds state for them alone
+        self.optimizer = build_optimizer(trainable_parameters(self.model), config.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps)
         self.engine = None
         self.shares_model = False
@@ -214,8 +219,9 @@ class ActorWorker(_Worker):
         # fp32 rank, the CPU default) is shared with the engine: no second copy, and a weight sync
         # copies nothing (``weights_changed``). Otherwise (FSDP2 shards, bf16 compute over fp32
         # parameters) the engine loads its own copy and syncs by copy.
+        # A LoRA policy is never shared: the engine gets merged weights under the base names.
         self.shares_model = (
-            setup.weight_sync == "memory" and not isinstance(self.model, FSDPModule)
+            setup.weight_sync == "memory" and not isinstance(self.model, FSDPModule) and self.lora is None
             and all(p.dtype == self.param_dtype for p in self.model.parameters())
         )
         return BuiltinEngine(
@@ -257,9 +263,8 @@ class ActorWorker(_Worker):
         if self.engine is not None and self.shares_model:
             asyncio.run(self.engine.weights_changed(version=version))
             return
-        state = gather_model_state(self.model)
+        state = self.policy_state()
         if self.engine is not None:
-            state = drop_tied_duplicates(self.model, state)
             asyncio.run(self.engine.update_weights(state_dict=state, version=version))
 
     # ------------------------------------------------------------------ training
@@ -376,7 +381,7 @@ class ActorWorker(_Worker):
         """A fresh optimizer and schedule (RL after an SFT warm start)."""
         self.config = self.config.model_copy(update={"optim": optim})
         reshard(self.model)  # the registered (sharded) parameters, whatever ran before
-        self.optimizer = build_optimizer(self.model.parameters(), optim)
+        self.optimizer = build_optimizer(trainable_parameters(self.model), optim)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
 
     # ------------------------------------------------------------------ checkpoints
@@ -405,7 +410,7 @@ class ActorWorker(_Worker):
         """Collective: rank 0 writes a transformers checkpoint (model + tokenizer) of the policy."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        state = drop_tied_duplicates(self.model, gather_model_state(self.model))
+        state = self.policy_state()
         if rank_is_zero(self.rank):
             config = AutoConfig.from_pretrained(self.model_path)
             model = AutoModelForCausalLM.from_config(config)
@@ -413,6 +418,14 @@ class ActorWorker(_Worker):
             model.tie_weights()
             model.save_pretrained(directory)
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(directory)
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the policy's weights under the base model's names, LoRA adapters merged, tied
+        duplicates dropped (on rank 0; ``{}`` elsewhere): what engines and HF exports load."""
+        state = gather_model_state(self.model)
+        if self.lora is not None:
+            state = merged_state(state, self.lora)
+        return drop_tied_duplicates(self.model, state)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the full policy state dict (on rank 0; ``{}`` elsewhere)."""
