@@ -11,7 +11,7 @@ import time
 import pytest
 
 from agentrl.engines.base import FinishReason, GenerateRequest, SamplingParams
-from agentrl.engines.launch import launch_servers
+from agentrl.engines.launch import launch_servers, with_lifeline
 from agentrl.engines.sglang import SGLangClient, SGLangEngine
 from agentrl.engines.sglang_cpu.env import unavailable_reason
 from agentrl.engines.sglang_cpu.server import sglang_cpu_specs
@@ -28,7 +28,8 @@ def greedy(n: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_model_dir, tmp_path_factory):
-    specs = sglang_cpu_specs(tiny_model_dir, num_servers=2, threads=1)
+    # under a lifeline: a killed test run leaves no server behind
+    specs = [with_lifeline(s) for s in sglang_cpu_specs(tiny_model_dir, num_servers=2, threads=1)]
     logs = tmp_path_factory.mktemp("sglang-client-logs")
     launched = launch_servers(specs, ready_timeout_s=600.0, log_dir=logs)
     state = {"servers": launched.servers, "specs": specs, "logs": logs}
