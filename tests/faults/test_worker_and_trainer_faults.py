@@ -142,23 +142,23 @@ def _descendants_named(root: int, prefix: str) -> list[int]:
 def test_a_training_worker_killed_mid_run_is_an_error_naming_the_step(tmp_path):
     """The real actor worker gets SIGKILL after step 1: the run ends (no hang) with an error that
     says which step was running, which group lost a worker, and keeps step 1's checkpoint."""
-    run_dir = tmp_path / "lost"
-    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=lost"], tmp_path, start_new_session=True)
+    run_dir, log = tmp_path / "lost", tmp_path / "lost.txt"
+    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=lost"], tmp_path, log, start_new_session=True)
     try:
         deadline = time.monotonic() + 500
         while not (run_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file():
-            assert victim.poll() is None, victim.stderr.read()[-3000:]
-            assert time.monotonic() < deadline
+            assert victim.poll() is None, tail(log)
+            assert time.monotonic() < deadline, "the run to be killed wrote no step_1 checkpoint in 500 s"
             time.sleep(0.1)
         workers = _descendants_named(victim.pid, "ray::ActorWorker")
         assert len(workers) == 1, workers  # actor.world_size=1
         os.kill(workers[0], signal.SIGKILL)
-        _, stderr = victim.communicate(timeout=120)
+        victim.wait(timeout=120)
     finally:
         if victim.poll() is None:
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
     assert victim.returncode != 0
     # step 2 is running when the worker dies (or step 3, on a machine fast enough to finish step 2 first)
-    assert re.search(r"step [23] of 3: a worker of the actor group died", stderr), stderr[-3000:]
+    assert re.search(r"step [23] of 3: a worker of the actor group died", log.read_text()), tail(log)
     assert (run_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file()
