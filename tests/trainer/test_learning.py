@@ -39,6 +39,12 @@ def demos(n: int) -> list[dict]:
     ]
 
 
+# PPO's one on-policy mini-batch is not clipped (ratio 1): at 6e-4 a step-6 update (grad norm 6.7)
+# made the policy stop ending its answers and the reward fell from 0.75 to 0.06 (seed 0; seeds 1 and
+# 2 rose). At 3e-4 the reward rose on seeds 0, 1, 2 by 0.21, 0.41 and 0.32 over 12 steps.
+LR = {"grpo": "6e-4", "ppo": "3e-4"}
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_reward_rises(algorithm, tmp_path):
     train = write_rows(digit_rows(64), tmp_path / "train.parquet")
@@ -53,7 +59,7 @@ def test_reward_rises(algorithm, tmp_path):
         "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.export_hf=false", "data.train_batch_size=8",
         "rollout.n=8", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=64", "critic.ppo_mini_batch_size=8",
         "critic.ppo_micro_batch_size_per_gpu=64", "rollout.max_new_tokens=6", "data.max_response_length=8",
-        "actor.optim.lr=6e-4", "critic.optim.lr=1e-3", "logging.progress=false", f"trainer.runs_root={tmp_path}",
+        f"actor.optim.lr={LR[algorithm]}", "critic.optim.lr=1e-3", "logging.progress=false", f"trainer.runs_root={tmp_path}",
         "trainer.run_name=run",
     ]
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args], capture_output=True, text=True, timeout=600)
