@@ -202,49 +202,6 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_request_is_lost(model_d
 
 
 @pytest.mark.ray
-def test_train_with_managed_servers_resumes_at_the_checkpointed_weight_version(tmp_path):
-    """`agentrl train engine=sglang` end to end (managed `agentrl serve` servers), then a resume:
-    the servers of the second run start from the base model and are synced to the checkpoint."""
-    from agentrl.data.rollout_store import RolloutStore
-
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
-    base = ["engine=sglang", "engine.launcher=agentrl", "engine.num_servers=2", "sft.enable=false", "data.train_batch_size=2",
-            "rollout.n=2", "rollout.max_new_tokens=8", "data.max_response_length=32", "actor.ppo_mini_batch_size=2",
-            "actor.ppo_micro_batch_size_per_gpu=4", "trainer.test_freq=0", "trainer.val_before_train=false",
-            "trainer.save_freq=1", "actor.entropy_coeff=0.1", "actor.optim.lr=0.01", "logging.progress=false",
-            f"trainer.runs_root={tmp_path}", "trainer.run_name=run", "trainer.export_hf=false"]
-
-    def train(*extra: str) -> None:
-        done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *base, *extra], capture_output=True, text=True,
-                              timeout=600, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-
-    train("trainer.total_steps=2")
-    train("trainer.total_steps=3", f"trainer.resume={tmp_path / 'run'}")
-    stored = list(RolloutStore(tmp_path / "run" / "rollouts").iter_stored())
-    versions = {(s.step, s.trajectory.metrics["weight_version_min"], s.trajectory.metrics["weight_version_max"])
-                for s in stored if s.split == "train"}
-    assert versions == {(0, 0.0, 0.0), (1, 1.0, 1.0), (2, 2.0, 2.0)}
-    logs = sorted(p.name for p in (tmp_path / "run" / "servers").glob("server-*.log"))
-    assert len(logs) == 4  # two servers per run, each with its own port
-    assert not any(_pgid_members(pid) for pid in _lifeline_pids(tmp_path / "run"))
-
-
-def _lifeline_pids(run_dir: Path) -> list[int]:
-    """Lifelines (process-group leaders) still running for this run's servers."""
-    ports = [p.name.split("-")[1].split(".")[0] for p in (run_dir / "servers").glob("server-*.log")]
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"agentrl.engines.lifeline" in args and any(port.encode() in args for port in ports):
-            found.append(int(cmdline.parent.name))
-    return found
-
-
-@pytest.mark.ray
 def test_a_rollout_that_fails_above_the_rate_stops_the_run_with_the_first_error_and_a_checkpoint(tmp_path):
     """A local external server that is not there: every request fails after failover, every
     trajectory ends with engine_error, and the run stops before any update, resumable."""

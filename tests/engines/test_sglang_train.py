@@ -46,7 +46,12 @@ def _ports_of(server_logs: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1].split(".")[0]) for p in server_logs.glob("server-*.log"))
 
 
-def test_train_with_managed_sglang_syncs_every_step_and_serves_the_trained_policy(tmp_path):
+def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_and_resumes(tmp_path):
+    """Three steps in process against one real managed server: every step's rollout is sampled
+    with the trainer's weights, the served policy is the exported one, no server outlives the
+    trainer. Then `agentrl train trainer.resume=...` from the step-3 checkpoint: the new server
+    starts from the base model and is synced to the checkpoint before the first resumed rollout,
+    so its logprobs agree with the trainer's recomputation and the weight versions continue."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.config import load_config
@@ -59,13 +64,15 @@ def test_train_with_managed_sglang_syncs_every_step_and_serves_the_trained_polic
     from agentrl.trainer.logging import MetricsLogger
     from agentrl.trainer.run import Trainer
 
-    cfg = load_config("train", [
+    overrides = [
         "engine=sglang", "sft.enable=false", "data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=12",
         "data.max_response_length=48", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
         # all-zero rewards give zero advantages: the entropy bonus and a large step move the weights
         "actor.entropy_coeff=0.1", "actor.optim.lr=0.01", "trainer.val_before_train=false", "logging.progress=false",
-        f"trainer.runs_root={tmp_path}", "trainer.run_name=run", "logging.loggers=[jsonl]",
-    ])
+        f"trainer.runs_root={tmp_path}", "trainer.run_name=run", "logging.loggers=[jsonl]", "trainer.test_freq=0",
+        "trainer.export_hf=false",
+    ]
+    cfg = load_config("train", overrides)
     check_engine_config(cfg, training=True)
     run = make_run_dir(cfg)
     run.write_config(cfg)
@@ -111,38 +118,36 @@ def test_train_with_managed_sglang_syncs_every_step_and_serves_the_trained_polic
         assert asyncio.run(served()) == expected
         ports = _ports_of(run.path / "servers")
         assert ports and all(_processes_on_port(p) for p in ports)
+        trainer.save(3)
     finally:
         trainer.close()
         log.close()
     assert not any(_processes_on_port(p) for p in ports), "a server outlived the trainer"
 
-
-def test_rollout_command_with_managed_sglang(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
-    done = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "rollout", "engine=sglang", "data.task_train_size=4", "rollout.n=2",
-         "rollout.max_new_tokens=8", f"trainer.runs_root={tmp_path}", "trainer.run_name=r", "logging.progress=false"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *overrides, "trainer.total_steps=4",
+                           f"trainer.resume={run.path}"], capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    from agentrl.data.rollout_store import RolloutStore
-
-    stored = [s.trajectory for s in RolloutStore(tmp_path / "r" / "rollouts").iter_stored()]
-    assert len(stored) == 8 and {t.sample_index for t in stored} == {0, 1}
-    assert all(t.response_ids and len(t.logprobs) == len(t.response_ids) for t in stored)
-    assert all(t.metrics["weight_version_min"] == 0.0 for t in stored)  # SGLang's "default" weights
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["trajectories"] == 8
-    ports = _ports_of(tmp_path / "r" / "servers")
-    assert len(ports) == 1 and not _processes_on_port(ports[0])
+    assert "resumed from" in done.stderr
+    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in rows if r.get("step") == 4 and "logprob_mismatch/max" in r]
+    assert resumed and resumed[-1]["logprob_mismatch/max"] < MISMATCH_TOLERANCE, resumed
+    stored = list(RolloutStore(run.rollouts).iter_stored())
+    versions = {(s.step, s.trajectory.metrics["weight_version_min"], s.trajectory.metrics["weight_version_max"])
+                for s in stored if s.split == "train"}
+    assert versions == {(0, 0.0, 0.0), (1, 1.0, 1.0), (2, 2.0, 2.0), (3, 3.0, 3.0)}
+    ports = _ports_of(run.path / "servers")
+    assert len(ports) == 2 and not any(_processes_on_port(p) for p in ports)
 
 
 @pytest.mark.gsm8k
 @pytest.mark.skipif(not GSM8K.is_file(), reason=f"the GSM8K training file is not at {GSM8K} (set AGENTRL_GSM8K)")
-def test_gsm8k_tool_rollout_through_sglang_gives_the_builtin_engines_tokens(tmp_path):
-    """`agentrl rollout engine=sglang` on the GSM8K tool variant (real rows rendered with their
-    calculator and check_answer schemas, tool_agent) equals the same command on the built-in engine,
-    greedy, token for token: same loop, same weights, only the engine differs. (The untrained tiny
+def test_rollout_command_on_gsm8k_tools_through_sglang_gives_the_builtin_engines_tokens(tmp_path):
+    """`agentrl rollout engine=sglang` (one managed real server) on the GSM8K tool variant (real
+    rows rendered with their calculator and check_answer schemas, tool_agent) equals the same
+    command on the built-in engine, greedy, token for token: same loop, same weights, only the
+    engine differs. The command stores every sample with SGLang's logprobs and weight version,
+    writes its summary and stops its server. (The untrained tiny
     model writes no tool call in 24 tokens; the multi-turn tool path through real SGLang is
     test_sglang_real.py's calculator rollout.)"""
     from agentrl.data.rollout_store import RolloutStore
@@ -152,50 +157,25 @@ def test_gsm8k_tool_rollout_through_sglang_gives_the_builtin_engines_tokens(tmp_
                                 "--variant", "tool", "--limit", "4"], capture_output=True, text=True, timeout=120)
     assert converted.returncode == 0, converted.stderr
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
-    common = ["data=gsm8k", f"data.train_files=[{data}]", "rollout.n=1", "rollout.temperature=0", "rollout.max_new_tokens=24",
+    common = ["data=gsm8k", f"data.train_files=[{data}]", "rollout.n=2", "rollout.temperature=0", "rollout.max_new_tokens=24",
               f"trainer.runs_root={tmp_path}", "logging.progress=false"]
 
-    def rollout(name: str, *engine: str) -> dict[str, list[int]]:
+    def rollout(name: str, *engine: str) -> dict[tuple[str, int], tuple[list[int], ...]]:
         done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", *engine, *common, f"trainer.run_name={name}"],
                               capture_output=True, text=True, timeout=900, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         stored = [s.trajectory for s in RolloutStore(tmp_path / name / "rollouts").iter_stored()]
-        assert len(stored) == 4 and all(t.agent_name == "tool_agent" for t in stored)
-        return {t.row_id: (t.prompt_ids, t.response_ids, t.response_mask) for t in stored}
+        assert len(stored) == 8 and all(t.agent_name == "tool_agent" for t in stored)
+        assert {t.sample_index for t in stored} == {0, 1}
+        assert all(t.response_ids and len(t.logprobs) == len(t.response_ids) for t in stored)
+        assert json.loads((tmp_path / name / "summary.json").read_text())["trajectories"] == 8
+        if engine:
+            assert all(t.metrics["weight_version_min"] == 0.0 for t in stored)  # SGLang's "default" weights
+        return {(t.row_id, t.sample_index): (t.prompt_ids, t.response_ids, t.response_mask) for t in stored}
 
     builtin = rollout("builtin")
     served = rollout("sglang", "engine=sglang")
     assert served == builtin
     assert all(len(p) > 100 for p, _, _ in served.values())  # the tool schemas are in the prompt
-
-
-def test_resume_with_managed_sglang_serves_the_checkpointed_policy(tmp_path):
-    """`agentrl train engine=sglang` (real SGLang) stops after a checkpoint and resumes: the new
-    server starts from the base model and is synced to the checkpoint before the first resumed
-    rollout, so SGLang's sampled logprobs agree with the trainer's recomputation of the moved
-    policy, and the stored weight versions continue from the checkpoint."""
-    from agentrl.data.rollout_store import RolloutStore
-
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
-    base = ["engine=sglang", "sft.enable=false", "data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=8",
-            "data.max_response_length=32", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
-            "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_freq=1", "actor.entropy_coeff=0.1",
-            "actor.optim.lr=0.01", "logging.progress=false", "logging.loggers=[jsonl]", f"trainer.runs_root={tmp_path}",
-            "trainer.run_name=run", "trainer.export_hf=false"]
-
-    def train(*extra: str) -> None:
-        done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *base, *extra], capture_output=True, text=True,
-                              timeout=900, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-
-    train("trainer.total_steps=1")
-    train("trainer.total_steps=2", f"trainer.resume={tmp_path / 'run'}")
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    resumed = [m for m in metrics if m.get("step") == 2 and "logprob_mismatch/max" in m]
-    assert resumed and resumed[-1]["logprob_mismatch/max"] < MISMATCH_TOLERANCE, resumed
-    stored = list(RolloutStore(tmp_path / "run" / "rollouts").iter_stored())
-    versions = {(s.step, s.trajectory.metrics["weight_version_min"], s.trajectory.metrics["weight_version_max"])
-                for s in stored if s.split == "train"}
-    assert versions == {(0, 0.0, 0.0), (1, 1.0, 1.0)}
-    ports = _ports_of(tmp_path / "run" / "servers")
-    assert len(ports) == 2 and not any(_processes_on_port(p) for p in ports)
+    ports = _ports_of(tmp_path / "sglang" / "servers")
+    assert len(ports) == 1 and not _processes_on_port(ports[0])
