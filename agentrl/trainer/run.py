@@ -71,8 +71,9 @@ class Trainer:
         try:
             self._setup(cfg, run_dir, log)
         except BaseException:
-            if self.servers is not None:  # started servers must not wait for this process's exit
-                self.servers.stop()
+            # what setup started must not outlive it: servers, worker groups, and the Ray it
+            # initialised (a caller in the same process could not start another run)
+            self.close()
             raise
 
     def _setup(self, cfg: TrainConfig, run_dir: Path, log: MetricsLogger) -> None:
@@ -274,13 +275,17 @@ class Trainer:
         self.log.console(f"resumed from {directory} at step {self.start_step}")
 
     def close(self) -> None:
+        """Stop the engine, the worker groups, the servers and Ray; safe after a setup that failed
+        part-way (whatever was not created is skipped)."""
         import ray
 
+        actor = getattr(self, "actor", None)
         try:
-            self.actor.call_all("close")  # stops the engine thread before the process goes
+            if actor is not None:
+                actor.call_all("close")  # stops the engine thread before the process goes
         except Exception:  # closing after a failure must not hide it
             pass
-        for group in (self.actor, self.reference, self.critic):
+        for group in (actor, getattr(self, "reference", None), getattr(self, "critic", None)):
             if group is not None:
                 group.kill()
         if self.servers is not None:  # before Ray goes: Ray-placed servers are stopped through their host actors
