@@ -117,7 +117,7 @@ def run(mutation: Mutation, timeout_s: float) -> dict:
     original = apply(mutation)
     start = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests],
+        done = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests],
                               cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         outcome = "caught" if done.returncode != 0 else "survived"
         failed = [line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith("FAILED ")]

@@ -44,3 +44,20 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         what = "real-SGLang" if "sglang" in needs else "real-GSM8K"
         report.longrepr = f"{what} test skipped in CI (CI=true), which is a failure: {reason}"
+
+
+def _module_weight(item) -> int:
+    """Heavier modules first: the suite runs on two xdist workers, one test file per worker at a
+    time (``--dist loadfile``), and a long file that starts last is the run's tail."""
+    for rank, marker in enumerate(("sglang", "slow", "ray")):
+        if item.get_closest_marker(marker) is not None:
+            return rank
+    return 3
+
+
+def pytest_collection_modifyitems(session, config, items):
+    weights: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        weights[module] = min(weights.get(module, 3), _module_weight(item))
+    items.sort(key=lambda item: weights[item.nodeid.split("::", 1)[0]])  # stable: a file's tests stay in order
