@@ -26,6 +26,7 @@ GROUPS: tuple[str, ...] = (
     "agentrl.tools",
     "agentrl.interactions",
     "agentrl.rewards",
+    "agentrl.data_source_rewards",  # name: a data source; value: its reward function (reward.by_data_source wins)
     "agentrl.tool_parsers",
     "agentrl.agents",
 )

@@ -44,6 +44,7 @@ __all__ = [
     "NumberVerdict",
     "judge_number",
     "resolve_reward",
+    "data_source_reward",
     "score_to_float",
 ]
 
@@ -129,14 +130,29 @@ def resolve_reward(name: str, prefer: Mapping[str, Mapping[str, str]] | None = N
     ``(data_source, solution, ground_truth, extra_info)``. ``prefer`` is ``plugins.prefer``."""
     from agentrl.plugins import PluginRegistry  # plugins import nothing of ours; keep this module light
 
-    fn = PluginRegistry(prefer).load("rewards", name)
+    return _checked(f"reward plugin {name!r}", PluginRegistry(prefer).load("rewards", name))
+
+
+def data_source_reward(data_source: str, prefer: Mapping[str, Mapping[str, str]] | None = None) -> RewardFn | None:
+    """The reward function a plugin package declares for ``data_source`` (entry point group
+    ``agentrl.data_source_rewards``, named by the data source), or None when none does."""
+    from agentrl.plugins import PluginRegistry
+
+    registry = PluginRegistry(prefer)
+    if data_source not in registry.names("data_source_rewards"):
+        return None
+    label = f"the reward plugin declared for data source {data_source!r}"
+    return _checked(label, registry.load("data_source_rewards", data_source))
+
+
+def _checked(label: str, fn: Any) -> RewardFn:
     if not callable(fn):
-        raise PluginError(f"reward plugin {name!r} is not callable: {fn!r}")
+        raise PluginError(f"{label} is not callable: {fn!r}")
     try:
         inspect.signature(fn).bind("data_source", "solution", "ground_truth", {})
     except TypeError as exc:
         raise PluginError(
-            f"reward plugin {name!r} must accept (data_source, solution, ground_truth, extra_info): {exc}"
+            f"{label} must accept (data_source, solution, ground_truth, extra_info): {exc}"
         ) from None
     except ValueError:  # no signature to inspect (some builtins): trust it
         pass

@@ -30,6 +30,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "plugin_dist"
 MINE = {
     ("agentrl.tools", "shout"), ("agentrl.tools", "explode"), ("agentrl.tools", "calculator"),
     ("agentrl.interactions", "always_right"), ("agentrl.agent_loops", "one_shot"), ("agentrl.rewards", "broken"),
+    ("agentrl.data_source_rewards", "myplugin/shouting"),
 }
 
 
@@ -194,6 +195,26 @@ def test_plugin_tool_and_interaction_drive_the_builtin_tool_loop(dist_path, tiny
     assert t.finish_reason == "interaction_done"
     assert [(c.name, c.result, c.reward) for c in t.tool_calls] == [("shout", "HI", 0.25)]
     assert [(turn.role, turn.reward) for turn in t.turns] == [("assistant", 0.25), ("tool", None), ("assistant", 1.0)]
+
+
+def test_a_data_source_declared_by_the_distribution_is_scored_by_its_reward_unless_the_config_names_one(dist_path, tiny_tokenizer):
+    from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+    from agentrl.agent.scripted import ScriptedEngine
+    from agentrl.agent.setup import RolloutSetup
+    from agentrl.config.schema import DataConfig, RewardConfig, TrainConfig
+
+    def rewards(reward: RewardConfig) -> dict[str, float]:
+        engine = ScriptedEngine(tiny_tokenizer, {"loud": ["HELLO"], "quiet": ["hello"], "other": ["#### 3"]})
+        setup = RolloutSetup.from_config(TrainConfig(data=DataConfig(max_response_length=64), reward=reward))
+        ctx = build_context(engine, tiny_tokenizer, setup, tool_names=[])
+        rows = [(name, make_row(agent_name="single_turn", data_source=source, reward_model={"ground_truth": "3"}))
+                for name, source in (("loud", "myplugin/shouting"), ("quiet", "myplugin/shouting"), ("other", "openai/gsm8k"))]
+        return {t.row_id: t.reward for t in asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run(rows))}
+
+    # the declared reward for its data source; reward.default (gsm8k) for the others
+    assert rewards(RewardConfig()) == {"loud": 1.0, "quiet": 0.25, "other": 1.0}
+    # reward.by_data_source wins over the declaration
+    assert rewards(RewardConfig(by_data_source={"myplugin/shouting": "gsm8k"})) == {"loud": 0.0, "quiet": 0.0, "other": 1.0}
 
 
 @pytest.mark.ray

@@ -34,6 +34,7 @@ from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import Limits
 from agentrl.agent.tool_parsers import ParsedTurn, ToolParser
 from agentrl.agent.tools_runtime import CallOutcome, InteractionPool, InteractionSession, ToolBox, ToolSession
+from agentrl.config.schema import RewardComponents
 from agentrl.data.row import Row
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.errors import EngineError
@@ -61,6 +62,7 @@ class LoopContext:
     reward_fn: Callable[[str], RewardFn | None]  # data_source -> reward function
     parser_by_loop: Mapping[str, ToolParser] = field(default_factory=dict)  # loop name -> its parser
     policy_version: int = 0
+    reward_components: RewardComponents = field(default_factory=RewardComponents)  # reward.components
 
     def parser_for(self, loop_name: str) -> ToolParser:
         return self.parser_by_loop.get(loop_name, self.parser)
@@ -353,6 +355,10 @@ class AgentLoop:
             ep.counts["tool_errors/calc_reward"] += len(ep.tools.calc_reward_errors)
         if ep.interaction_score is not None:
             info["interaction_score"] = float(ep.interaction_score)
+        weights = ep.ctx.reward_components
+        if not weights.is_score_only:  # reward.components: the reward function's score stays in reward_info
+            info["score"] = reward
+            reward = weights.total(reward, ep.tools.calc_rewards, ep.interaction_score)
         if error:
             info["error"] = error
         b = ep.builder

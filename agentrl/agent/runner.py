@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import inspect
 import zlib
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 from agentrl.agent.families import detect_tool_parser, stop_tokens
 from agentrl.agent.loop import AgentLoop, LoopContext, RewardFn
@@ -27,7 +27,7 @@ from agentrl.data.row import Row
 from agentrl.engines.base import Engine
 from agentrl.errors import ConfigError, PluginError
 from agentrl.plugins import PluginRegistry
-from agentrl.rewards import resolve_reward
+from agentrl.rewards import data_source_reward, resolve_reward
 from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 __all__ = ["RolloutRunner", "LoopTable", "RewardTable", "check_agent_names", "check_row_plugins", "build_context"]
@@ -80,23 +80,37 @@ def check_row_plugins(row: Row, registry: PluginRegistry | None = None) -> list[
 
 
 class RewardTable:
-    """Reward functions (``agentrl.rewards``) by data source, resolved once each."""
+    """Reward functions by data source, resolved once each: ``reward.by_data_source``, else the
+    reward a plugin package declares for the data source (``agentrl.data_source_rewards``), else
+    ``reward.default`` (plugins of the ``agentrl.rewards`` group)."""
 
     def __init__(self, config: RewardConfig, prefer: dict[str, dict[str, str]] | None = None):
         self.config = config
         self.prefer = prefer
-        self._fns: dict[str, RewardFn] = {}
+        self._by_name: dict[str, RewardFn] = {}
+        self._by_source: dict[str, RewardFn] = {}
 
     def __call__(self, data_source: str) -> RewardFn:
-        name = self.config.by_data_source.get(data_source, self.config.default)
-        if name not in self._fns:
-            fn = resolve_reward(name, self.prefer)
-            if "format_score" in inspect.signature(fn).parameters:
-                format_score = self.config.format_score
-                base = fn
-                fn = lambda ds, sol, gt, extra, _f=base: _f(ds, sol, gt, extra, format_score=format_score)  # noqa: E731
-            self._fns[name] = fn
-        return self._fns[name]
+        if data_source not in self._by_source:
+            self._by_source[data_source] = self._resolve(data_source)
+        return self._by_source[data_source]
+
+    def _resolve(self, data_source: str) -> RewardFn:
+        name = self.config.by_data_source.get(data_source)
+        if name is None:
+            declared = data_source_reward(data_source, self.prefer)
+            if declared is not None:
+                return self._with_format_score(declared)
+            name = self.config.default
+        if name not in self._by_name:
+            self._by_name[name] = self._with_format_score(resolve_reward(name, self.prefer))
+        return self._by_name[name]
+
+    def _with_format_score(self, fn: RewardFn) -> RewardFn:
+        if "format_score" not in inspect.signature(fn).parameters:
+            return fn
+        format_score, takes_format_score = self.config.format_score, cast(Any, fn)
+        return lambda ds, sol, gt, extra: takes_format_score(ds, sol, gt, extra, format_score=format_score)
 
 
 def build_context(
@@ -133,6 +147,7 @@ def build_context(
         limits=setup.limits,
         sampling=sampling,
         reward_fn=RewardTable(setup.reward, registry.prefer),
+        reward_components=setup.reward.components,
     )
 
 

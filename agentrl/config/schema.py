@@ -11,7 +11,7 @@ reads the whole config.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,6 +24,7 @@ __all__ = [
     "RolloutConfig",
     "AgentConfig",
     "RewardConfig",
+    "RewardComponents",
     "KLControlConfig",
     "FilterGroupsConfig",
     "OverlongBufferConfig",
@@ -148,11 +149,37 @@ class AgentConfig(Section):
     interaction_config_path: str | None = None
 
 
+class RewardComponents(Section):
+    # The trajectory reward that reaches the advantage, as a weighted sum of the end-of-trajectory
+    # judgements: the reward function's score (verl's compute_score, or a loop's own score), each
+    # tool's calc_reward (summed over the trajectory's tools) and the interaction's calculate_score.
+    # The default is verl's: the score alone; the other two stay in reward_info. (Per-call tool
+    # rewards and interaction turn rewards are turn rewards and reach the advantage regardless.)
+    score: float = 1.0
+    tool_calc_reward: float = 0.0
+    interaction_score: float = 0.0
+
+    def total(self, score: float, tool_rewards: Mapping[str, float], interaction_score: float | None) -> float:
+        total = self.score * score
+        if self.tool_calc_reward:
+            total += self.tool_calc_reward * sum(tool_rewards.values())
+        if self.interaction_score and interaction_score is not None:
+            total += self.interaction_score * interaction_score
+        return total
+
+    @property
+    def is_score_only(self) -> bool:
+        return self.score == 1.0 and not self.tool_calc_reward and not self.interaction_score
+
+
 class RewardConfig(Section):
-    # Reward function (entry point name in agentrl.rewards) by data_source; `default` otherwise.
+    # Reward function (entry point name in agentrl.rewards) by data_source; then the reward a plugin
+    # package declares for its data source (entry point group agentrl.data_source_rewards); then
+    # `default`.
     default: str = "gsm8k"
     by_data_source: dict[str, str] = Field(default_factory=dict)
     format_score: float = 0.0
+    components: RewardComponents = Field(default_factory=RewardComponents)
 
 
 class KLControlConfig(Section):

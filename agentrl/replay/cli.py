@@ -2,7 +2,7 @@
 
     agentrl replay show    DIR [filters] [--limit N] [--tokenizer PATH]
     agentrl replay report  DIR --output report.html [filters] [--samples N] [--tokenizer PATH]
-    agentrl replay rescore DIR --reward NAME --output NEWDIR [--format-score F] [filters]
+    agentrl replay rescore DIR --reward NAME --output NEWDIR [--format-score F] [--tool-weight W ...] [filters]
     agentrl replay train   DIR [--split S] [--step A:B] [--max-ratio 2.0] [--epochs N] [--output OUT] [key=value ...]
     agentrl replay rerun   DIR [filters] [--limit N] [--config YAML] [--tokenizer PATH] [key=value ...]
 
@@ -280,10 +280,13 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _rescore(args: argparse.Namespace) -> int:
+    from agentrl.config.schema import RewardComponents
     from agentrl.replay.rescore import rescore_store
 
     store = open_store(args.dir)
-    summary = rescore_store(store, RolloutStore(args.output), args.reward, format_score=args.format_score, where=_filter(args))
+    components = RewardComponents(score=args.score_weight, tool_calc_reward=args.tool_weight, interaction_score=args.interaction_weight)
+    summary = rescore_store(store, RolloutStore(args.output), args.reward, format_score=args.format_score, where=_filter(args),
+                            components=components)
     print(json.dumps(summary.as_dict(), indent=2))
     print(f"rescored store: {args.output}")
     return 0
@@ -370,6 +373,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", required=True, help="a reward plugin (agentrl.rewards), e.g. gsm8k_flexible")
     p.add_argument("--output", required=True)
     p.add_argument("--format-score", type=float, default=0.0)
+    # reward.components: the new reward = these weights on the new score and the stored judgements
+    p.add_argument("--score-weight", type=float, default=1.0, help="weight of the reward function's score (default 1)")
+    p.add_argument("--tool-weight", type=float, default=0.0, help="weight of the stored tool calc_rewards, summed (default 0)")
+    p.add_argument("--interaction-weight", type=float, default=0.0, help="weight of the stored interaction score (default 0)")
     _add_filters(p)
     p.set_defaults(run=_rescore)
 

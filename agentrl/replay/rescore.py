@@ -8,7 +8,9 @@ ground truth, and the stored row's ``extra_info`` (``{}`` when the store has no 
 Only the trajectory reward and the reward function's part of ``reward_info`` change; tool and
 interaction entries of ``reward_info`` (``tool_rewards``, ``interaction_score``, ...) and
 everything else - tokens, turns and turn rewards, messages, metrics - are kept as they were.
-Turn rewards come from tools and interactions, which only a re-run executes again.
+Turn rewards come from tools and interactions, which only a re-run executes again. With
+``components`` (``reward.components``) the new reward is composed from the new score and the
+stored ``tool_rewards`` and ``interaction_score`` as a rollout composes it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from agentrl.config.schema import RewardConfig
+from agentrl.config.schema import RewardComponents, RewardConfig
 from agentrl.data.row import Row
 from agentrl.errors import DataError
 from agentrl.data.rollout_store import RolloutStore, TrajectoryFilter, shard_name
@@ -28,6 +30,7 @@ __all__ = ["rescore_trajectory", "rescore_store", "RescoreSummary", "KEPT_REWARD
 
 # reward_info entries written by the agent loop itself, not by the reward function
 KEPT_REWARD_INFO = ("tool_rewards", "tool_reward_errors", "interaction_score", "error")
+SCORE_ONLY = RewardComponents()
 
 
 def _judged_text(t: Trajectory) -> str:
@@ -37,11 +40,16 @@ def _judged_text(t: Trajectory) -> str:
     return ""
 
 
-def rescore_trajectory(t: Trajectory, row: Row | None, reward_fn: Callable, *, reward_name: str) -> Trajectory:
+def rescore_trajectory(
+    t: Trajectory, row: Row | None, reward_fn: Callable, *, reward_name: str, components: RewardComponents = SCORE_ONLY
+) -> Trajectory:
     """A copy of ``t`` with the reward of ``reward_fn`` (``reward_info["rescored_with"]`` names it)."""
     extra_info = row.extra_info.model_dump() if row is not None else {}
     reward, info = score_to_float(reward_fn(t.data_source, _judged_text(t), t.ground_truth, extra_info))
     kept = {k: t.reward_info[k] for k in KEPT_REWARD_INFO if k in t.reward_info}
+    if not components.is_score_only:
+        info["score"] = reward
+        reward = components.total(reward, kept.get("tool_rewards", {}), kept.get("interaction_score"))
     return dataclasses.replace(t, reward=reward, reward_info={**info, **kept, "rescored_with": reward_name})
 
 
@@ -60,7 +68,7 @@ class RescoreSummary:
 
 def rescore_store(
     source: RolloutStore, target: RolloutStore, reward: str, *, format_score: float = 0.0,
-    where: TrajectoryFilter | None = None,
+    where: TrajectoryFilter | None = None, components: RewardComponents = SCORE_ONLY,
 ) -> RescoreSummary:
     """Write every (matching) shard of ``source`` to ``target`` with new rewards, shard by shard
     (one shard in memory at a time), keeping split, step, writer and stored rows."""
@@ -79,7 +87,7 @@ def rescore_store(
             raise DataError("this shard mixes steps or repeats another shard's (split, step, writer); "
                             "rescore keeps one shard per (split, step, writer)", file=str(path))
         written.add(name)
-        rescored = [rescore_trajectory(s.trajectory, s.row, fn, reward_name=reward) for s in stored]
+        rescored = [rescore_trajectory(s.trajectory, s.row, fn, reward_name=reward, components=components) for s in stored]
         for s, new in zip(stored, rescored):
             summary.trajectories += 1
             summary.changed += new.reward != s.trajectory.reward

@@ -10,13 +10,15 @@ import pytest
 from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.agent.setup import RolloutSetup
-from agentrl.config.schema import AgentConfig, DataConfig, TrainConfig
+from agentrl.config.schema import AgentConfig, DataConfig, RewardConfig, TrainConfig
 from agentrl.data.row import Row
 
 @pytest.fixture
 def make_ctx(tiny_tokenizer):
-    def build(engine, *, tools=("calculator",), limits: dict | None = None, agent: dict | None = None, tokenizer=None):
-        setup = RolloutSetup.from_config(TrainConfig(agent=AgentConfig(**(agent or {})), data=DataConfig(max_response_length=512)))
+    def build(engine, *, tools=("calculator",), limits: dict | None = None, agent: dict | None = None, tokenizer=None,
+              reward: dict | None = None):
+        cfg = TrainConfig(agent=AgentConfig(**(agent or {})), data=DataConfig(max_response_length=512), reward=RewardConfig(**(reward or {})))
+        setup = RolloutSetup.from_config(cfg)
         ctx = build_context(engine, tokenizer or tiny_tokenizer, setup, tool_names=list(tools))
         if limits:
             ctx.limits = dataclasses.replace(ctx.limits, **limits)

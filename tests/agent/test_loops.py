@@ -101,6 +101,30 @@ def test_tool_step_reward_lands_on_the_calling_turn(run_rows):
     assert t.reward_info["tool_rewards"] == {"check_answer": 1.0}
 
 
+def test_reward_components_weigh_the_score_the_tools_calc_reward_and_the_interaction_score(run_rows):
+    """reward.components: reward = 0.5 * score + 0.25 * sum(calc_reward) + 2 * calculate_score. The
+    check_answer tool judges the answer it was given (calc_reward 0 for 400, 1 for 408); the final
+    '#### 408' scores 1 with the gsm8k reward and the interaction's calculate_score is 1."""
+    weights = {"components": {"score": 0.5, "tool_calc_reward": 0.25, "interaction_score": 2.0}}
+
+    def check(answer: str) -> str:
+        return f'<tool_call>\n{{"name": "check_answer", "arguments": {{"answer": "{answer}"}}}}\n</tool_call>'
+
+    rows = [(f"r{answer}", make_row(tools_kwargs={"check_answer": {"create_kwargs": {"ground_truth": "408"}}},
+                                    interaction_kwargs={"name": "gsm8k", "ground_truth": "408"})) for answer in ("400", "408")]
+    script = {"r400": [check("400"), "#### 408"], "r408": [check("408"), "#### 408"]}
+    wrong_tool, right_tool = run_rows(script, rows, tools=("check_answer",), reward=weights)[0]
+    for t, calc in ((wrong_tool, 0.0), (right_tool, 1.0)):
+        assert t.finish_reason == "interaction_done"
+        assert t.reward_info["tool_rewards"] == {"check_answer": calc} and t.reward_info["interaction_score"] == 1.0
+        assert t.reward_info["score"] == 1.0  # the reward function's own score, kept beside the composed reward
+    assert wrong_tool.reward == 0.5 * 1.0 + 0.25 * 0.0 + 2.0 * 1.0
+    assert right_tool.reward == 0.5 * 1.0 + 0.25 * 1.0 + 2.0 * 1.0
+    # the default is verl's: the score alone, the other judgements only recorded
+    [plain], *_ = run_rows({"r408": [check("408"), "#### 408"]}, rows[1:], tools=("check_answer",))
+    assert plain.reward == 1.0 and "score" not in plain.reward_info
+
+
 def test_runner_groups_samples_and_keeps_row_order(run_rows):
     rows = [(f"r{i}", make_row()) for i in range(3)]
     script = lambda row_id, index, request: "#### 408"  # noqa: E731

@@ -44,6 +44,15 @@ def test_rescore_changes_the_rewards_and_nothing_else(loose_answers, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train-step000000-w001.parquet", "val-step000001-w000.parquet"]
 
 
+def test_rescore_command_composes_the_new_score_with_the_stored_interaction_score(loose_answers, tmp_path):
+    """--score-weight 0.5 --interaction-weight 2: r0 (no interaction) 0.5 * 1; r1 0.5 * 1 + 2 * 1."""
+    assert cli_main(["rescore", str(loose_answers.root), "--reward", "exact_number", "--output", str(tmp_path / "new"),
+                     "--score-weight", "0.5", "--interaction-weight", "2", "--tool-weight", "7"]) == 0
+    after = [s.trajectory for s in RolloutStore(tmp_path / "new").iter_stored()]
+    assert [t.reward for t in after] == [0.5, 2.5, 0.5, 2.5]  # no tool calc_reward stored: its weight adds nothing
+    assert [t.reward_info["score"] for t in after] == [1.0] * 4
+
+
 def test_rescore_with_filters_writes_only_the_matching_trajectories(loose_answers, tmp_path):
     rescore_store(loose_answers, RolloutStore(tmp_path / "out"), "gsm8k_flexible", where=TrajectoryFilter(split="val"))
     assert [(s.split, s.trajectory.row_id) for s in RolloutStore(tmp_path / "out").iter_stored()] == [("val", "r0"), ("val", "r1")]
