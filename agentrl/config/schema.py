@@ -343,6 +343,10 @@ class TrainerConfig(Section):
     # have not answered a call the others finished) before the wait is a hang: an error naming the
     # call and the ranks, with their Python stacks. null: wait forever.
     collective_timeout_s: float | None = Field(600.0, gt=0)
+    # A worker lost mid-run (its process died, its node went, a collective timed out) ends the
+    # attempt; the run then starts every worker group again from its last checkpoint, at most this
+    # many times (0: the error ends the run). Steps after the checkpoint are done again.
+    max_restarts: int = Field(0, ge=0)
 
     def planned_steps(self, steps_per_epoch: int) -> int:
         """The steps this run takes: total_steps, capped at total_epochs passes over the data."""

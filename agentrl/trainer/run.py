@@ -39,10 +39,11 @@ from agentrl.data.prepare import prepare_data
 from agentrl.data.rollout_store import RolloutStore
 from agentrl.engines.guard import api_key_from_env
 from agentrl.engines.managed import ManagedServers, check_engine_config
-from agentrl.errors import CheckpointError
+from agentrl.errors import CheckpointError, WorkerDied
 from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
 from agentrl.tiny import resolve_model
 from agentrl.trainer import algorithms as algo
+from agentrl.trainer.startup import StartupClock
 from agentrl.trainer.checkpoint_io import read_json
 from agentrl.trainer.logging import MetricsLogger
 from agentrl.trainer.sft import run_sft_on_actor
@@ -66,8 +67,9 @@ def _seed_for(seed: int, step: int, purpose: str) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, *, log: MetricsLogger):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, *, log: MetricsLogger, startup: StartupClock | None = None):
         self.servers: ManagedServers | None = None
+        self.startup = startup or StartupClock()  # train() laps the validation before step 1 and reports it
         try:
             self._setup(cfg, run_dir, log)
         except BaseException:
@@ -81,22 +83,27 @@ class Trainer:
         from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, worker_env
 
         self.cfg, self.run, self.log = cfg, RunDir(run_dir), log
+        clock = self.startup
         self.model_path = str(resolve_model(cfg))
+        clock.lap("model")
         self.train_files, val_rows = prepare_data(cfg, self.run.data)
         self.dataset = RowDataset(
             self.train_files, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
         )
         self.val_rows = val_rows
+        clock.lap("data")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         require_exact_template(self.tokenizer, cfg, self.model_path)  # token drift stops the run here, before the workers
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        clock.lap("tokenizer")
 
         init_local_ray()
         from agentrl.trainer.nodes import check_nodes_can_write
 
         check_nodes_can_write([self.run.path, self.run.checkpoints])  # before any worker loads a model
+        clock.lap("ray")
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
@@ -107,6 +114,7 @@ class Trainer:
         # (engines/managed.py); the actor's rank 0 drives them through SGLangEngine
         if cfg.engine.backend == "sglang" and not cfg.engine.servers:
             self.servers = ManagedServers.from_config(cfg, self.model_path, log_dir=self.run.path / "servers").start()
+            clock.lap("servers")
         urls = tuple(self.servers.urls) if self.servers is not None else ()
         api_key = self.servers.api_key if self.servers is not None else api_key_from_env()
         setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights), server_urls=urls, api_key=api_key)
@@ -119,10 +127,12 @@ class Trainer:
             gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature,
             share_prompts=cfg.model.share_prompt_forward, **dist,
         )
+        clock.lap("actor_workers")
         self.start_step = 0
         resumed = cfg.trainer.resume is not None and self.run.latest_checkpoint() is not None
         if not resumed and cfg.sft.enable and (cfg.model.path is None or cfg.sft.train_files):
             self.warm_start_sft()
+            clock.lap("sft")
         self.policy_source = self.model_path
         if self.run.sft_policy.is_dir():
             self.policy_source = str(self.run.sft_policy)
@@ -132,6 +142,7 @@ class Trainer:
                 ReferenceWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="reference",
                 model_path=self.policy_source, temperature=cfg.rollout.temperature, share_prompts=cfg.model.share_prompt_forward, **dist,
             )
+            clock.lap("reference_workers")
         self.critic = None
         if cfg.critic.enable:
             self.critic = WorkerGroup(
@@ -139,6 +150,7 @@ class Trainer:
                 model_path=self.policy_source, config=cfg.critic, total_steps=max(1, self.total_steps),
                 share_prompts=cfg.model.share_prompt_forward, **dist,
             )
+            clock.lap("critic_workers")
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (
             algo.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else algo.FixedKLController(kl.kl_coef)
@@ -149,6 +161,7 @@ class Trainer:
         self.last_validation: list[Trajectory] = []
         if resumed:
             self.resume()
+            clock.lap("resume")
 
     # ------------------------------------------------------------------ phases
     def rollout(self, rows, *, step: int, validation: bool, draw: int = 0) -> list[Trajectory]:
@@ -298,22 +311,56 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> RunResult:
-    """The whole job: setup, (SFT warm start), validation, steps, checkpoints, export, summary."""
-    from tqdm.auto import tqdm
-
+    """The whole job: setup, (SFT warm start), validation, steps, checkpoints, export, summary. A
+    lost worker (``WorkerDied``, a collective timeout) restarts every group from the last
+    checkpoint, up to ``trainer.max_restarts`` times."""
     check_engine_config(cfg, training=True)
     started = time.perf_counter()
     run = make_run_dir(cfg)
     run.write_config(cfg)
     log = MetricsLogger(run.path, cfg.logging)
-    trainer = Trainer(cfg, run.path, log=log)
     summary: dict[str, Any] = {"algorithm": cfg.algorithm.adv_estimator, "run_dir": str(run.path)}
+    restarts = 0
+    try:
+        while True:
+            try:
+                trainer = _train_once(cfg, run, log, summary, restarted=restarts > 0)
+                break
+            except WorkerDied as exc:
+                checkpoint = run.latest_checkpoint()
+                if restarts >= cfg.trainer.max_restarts or checkpoint is None:
+                    raise
+                restarts += 1
+                log.console(f"agentrl train: {exc}\nrestart {restarts} of trainer.max_restarts={cfg.trainer.max_restarts}: "
+                            f"every worker group starts again from {checkpoint}")
+                cfg = cfg.model_copy(deep=True)
+                cfg.trainer.resume = str(run.path)
+    finally:
+        log.close()
+    summary.update(steps=cfg.trainer.total_steps, restarts=restarts, wall_s=round(time.perf_counter() - started, 1))
+    run.write_summary(summary)
+    run.write_report(trainer.last_validation[:6], summary, decode=trainer.tokenizer.decode)
+    return RunResult(run_dir=run.path, summary=summary)
+
+
+def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict[str, Any], *, restarted: bool) -> Trainer:
+    """One attempt: a Trainer from scratch (or from the run's last checkpoint), steps to the end,
+    final validation and export; closed whatever happens."""
+    from tqdm.auto import tqdm
+
+    trainer = Trainer(cfg, run.path, log=log, startup=StartupClock(count_process=not restarted))
     try:
         if cfg.trainer.val_before_train and trainer.start_step == 0:
             trainer.during("validation before step 1")
             before = trainer.validate(0)
             log.log(0, before)
             summary["heldout_success_before"] = before.get("val/success_rate")
+            trainer.startup.lap("validation_before")
+        log.console(trainer.startup.line())
+        if not restarted:  # the run's start-up; a restart's is on the console only
+            startup = trainer.startup.metrics()
+            log.log(trainer.start_step, startup)
+            summary.update(startup)
         bar = tqdm(range(trainer.start_step, cfg.trainer.total_steps), desc="RL", unit="step", disable=not cfg.logging.progress,
                    initial=trainer.start_step, total=cfg.trainer.total_steps)
         metrics: dict[str, float] = {}
@@ -337,11 +384,7 @@ def train(cfg: TrainConfig) -> RunResult:
             trainer.actor.call_all("export_hf", str(run.policy))
     finally:
         trainer.close()
-        log.close()
-    summary.update(steps=cfg.trainer.total_steps, wall_s=round(time.perf_counter() - started, 1))
-    run.write_summary(summary)
-    run.write_report(trainer.last_validation[:6], summary, decode=trainer.tokenizer.decode)
-    return RunResult(run_dir=run.path, summary=summary)
+    return trainer
 
 
 def cli_main(argv: list[str]) -> int:

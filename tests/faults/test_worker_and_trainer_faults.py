@@ -138,27 +138,44 @@ def _descendants_named(root: int, prefix: str) -> list[int]:
     return found
 
 
+def _kill_the_actor_worker_after(victim: subprocess.Popen, checkpoint: Path, log: Path, *, not_pid: int | None = None) -> int:
+    """SIGKILL the run's one actor worker (not ``not_pid``, a worker already killed) once
+    ``checkpoint`` is written; returns its pid."""
+    deadline = time.monotonic() + 400
+    while True:
+        assert victim.poll() is None, tail(log)
+        assert time.monotonic() < deadline, f"no {checkpoint.name} checkpoint with a live actor worker in 400 s"
+        workers = [pid for pid in _descendants_named(victim.pid, "ray::ActorWorker") if pid != not_pid]
+        if (checkpoint / "trainer_state.json").is_file() and workers:
+            assert len(workers) == 1, workers  # actor.world_size=1
+            os.kill(workers[0], signal.SIGKILL)
+            return workers[0]
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(600)
-def test_a_training_worker_killed_mid_run_is_an_error_naming_the_step(tmp_path):
-    """The real actor worker gets SIGKILL after step 1: the run ends (no hang) with an error that
-    says which step was running, which group lost a worker, and keeps step 1's checkpoint."""
+def test_a_training_worker_killed_mid_run_restarts_the_groups_then_ends_the_run_naming_the_step(tmp_path):
+    """The real actor worker gets SIGKILL after step 1 with trainer.max_restarts=1: the error names
+    the step and the group, every group starts again from step 1's checkpoint and the run goes
+    on; the restarted worker killed after step 2 ends the run (no hang, no restart left) with an
+    error naming the step, and the checkpoints stay."""
     run_dir, log = tmp_path / "lost", tmp_path / "lost.txt"
-    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=lost"], tmp_path, log, start_new_session=True)
+    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=lost", "trainer.max_restarts=1"], tmp_path, log,
+                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 500
-        while not (run_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file():
-            assert victim.poll() is None, tail(log)
-            assert time.monotonic() < deadline, "the run to be killed wrote no step_1 checkpoint in 500 s"
-            time.sleep(0.1)
-        workers = _descendants_named(victim.pid, "ray::ActorWorker")
-        assert len(workers) == 1, workers  # actor.world_size=1
-        os.kill(workers[0], signal.SIGKILL)
+        first = _kill_the_actor_worker_after(victim, run_dir / "checkpoints" / "step_1", log)
+        _kill_the_actor_worker_after(victim, run_dir / "checkpoints" / "step_2", log, not_pid=first)
         victim.wait(timeout=120)
     finally:
         if victim.poll() is None:
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
-    assert victim.returncode != 0
-    # step 2 is running when the worker dies (or step 3, on a machine fast enough to finish step 2 first)
-    assert re.search(r"step [23] of 3: a worker of the actor group died", log.read_text()), tail(log)
-    assert (run_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file()
+    output = log.read_text()
+    assert victim.returncode != 0, tail(log)
+    # the first loss: named, then the restart from step 1's checkpoint
+    assert re.search(r"step [23] of 3: a worker of the actor group died", output), tail(log)
+    assert f"restart 1 of trainer.max_restarts=1: every worker group starts again from {run_dir / 'checkpoints' / 'step_1'}" in output
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_1'} at step 1" in output
+    # the second loss ends the run (step 3 running, or its final validation on a fast machine)
+    assert re.search(r"(step 3 of 3|final validation after step 3): a worker of the actor group died", output.split("restart 1 of")[1]), tail(log)
+    assert {p.name for p in (run_dir / "checkpoints").iterdir()} >= {"step_1", "step_2"}

@@ -68,6 +68,23 @@ def test_shortened_quickstart_writes_the_run_directory(short_run):
     assert '<div class="turn sampled"><div class="role">assistant · tokens [0, ' in report  # the replay report's renderer
 
 
+def test_the_run_reports_where_its_start_up_went(short_run):
+    """Each phase before step 1, in metrics.jsonl (step 0), the summary and the report."""
+    summary = json.loads((short_run / "summary.json").read_text())
+    startup = {k: v for k, v in summary.items() if k.startswith("startup/")}
+    phases = ("imports_and_config", "model", "data", "tokenizer", "ray", "actor_workers", "sft", "reference_workers",
+              "validation_before")
+    assert list(startup) == [f"startup/{p}_s" for p in phases] + ["startup/total_s"]  # in the order they ran
+    assert all(startup[f"startup/{p}_s"] > 0 for p in ("imports_and_config", "ray", "actor_workers", "sft"))
+    assert startup["startup/total_s"] == pytest.approx(sum(v for k, v in startup.items() if k != "startup/total_s"), abs=0.01)
+    # after the process started, train() timed the rest: its wall time holds every phase but the first
+    assert startup["startup/total_s"] - startup["startup/imports_and_config_s"] < summary["wall_s"]
+    rows = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
+    [logged] = [r for r in rows if "startup/total_s" in r]
+    assert logged["step"] == 0 and {k: v for k, v in logged.items() if k != "step"} == startup
+    assert "startup/actor_workers_s" in (short_run / "report.html").read_text()
+
+
 def test_the_runs_rollout_store_holds_every_step_with_its_rows(short_run):
     from agentrl.data.rollout_store import RolloutStore, TrajectoryFilter
 
