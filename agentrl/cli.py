@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 
 from agentrl.errors import AgentrlError, NotAvailable
@@ -113,6 +114,9 @@ def bench_main(argv: list[str]) -> int:
     return int(_resolve(BENCHMARKS[argv[0]])(argv[1:]) or 0)
 
 
+QUIET_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -127,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"agentrl: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    # one progress display, agentrl's own: transformers' and the hub's bars (weight loading, shard
+    # writing) stay off here and in the workers (worker_env), unless the environment says otherwise
+    os.environ.setdefault(QUIET_BARS, "1")
     try:
         if command in CONFIG_COMMANDS and ({"-h", "--help", "--cfg"} & set(rest)):
             from agentrl.config.help import config_command_main

@@ -61,7 +61,8 @@ class MetricsLogger:
         if sft_step is None or int(sft_step) % SFT_CONSOLE_EVERY == 0 or "sft/heldout_greedy_success" in metrics:
             keys = [*CONSOLE_KEYS, *sorted(k for k in metrics if k.startswith("tool/") and k.endswith("/calls"))]
             shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-            self.console(f"[step {step}] {shown}")
+            if shown:  # a record with none of the console's keys (e.g. start-up) is in metrics.jsonl only
+                self.console(f"[step {step}] {shown}")
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:
             for key, value in numeric.items():

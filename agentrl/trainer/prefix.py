@@ -22,6 +22,8 @@ no group ids and is exact by construction.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from agentrl.trainer import packed
@@ -85,7 +87,7 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
     no outputs yielded: their backward adds zero gradient), so every rank makes the same calls."""
     lengths = _response_lengths(batch)
     # transformers returns no K/V from a checkpointed model in training: prompts cannot be shared
-    checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
+    checkpointed = model.training and activation_checkpointing(model)
     if share_prompts and batch.prompt_length > 0 and not checkpointed:
         first, inverse = distinct_prompts(batch)
     else:
@@ -216,3 +218,12 @@ def _response_lengths(batch: TrainBatch) -> torch.Tensor:
     real = batch.response_attention_mask.bool()
     columns = torch.arange(1, batch.response_length + 1, device=real.device)
     return (real * columns).amax(dim=1).clamp(min=1).cpu()
+
+
+def activation_checkpointing(model: Any) -> bool:
+    """Whether the model recomputes activations in backward (transformers 5.x names it
+    ``is_activation_checkpointing``; ``is_gradient_checkpointing``, older, now warns)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False

@@ -176,8 +176,9 @@ class ActorWorker(_Worker):
         self.model_path = model_path
         self.lora = config.lora if config.lora.rank > 0 else None
         self.model = self._load_causal_lm(model_path, self.lora)
-        if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        if gradient_checkpointing:  # transformers 5.x: activation_checkpointing_enable (the old name warns)
+            enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            enable()
         # with LoRA only the adapters require grad: the optimizer holds state for them alone
         self.optimizer = build_optimizer(trainable_parameters(self.model), config.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps)
@@ -794,7 +795,10 @@ def _rendezvous() -> tuple[str, int]:
 def worker_env(threads: int) -> dict[str, str]:
     # RAY_AUTH_MODE must match the cluster's: workers take the driver's (see init_local_ray)
     keep = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "AGENTRL_CACHE", "HF_HOME", "RAY_AUTH_MODE")}
-    return {**keep, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    # transformers' weight-loading and shard-writing bars off in workers (their output reaches the
+    # driver's console through Ray), unless the driver's environment sets it
+    quiet = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return {**keep, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": quiet}
 
 
 def init_local_ray() -> bool:
