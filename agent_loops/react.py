@@ -64,7 +64,7 @@ class ReactLoop(AgentLoop):
         continue_turn = False
         while True:
             turn, result, text = await episode.generate(stop_token_ids=stops, continue_turn=continue_turn)
-            turn_index = len(episode.builder.turns) - 1
+            turn_index = episode.turn_index
             message["content"] += text
             segment += text
             if result.finish_reason is FinishReason.LENGTH:

@@ -15,5 +15,5 @@ class SingleTurnLoop(AgentLoop):
 
     async def play(self, episode: Episode) -> TrajectoryFinish:
         _, result, text = await episode.generate()
-        episode.messages.append({"role": "assistant", "content": text})
+        episode.add_assistant_message(text)
         return TrajectoryFinish.LENGTH if result.finish_reason is FinishReason.LENGTH else TrajectoryFinish.STOP

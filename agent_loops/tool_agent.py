@@ -18,12 +18,10 @@ class ToolAgentLoop(AgentLoop):
     async def play(self, episode: Episode) -> TrajectoryFinish:
         while True:  # the episode ends it when a turn limit is reached
             turn, result, text = await episode.generate()
-            turn_index = len(episode.builder.turns) - 1
+            turn_index = episode.turn_index
             parsed = episode.parser.parse(text)
-            message = {"role": "assistant", "content": parsed.content}
-            if parsed.calls:
-                message["tool_calls"] = [call.as_message_call() for call in parsed.calls]
-            episode.messages.append(message)
+            calls = {"tool_calls": [call.as_message_call() for call in parsed.calls]} if parsed.calls else {}
+            episode.add_assistant_message(parsed.content, **calls)
             if result.finish_reason is FinishReason.LENGTH:
                 return TrajectoryFinish.LENGTH
             if parsed.calls:

@@ -83,17 +83,10 @@ def test_train_refuses_an_engine_setting_it_cannot_honour_before_any_work(tmp_pa
 
 
 def test_the_wheel_carries_the_typing_marker_and_the_configs(tmp_path):
-    import shutil
     import zipfile
 
-    source = tmp_path / "src"  # a copy: the build leaves build/ and *.egg-info where it runs
-    source.mkdir()
-    for name in ["pyproject.toml", "README.md"]:
-        shutil.copy(REPO / name, source / name)
-    for folder in ["agentrl", *SETUPTOOLS["package-dir"].values()]:
-        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(source)],
-                   capture_output=True, text=True, check=True, timeout=300)
-    [wheel] = tmp_path.glob("agentrl-*.whl")
+    from wheels import agentrl_wheel
+
+    wheel = agentrl_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"agentrl/py.typed", "agentrl_configs/train.yaml", "agentrl_configs/engine/sglang.yaml"} <= names

@@ -124,6 +124,19 @@ class Episode:
         return self.counts["user_turns"]
 
     @property
+    def turn_index(self) -> int:
+        """The index of the latest turn in the trajectory's ``turns`` (assistant and observation
+        turns alike; -1 before the first): what ``call_tools`` and a per-turn reward refer to."""
+        return len(self.builder.turns) - 1
+
+    def add_assistant_message(self, content: str, **fields: Any) -> dict[str, Any]:
+        """Record what the model said in the conversation (``messages``; its tokens are already
+        in the trajectory from ``generate``); extra fields such as ``tool_calls`` go with it."""
+        message = {"role": "assistant", "content": content, **fields}
+        self.messages.append(message)
+        return message
+
+    @property
     def tokens_left(self) -> int:
         """What ``max_response_tokens`` leaves for the rest of the response."""
         return self.ctx.limits.max_response_tokens - len(self.builder)
