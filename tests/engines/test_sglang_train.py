@@ -128,7 +128,6 @@ def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_an
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *overrides, "trainer.total_steps=4",
                            f"trainer.resume={run.path}"], capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in rows if r.get("step") == 4 and "logprob_mismatch/max" in r]
     assert resumed and resumed[-1]["logprob_mismatch/max"] < MISMATCH_TOLERANCE, resumed
