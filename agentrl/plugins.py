@@ -97,6 +97,7 @@ class PluginRegistry:
         # prefer: {group: {plugin name: distribution that wins}}; groups may be short ("tools").
         self._prefer = {_group_name(g): dict(v) for g, v in (prefer or {}).items()}
         self._loaded: dict[tuple[str, str], Any] = {}
+        self._import_problems: dict[tuple[str, str], str | None] = {}
 
     @property
     def prefer(self) -> dict[str, dict[str, str]]:
@@ -142,6 +143,21 @@ class PluginRegistry:
         if key not in self._loaded:
             self._loaded[key] = _import_target(spec)
         return self._loaded[key]
+
+    def import_problem(self, group: str, name: str) -> str | None:
+        """Why an installed plugin cannot be imported, or None when it imports (or is not
+        installed: naming unknown plugins is the caller's membership check). Failures are
+        remembered, so the data checks can ask once per row and import each plugin once."""
+        key = (_group_name(group), name)
+        if key not in self._import_problems:
+            problem, canonical = None, self.canonical(group, name)
+            if canonical in self.names(group):
+                try:
+                    self.load(group, canonical)
+                except PluginError as exc:
+                    problem = str(exc)
+            self._import_problems[key] = problem
+        return self._import_problems[key]
 
     def check(self) -> list[tuple[PluginSpec, str | None]]:
         """Try to import every plugin; returns (spec, error message or None) for each."""

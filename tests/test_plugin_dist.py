@@ -5,7 +5,7 @@ unpacked on a temporary path - its modules next to a ``myplugin-0.1.dist-info`` 
 its ``pyproject.toml``, the layout pip leaves in site-packages - and never imported by hand:
 everything below finds it through ``importlib.metadata``, in this process, in subprocesses
 (the CLI) and in a Ray actor. It adds a tool, an interaction and an agent loop, a tool that
-fails, a tool whose name collides with a built-in, and a reward whose module cannot be imported.
+fails, a tool whose name collides with a built-in, and a tool and a reward whose module cannot be imported.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from agentrl.plugins import PluginRegistry
 
 FIXTURE = Path(__file__).parent / "fixtures" / "plugin_dist"
 MINE = {
-    ("agentrl.tools", "shout"), ("agentrl.tools", "explode"), ("agentrl.tools", "calculator"),
+    ("agentrl.tools", "shout"), ("agentrl.tools", "explode"), ("agentrl.tools", "calculator"), ("agentrl.tools", "telescope"),
     ("agentrl.interactions", "always_right"), ("agentrl.agent_loops", "one_shot"), ("agentrl.rewards", "broken"),
     ("agentrl.data_source_rewards", "myplugin/shouting"),
 }
@@ -96,7 +96,7 @@ def test_plugins_list_check_flags_only_the_broken_plugin(dist_path):
     out = agentrl(dist_path, "plugins", "list", "--json", "--check")
     assert out.returncode == 1  # something is broken
     broken = {(r["group"], r["name"], r["distribution"]): r["error"] for r in json.loads(out.stdout) if r["error"] is not None}
-    assert list(broken) == [("agentrl.rewards", "broken", "myplugin")]
+    assert sorted(broken) == [("agentrl.rewards", "broken", "myplugin"), ("agentrl.tools", "telescope", "myplugin")]
     assert "entry point broken = myplugin_broken:compute_score, distribution myplugin" in broken[("agentrl.rewards", "broken", "myplugin")]
 
 
@@ -269,3 +269,23 @@ def test_a_configured_plugin_that_fails_to_import_stops_the_command_before_any_d
             "myplugin_broken:compute_score, distribution myplugin) failed to load: ImportError: "
             "this plugin is broken on purpose") in done.stderr
     assert not runs.exists()  # refused while reading the config: no run directory, no data, no model
+
+
+def test_a_row_naming_a_tool_that_fails_to_import_is_named_before_any_model_is_loaded(site, tmp_path):
+    """Installed is not enough: each plugin a row names is imported while the data is checked."""
+    from agentrl.data.io import write_rows
+
+    rows = [{"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], "extra_info": {"tools_kwargs": tools}}
+            for tools in ({"shout": {}}, {"telescope": {}}, {"telescope": {}})]
+    data = write_rows(rows, tmp_path / "rows.parquet")
+    expected = (f"file {data}, row 1, field extra_info.tools_kwargs.telescope: tool 'telescope' cannot be loaded: "
+                "plugin 'telescope' in group agentrl.tools (entry point telescope = myplugin_broken:Telescope, "
+                "distribution myplugin) failed to load: ImportError: this plugin is broken on purpose")
+    validate = agentrl(site, "data", "validate", str(data))
+    assert validate.returncode == 1
+    assert validate.stdout.splitlines()[0] == expected
+    assert "row 0" not in validate.stdout and f"file {data}, row 2, field extra_info.tools_kwargs.telescope" in validate.stdout
+    rollout = agentrl(site, "rollout", f"data.train_files=[{data}]", f"trainer.runs_root={tmp_path / 'runs'}")
+    assert rollout.returncode != 0
+    assert expected in rollout.stderr
+    assert list((tmp_path / "runs").rglob("*.jsonl")) == []  # stopped before the engine: no trajectory written

@@ -61,22 +61,15 @@ def check_agent_names(names: Iterable[str | None], registry: PluginRegistry | No
 
 
 def check_row_plugins(row: Row, registry: PluginRegistry | None = None) -> list[tuple[str, str]]:
-    """``(field, problem)`` for each plugin a row names that is not installed: its agent loop,
-    its tools (the keys of ``extra_info.tools_kwargs``) and its interaction. Nothing is imported."""
+    """``(field, problem)`` for each plugin a row names that is not installed or fails to import:
+    its agent loop, its tools (the keys of ``extra_info.tools_kwargs``) and its interaction."""
+    from agentrl.data.dataset import row_plugin_problems  # pyarrow: only where rows are checked
+
     registry = registry or PluginRegistry()
-    problems = []
-    if row.agent_name:
-        problems += [("agent_name", p) for p in check_agent_names([row.agent_name], registry)]
-    tools = set(registry.names("tools"))
-    for name in row.extra_info.tools_kwargs:
-        if name not in tools:
-            problems.append((f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools))})"))
-    interaction = row.extra_info.interaction_kwargs
-    if interaction is not None and interaction.name is not None and interaction.name not in (known := set(registry.names("interactions"))):
-        problems.append(
-            ("extra_info.interaction_kwargs.name", f"unknown interaction {interaction.name!r} (known: {', '.join(sorted(known))})")
-        )
-    return problems
+    return list(row_plugin_problems(
+        row, registry.accepted_names("agent_loops"), registry.names("tools"), registry.names("interactions"),
+        registry.import_problem,
+    ))
 
 
 class RewardTable:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -35,7 +35,7 @@ from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
 from agentrl.data.row import Row
 from agentrl.errors import DataError
 
-__all__ = ["MAX_REPORTED", "row_uid", "file_tags", "parse_row", "validate_files", "RowDataset", "rows_from_dicts"]
+__all__ = ["MAX_REPORTED", "row_uid", "file_tags", "parse_row", "row_plugin_problems", "validate_files", "RowDataset", "rows_from_dicts"]
 
 MAX_REPORTED = 50
 CACHE_BYTES = 256 << 20
@@ -78,13 +78,16 @@ def validate_files(
     default_agent: str | None = None,
     known_tools: Collection[str] | None = None,
     known_interactions: Collection[str] | None = None,
+    import_problem: Callable[[str, str], str | None] | None = None,
     max_reported: int = MAX_REPORTED,
 ) -> list[DataError]:
     """Every problem in ``paths``, in file and row order: missing or unreadable files, rows that
     fail validation, and (for each ``known_*`` given) rows naming a plugin that is not among
     them: an ``agent_name`` (or, for rows without one, ``default_agent``), a tool (the keys of
     ``extra_info.tools_kwargs``) or an interaction (``extra_info.interaction_kwargs.name``).
-    At most ``max_reported`` problems are listed; one more entry then says how many were left
+    ``import_problem(group, name)`` (``PluginRegistry.import_problem``), when given, is asked
+    about each plugin a row names, so one that is installed but fails to import is reported at
+    the first row naming it, before any model is loaded. At most ``max_reported`` problems are listed; one more entry then says how many were left
     out."""
     found = _Problems(max_reported)
     known = set(known_agent_names) if known_agent_names is not None else None
@@ -103,9 +106,7 @@ def validate_files(
                 if row.agent_name is None:
                     first_defaulted = first_defaulted or (path, index)
                     defaulted += 1
-                elif known is not None and row.agent_name not in known:
-                    found.add(DataError(f"unknown agent_name {row.agent_name!r} (known: {known_text})", file=path, row=index, field="agent_name"))
-                for field, problem in _unknown_plugins(row, known_tools, known_interactions):
+                for field, problem in row_plugin_problems(row, known, known_tools, known_interactions, import_problem):
                     found.add(DataError(problem, file=path, row=index, field=field))
         except DataError as err:
             found.add(err)
@@ -118,16 +119,29 @@ def validate_files(
     return found.report()
 
 
-def _unknown_plugins(
-    row: Row, tools: Collection[str] | None, interactions: Collection[str] | None
+def row_plugin_problems(
+    row: Row,
+    loops: Collection[str] | None,
+    tools: Collection[str] | None,
+    interactions: Collection[str] | None,
+    import_problem: Callable[[str, str], str | None] | None = None,
 ) -> Iterator[tuple[str, str]]:
-    if tools is not None:
-        for name in row.extra_info.tools_kwargs:
-            if name not in tools:
-                yield f"extra_info.tools_kwargs.{name}", f"unknown tool {name!r} (known tools: {', '.join(sorted(tools)) or 'none'})"
+    """``(field, problem)`` for each plugin the row names that is not among the known names of
+    its kind (a kind whose names are None is not checked) or, asked through ``import_problem``,
+    fails to import: its ``agent_name``, its tools (the keys of ``extra_info.tools_kwargs``) and
+    its interaction."""
+    named = []
+    if row.agent_name is not None:
+        named.append(("agent_name", "agent_loops", "agent_name", row.agent_name, loops))
+    named += [(f"extra_info.tools_kwargs.{name}", "tools", "tool", name, tools) for name in row.extra_info.tools_kwargs]
     spec = row.extra_info.interaction_kwargs
-    if interactions is not None and spec is not None and spec.name is not None and spec.name not in interactions:
-        yield "extra_info.interaction_kwargs.name", f"unknown interaction {spec.name!r} (known: {', '.join(sorted(interactions)) or 'none'})"
+    if spec is not None and spec.name is not None:
+        named.append(("extra_info.interaction_kwargs.name", "interactions", "interaction", spec.name, interactions))
+    for field, group, kind, name, known in named:
+        if known is not None and name not in known:
+            yield field, f"unknown {kind} {name!r} (known: {', '.join(sorted(known)) or 'none'})"
+        elif import_problem is not None and (problem := import_problem(group, name)) is not None:
+            yield field, f"{kind} {name!r} cannot be loaded: {problem}"
 
 
 class _Problems:

@@ -45,6 +45,7 @@ def prepare_data(cfg: "TrainConfig", data_dir: Path) -> tuple[list[str], list[tu
         files + val_files, known_agent_names=registry.accepted_names("agent_loops"), default_agent=cfg.agent.default_loop,
         known_tools=set(registry.names("tools")) | set(yaml_tools),
         known_interactions=set(registry.names("interactions")) | set(yaml_interactions),
+        import_problem=registry.import_problem,  # a plugin that fails to import stops the run here, not at its first row
     )
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)

@@ -330,4 +330,4 @@ def test_row_plugin_check_names_each_unknown_plugin_and_its_field():
     row = make_row(agent="planner", tools_kwargs={"calculator": {}, "telescope": {}}, interaction_kwargs={"name": "oracle"})
     fields = [field for field, _ in check_row_plugins(row)]
     assert fields == ["agent_name", "extra_info.tools_kwargs.telescope", "extra_info.interaction_kwargs.name"]
-    assert check_row_plugins(row)[1][1].startswith("unknown tool 'telescope' (known tools: ")
+    assert check_row_plugins(row)[1][1].startswith("unknown tool 'telescope' (known: ")

@@ -297,7 +297,7 @@ def test_rows_naming_tools_or_interactions_that_are_not_known_are_reported_with_
     assert validate_files([path]) == []  # nothing known given: nothing checked
     problems = validate_files([path], known_tools={"calculator"}, known_interactions={"gsm8k"})
     assert [(p.row, p.field) for p in problems] == [(1, "extra_info.tools_kwargs.telescope"), (2, "extra_info.interaction_kwargs.name")]
-    assert str(problems[0]).endswith("unknown tool 'telescope' (known tools: calculator)")
+    assert str(problems[0]).endswith("unknown tool 'telescope' (known: calculator)")
     assert str(problems[1]).endswith("unknown interaction 'oracle' (known: gsm8k)")
 
 
