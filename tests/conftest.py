@@ -14,6 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 
+from ci_skips import pytest_runtest_makereport  # noqa: E402,F401  (a hook: in CI a skip is a failure)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
@@ -28,22 +30,6 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """In CI (``CI=true``) a skipped real-SGLang test (marker ``sglang``) or real-GSM8K test (marker
-    ``gsm8k``) is a failure with the skip's reason: CI builds the SGLang CPU environment and is
-    given the GSM8K file, so a skip there means the build or the environment broke. On a developer
-    machine the skip stays a skip, its reason printed."""
-    outcome = yield
-    report = outcome.get_result()
-    needs = [m for m in ("sglang", "gsm8k") if item.get_closest_marker(m) is not None]
-    if report.skipped and needs and os.environ.get("CI", "").lower() == "true":
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        report.outcome = "failed"
-        what = "real-SGLang" if "sglang" in needs else "real-GSM8K"
-        report.longrepr = f"{what} test skipped in CI (CI=true), which is a failure: {reason}"
 
 
 def _module_weight(item) -> int:

@@ -13,7 +13,7 @@ from agentrl.trainer.batch import collate_sequences
 from agentrl.trainer.dist import free_port
 from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
 
-pytest.importorskip("peft", reason="the lora extra (peft) is part of the test extra")
+import peft  # noqa: E402,F401  (the lora extra is part of the test extra: missing, the module errors, never skips)
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
