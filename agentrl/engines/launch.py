@@ -24,6 +24,7 @@ file with the key replaced by ``<api-key>`` (SGLang prints its arguments at star
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -136,8 +137,9 @@ class ServerProcess:
 class LaunchedServers:
     """The servers of one launch; a context manager that stops them all."""
 
-    def __init__(self, servers: list[ServerProcess]):
+    def __init__(self, servers: list[ServerProcess], temp_log_dir: Path | None = None):
         self.servers = servers
+        self.temp_log_dir = temp_log_dir  # made by launch_servers (no log_dir given): removed by stop()
 
     @property
     def urls(self) -> list[str]:
@@ -152,6 +154,9 @@ class LaunchedServers:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
+        if self.temp_log_dir is not None:  # the caller asked for no logs; a failed start keeps them (its error names them)
+            shutil.rmtree(self.temp_log_dir, ignore_errors=True)
+            self.temp_log_dir = None
 
     def __enter__(self) -> "LaunchedServers":
         return self
@@ -188,7 +193,7 @@ def launch_servers(specs: Sequence[ServerSpec], *, ready_timeout_s: float = 600.
         for server in started:
             server.stop(grace_s=2.0)
         raise
-    return LaunchedServers(started)
+    return LaunchedServers(started, temp_log_dir=None if log_dir else log_root)
 
 
 def _copy_redacted(stream, log_path: Path, secret: str | None) -> None:

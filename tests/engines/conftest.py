@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.engines.guard import new_api_key
-from agentrl.engines.launch import ServerProcess, launch_servers, serve_specs
+from agentrl.engines.launch import LaunchedServers, ServerProcess, launch_servers, serve_specs
 from enginetest import build_qwen2
 
 
@@ -36,18 +36,17 @@ def serve_factory(model_dir):
     """Start `agentrl serve` subprocesses (in parallel) on free ports, or on given ports to restart
     one; every server started is stopped at teardown. They share one API key (a restarted server
     takes its clients' key)."""
-    started: list[ServerProcess] = []
+    launches: list[LaunchedServers] = []
     key = new_api_key()
 
     def start(count: int = 1, *, ports: list[int] | None = None, extra: tuple[str, ...] = ()) -> list[ServerProcess]:
         specs = serve_specs(model_dir, num_servers=count, ports=ports, extra_args=extra, api_key=key)
-        servers = launch_servers(specs, ready_timeout_s=120).servers
-        started.extend(servers)
-        return servers
+        launches.append(launch_servers(specs, ready_timeout_s=120))
+        return launches[-1].servers
 
     yield start
-    for server in started:
-        server.stop(grace_s=2.0)
+    for launched in launches:
+        launched.stop()  # the servers, and the temp dir of their logs
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 import agentrl.engines as engines
 from agentrl.engines.base import GenerateRequest, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
-from agentrl.engines.launch import ServerSpec, launch_servers, sglang_specs
+from agentrl.engines.launch import ServerSpec, free_port, launch_servers, sglang_specs
 from agentrl.engines.serve import BadRequest, build_app, parse_generate
 from agentrl.engines.weights import copy_weights_into, read_checkpoint
 from agentrl.errors import EngineUnavailable
@@ -139,6 +139,28 @@ def test_a_server_that_dies_during_start_up_is_reported_with_its_log(tmp_path):
     with pytest.raises(EngineUnavailable) as info:
         launch_servers([spec], ready_timeout_s=30, log_dir=tmp_path)
     assert "exited with 3 during start-up" in str(info.value) and "bad flag --foo" in str(info.value)
+
+
+HEALTHY_SERVER = """
+import http.server, sys
+class Healthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Healthy).serve_forever()
+"""
+
+
+def test_servers_launched_without_a_log_dir_keep_their_logs_in_a_temp_dir_that_stop_removes(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    port = free_port()
+    launched = launch_servers([ServerSpec([sys.executable, "-c", HEALTHY_SERVER, str(port)], port=port)], ready_timeout_s=30)
+    [log_dir] = tmp_path.glob("agentrl-servers-*")
+    assert (log_dir / f"server-{port}.log").is_file()
+    launched.stop()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_agentrl_serve_help_runs_without_a_model():
