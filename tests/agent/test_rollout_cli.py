@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from agent_helpers import CALL_12x34, make_row
 
 from agentrl.data.rollout_store import RolloutStore
@@ -78,9 +80,10 @@ def test_rollout_where_every_trajectory_fails_exits_1_with_the_first_error_in_fu
     assert len(list(RolloutStore(tmp_path / "r" / "rollouts").iter_stored())) == 3  # nothing lost
 
 
-def test_rollout_stops_at_startup_when_the_chat_template_cannot_show_tool_results(tmp_path, tiny_model_dir):
-    """The check-template check runs before any engine is built (here: gemma2's real template on
-    the tiny tokenizer, which lacks gemma's end-of-turn token)."""
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_rollout_and_train_stop_at_startup_when_the_chat_template_cannot_show_tool_results(tmp_path, tiny_model_dir, command):
+    """The check-template check runs before any engine or worker is built (here: gemma2's real
+    template on the tiny tokenizer, which lacks gemma's end-of-turn token)."""
     import shutil
 
     from family_fixtures import family_template
@@ -92,7 +95,7 @@ def test_rollout_stops_at_startup_when_the_chat_template_cannot_show_tool_result
     tok.chat_template = family_template("gemma2")
     tok.save_pretrained(model)
     done = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "rollout", f"model.path={model}", "agent=tool_agent", "data.task_train_size=2",
+        [sys.executable, "-m", "agentrl.cli", command, f"model.path={model}", "agent=tool_agent", "data.task_train_size=8",
          f"trainer.runs_root={tmp_path}", "trainer.run_name=r", "logging.progress=false"],
         capture_output=True, text=True, timeout=300,
     )
@@ -100,3 +103,4 @@ def test_rollout_stops_at_startup_when_the_chat_template_cannot_show_tool_result
     assert "model.path: the chat template check failed (agentrl check-template" in done.stderr
     assert "which does not start with an added token: generation needs an end-of-turn token to stop at" in done.stderr
     assert not (tmp_path / "r" / "rollouts").exists()  # stopped before generating anything
+    assert not (tmp_path / "r" / "sft_policy").exists() and "start-up" not in done.stderr  # before SFT, Ray and the workers
