@@ -226,6 +226,8 @@ class AlgorithmConfig(Section):
 
 
 class OptimConfig(Section):
+    # verl's optim.optimizer; SGD (no momentum): a step is exactly -lr * gradient (the parity tests use it)
+    optimizer: Literal["AdamW", "SGD"] = "AdamW"
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -247,7 +249,8 @@ class LoraConfig(Section):
     rank: int = Field(0, ge=0)  # 0: off (full fine-tuning)
     alpha: float = Field(16.0, gt=0)  # scaling alpha / rank
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # module names to adapt
+    # module names to adapt; [all-linear]: every linear layer but the output head (peft's, verl's default)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 class ActorConfig(Section):

@@ -161,6 +161,11 @@ def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if isinstance(optimizer, torch.optim.SGD) and all(group.get("momentum", 0) == 0 for group in optimizer.param_groups):
+        # plain SGD keeps no state (torch's loader refuses an empty one); its learning rate is the
+        # schedule's, which the caller restores. Decided from the optimizer, so every rank agrees.
+        return
+
     set_optimizer_state_dict(
         model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )

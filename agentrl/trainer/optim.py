@@ -16,7 +16,9 @@ from agentrl.config.schema import OptimConfig
 __all__ = ["build_optimizer", "build_lr_scheduler", "lr_factor"]
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "SGD":
+        return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
     # The fused kernel: on CPU it is several times faster than the default per-parameter loop
     # and the multi-tensor (foreach) form (see docs/benchmarks.md).
     return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=True)

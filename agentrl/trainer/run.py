@@ -121,36 +121,41 @@ class Trainer:
         self.weight_version = 0  # the engine's weights: the version of the last sync
         # trainer.total_epochs caps the run; written back so every later reader (LR schedule, loop, summary) agrees
         self.total_steps = cfg.trainer.total_steps = cfg.trainer.planned_steps(len(self.dataset))
+        self.start_step = 0
+        resumed = cfg.trainer.resume is not None and self.run.latest_checkpoint() is not None
+        warm_start = not resumed and cfg.sft.enable and (cfg.model.path is None or cfg.sft.train_files)
         self.actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
             gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature,
-            share_prompts=cfg.model.share_prompt_forward, **dist,
+            share_prompts=cfg.model.share_prompt_forward, wait=False, **dist,
         )
-        clock.lap("actor_workers")
-        self.start_step = 0
-        resumed = cfg.trainer.resume is not None and self.run.latest_checkpoint() is not None
-        if not resumed and cfg.sft.enable and (cfg.model.path is None or cfg.sft.train_files):
+        if warm_start:  # the reference and critic start from the SFT policy: after it
+            self.actor.wait_ready()
+            clock.lap("actor_workers")
             self.warm_start_sft()
             clock.lap("sft")
-        self.policy_source = self.model_path
-        if self.run.sft_policy.is_dir():
-            self.policy_source = str(self.run.sft_policy)
+        self.policy_source = str(self.run.sft_policy) if self.run.sft_policy.is_dir() else self.model_path
+        # the other groups load their models while the actor loads its own (no SFT in between)
         self.reference = None
         if cfg.use_reference:
             self.reference = WorkerGroup(
                 ReferenceWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="reference",
-                model_path=self.policy_source, temperature=cfg.rollout.temperature, share_prompts=cfg.model.share_prompt_forward, **dist,
+                model_path=self.policy_source, temperature=cfg.rollout.temperature, share_prompts=cfg.model.share_prompt_forward,
+                wait=False, **dist,
             )
-            clock.lap("reference_workers")
         self.critic = None
         if cfg.critic.enable:
             self.critic = WorkerGroup(
                 CriticWorker, world_size=cfg.critic.world_size, num_cpus=0.01, env=env, name="critic",
                 model_path=self.policy_source, config=cfg.critic, total_steps=max(1, self.total_steps),
-                share_prompts=cfg.model.share_prompt_forward, **dist,
+                share_prompts=cfg.model.share_prompt_forward, wait=False, **dist,
             )
-            clock.lap("critic_workers")
+        starting = [g for g in (self.actor, self.reference, self.critic) if g is not None and g.starting]
+        for group in starting:
+            group.wait_ready()
+        if starting:  # e.g. "actor_reference_workers": the groups that started together
+            clock.lap("_".join(g.name for g in starting) + "_workers")
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (
             algo.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else algo.FixedKLController(kl.kl_coef)
@@ -294,7 +299,7 @@ class Trainer:
 
         actor = getattr(self, "actor", None)
         try:
-            if actor is not None:
+            if actor is not None and not actor.starting:  # one still starting has no engine yet: killed below
                 actor.call_all("close")  # stops the engine thread before the process goes
         except Exception:  # closing after a failure must not hide it
             pass
@@ -357,10 +362,15 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             summary["heldout_success_before"] = before.get("val/success_rate")
             trainer.startup.lap("validation_before")
         log.console(trainer.startup.line())
+        counts = trainer.actor.call_rank0("parameter_counts")
+        lora = cfg.actor.lora
+        log.console(f"actor: {counts['actor/trainable_parameters']:,} of {counts['actor/parameters']:,} parameters train"
+                    + (f" (LoRA rank {lora.rank} on {', '.join(lora.target_modules)})" if lora.rank else ""))
         if not restarted:  # the run's start-up; a restart's is on the console only
             startup = trainer.startup.metrics()
             log.log(trainer.start_step, startup)
             summary.update(startup)
+            summary.update(counts)
         bar = tqdm(range(trainer.start_step, cfg.trainer.total_steps), desc="RL", unit="step", disable=not cfg.logging.progress,
                    initial=trainer.start_step, total=cfg.trainer.total_steps)
         metrics: dict[str, float] = {}

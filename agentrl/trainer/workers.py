@@ -188,6 +188,12 @@ class ActorWorker(_Worker):
         if rank_is_zero(self.rank) and rollout_setup is not None:
             self._start_engine(rollout_setup)
 
+    def parameter_counts(self) -> dict[str, int]:
+        """The policy's parameters and those that train (all of them, or LoRA's adapters); global
+        counts on every rank (an FSDP2 parameter is a DTensor of the whole shape)."""
+        return {"actor/parameters": sum(p.numel() for p in self.model.parameters()),
+                "actor/trainable_parameters": sum(p.numel() for p in trainable_parameters(self.model))}
+
     # ------------------------------------------------------------------ rollout (rank 0)
     def _start_engine(self, setup: RolloutSetup) -> None:
         from transformers import AutoTokenizer
@@ -403,7 +409,7 @@ class ActorWorker(_Worker):
         state = read_state(directory, "actor", expect_model=expected_tensors(self.model), load_tensors=zero)
         load_model_state(self.model, state["model"] if zero else {})
         load_optimizer_state(self.model, self.optimizer, state["optimizer"] if zero else {})
-        self.scheduler.load_state_dict(state["scheduler"])
+        restore_schedule(self.optimizer, self.scheduler, state["scheduler"])
         if zero:
             torch.set_rng_state(_rng_state(state["rng"], directory))
 
@@ -561,7 +567,15 @@ class CriticWorker(_Worker):
         state = read_state(directory, "critic", expect_model=expected_tensors(self.model), load_tensors=zero)
         load_model_state(self.model, state["model"] if zero else {})
         load_optimizer_state(self.model, self.optimizer, state["optimizer"] if zero else {})
-        self.scheduler.load_state_dict(state["scheduler"])
+        restore_schedule(self.optimizer, self.scheduler, state["scheduler"])
+
+
+def restore_schedule(optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any]) -> None:
+    """The schedule's position, and the learning rate it had set (a stateless optimizer's state
+    dict, which would carry it, is not loaded)."""
+    scheduler.load_state_dict(state)
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
 
 
 def _rng_state(values: Any, directory: str) -> torch.Tensor:
@@ -653,7 +667,9 @@ class WorkerGroup:
 
     def __init__(self, cls: type, *, world_size: int, num_cpus: float, env: dict[str, str], name: str,
                  collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S, stacks_dir: str | None = None,
-                 placement: str = "PACK", **kwargs: Any):
+                 placement: str = "PACK", wait: bool = True, **kwargs: Any):
+        """``wait=False``: return once the ranks are spawned, so that several groups load their
+        models at the same time; ``wait_ready()`` then waits for them (every call does too)."""
         import tempfile
 
         import ray
@@ -690,9 +706,23 @@ class WorkerGroup:
                 collective_timeout_s=collective_timeout_s, **kwargs)
             for rank in range(world_size)
         ]
-        # the ranks must all start (and join the process group) within the timeout: a rank that
-        # cannot be placed (no free CPU or GPU left in the cluster) is an error, not a wait
-        self._collect("ready", [self._remote(r, "ready") for r in range(world_size)], from_start=True)
+        self._starting: list[Any] | None = [self._remote(r, "ready") for r in range(world_size)]
+        if wait:
+            self.wait_ready()
+
+    @property
+    def starting(self) -> bool:
+        """Spawned with ``wait=False`` and not waited for yet."""
+        return self._starting is not None
+
+    def wait_ready(self) -> "WorkerGroup":
+        """Wait until every rank has started. The ranks must all start (and join the process group)
+        within the timeout: a rank that cannot be placed (no free CPU or GPU left in the cluster)
+        is an error, not a wait."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            self._collect("ready", starting, from_start=True)
+        return self
 
     def stacks_file(self, rank: int) -> Path:
         return self.stacks_dir / f"{self._stacks_prefix}-rank{rank}-stacks.txt"
@@ -714,6 +744,7 @@ class WorkerGroup:
 
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A call on rank 0 alone (a rollout): no collective, so no timeout here."""
+        self.wait_ready()
         return self.get([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
 
     def get(self, refs: list[Any]) -> list[Any]:
@@ -729,6 +760,9 @@ class WorkerGroup:
         ``timeout_s`` (and a grace for their stack dumps) to answer too (``from_start``: every
         rank gets ``timeout_s`` from now)."""
         import ray
+
+        if not from_start:
+            self.wait_ready()  # a group spawned with wait=False: its start-up errors come first
 
         if self.broken is not None:
             raise CollectiveTimeout(f"{self.during}: {self.name} group: not calling `{method}`, the group is broken ({self.broken})")

@@ -45,8 +45,11 @@ def test_a_run_on_several_ranks_finishes(tmp_path, name):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = sorted(row["step"] for row in rows if "reward/mean" in row)
     assert steps == [1, 2, 3]
+    startup = [key for key in json.loads((run / "summary.json").read_text()) if key.endswith("workers_s")]
     if name == "grpo-2-ranks":
         assert any("sft/loss" in row for row in rows)  # the SFT warm start ran on both ranks
+        assert startup == ["startup/actor_workers_s", "startup/reference_workers_s"]  # the reference loads the SFT policy
     else:
+        assert startup == ["startup/actor_reference_critic_workers_s"]  # no SFT: the three groups start together
         assert all(row["critic/grad_norm"] >= 0 for row in rows if "reward/mean" in row)
         assert (run / "checkpoints" / "step_2" / "critic" / "tensors.safetensors").is_file()
