@@ -96,9 +96,10 @@ def test_a_single_train_file_string_is_a_list_of_one(tmp_path):
 
 def test_refused_verl_options_are_errors_naming_the_key_with_what_to_do():
     with pytest.raises(ConfigError) as err:
-        load_config("train", ["actor_rollout_ref.model.lora_rank=32", "custom_reward_function.path=r.py"], check_files=False)
+        load_config("train", ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "custom_reward_function.path=r.py"],
+                    check_files=False)
     problems = dict(err.value.problems)
-    assert problems["actor_rollout_ref.model.lora_rank"].endswith("LoRA is not supported yet: training would update every weight instead")
+    assert problems["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"].endswith("give actor.optim.lr_warmup_steps (a step count) instead")
     assert "agentrl.rewards` entry point" in problems["custom_reward_function.path"]
 
 
@@ -130,3 +131,11 @@ def test_docs_verl_md_lists_exactly_the_table():
     documented = _documented_keys()
     assert table - documented == set(), "in the table but not in docs/verl.md"
     assert documented - table == set(), "in docs/verl.md but not in the table"
+
+
+def test_verls_lora_keys_set_the_actors_lora():
+    cfg = load_config("train", ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
+                                "actor_rollout_ref.model.target_modules=all-linear"], check_files=False)
+    assert (cfg.actor.lora.rank, cfg.actor.lora.alpha, cfg.actor.lora.target_modules) == (8, 32.0, ["all-linear"])
+    cfg = load_config("train", ["actor_rollout_ref.model.target_modules=[q_proj,v_proj]"], check_files=False)
+    assert (cfg.actor.lora.rank, cfg.actor.lora.target_modules) == (0, ["q_proj", "v_proj"])  # rank 0: off, as in verl

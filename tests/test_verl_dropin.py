@@ -155,6 +155,8 @@ def test_two_verl_training_steps_on_the_four_variants(verl_files, tiny_model_dir
     done = agentrl("train", verl_overrides(verl_files, tiny_model_dir) + [
         f"data.train_files={files}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", "trainer.val_before_train=False", f"trainer.runs_root={tmp_path}",
         "trainer.run_name=verl", "logging.progress=false", "trainer.threads_per_worker=1",
+        # verl's LoRA recipe (run_qwen2_5-3b_gsm8k_grpo_lora.sh) spells LoRA so
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.model.target_modules=all-linear",
     ], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "verl" / "metrics.jsonl").read_text().splitlines()]
@@ -163,6 +165,9 @@ def test_two_verl_training_steps_on_the_four_variants(verl_files, tiny_model_dir
     assert all(r["trajectories/loop_errors"] == 0 for r in steps)
     assert not (tmp_path / "verl" / "checkpoints").exists() or not list((tmp_path / "verl" / "checkpoints").iterdir())  # save_freq=-1
     assert "accepted, no effect in agentrl" in done.stderr  # verl's engine keys said so, once each
+    summary = json.loads((tmp_path / "verl" / "summary.json").read_text())
+    assert 0 < summary["actor/trainable_parameters"] < summary["actor/parameters"] / 10  # the adapters alone train
+    assert "parameters train (LoRA rank 8 on all-linear)" in done.stderr + done.stdout
 
 
 def test_verls_interaction_variant_gets_verls_retry_reply(verl_files, tiny_tokenizer):

@@ -8,7 +8,7 @@ A verl user's ``main_ppo`` overrides are accepted unchanged. Each verl key is ei
 * **accepted without effect**, with one warning line saying why (``actor_rollout_ref.rollout.mode``:
   agentrl's rollouts are always asynchronous);
 * **refused**, where silently ignoring it would train something else than asked
-  (``actor_rollout_ref.model.lora_rank``).
+  (``actor_rollout_ref.actor.optim.lr_warmup_steps_ratio``).
 
 Keys that verl and agentrl spell alike (``algorithm.adv_estimator``, ``data.train_batch_size``,
 ``trainer.critic_warmup``, ...) need no entry. agentrl's own names stay primary: errors and docs
@@ -86,9 +86,9 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.model.use_shm": NoEffect("models are read from a local directory"),
     "actor_rollout_ref.model.trust_remote_code": NoEffect("agentrl loads architectures that transformers ships"),
     "actor_rollout_ref.model.use_fused_kernels": NoEffect("the trainer's forward is agentrl's own (see docs/architecture.md)"),
-    "actor_rollout_ref.model.lora_rank": Refused("LoRA is not supported yet: training would update every weight instead"),
-    "actor_rollout_ref.model.lora_alpha": Refused("LoRA is not supported yet"),
-    "actor_rollout_ref.model.target_modules": Refused("LoRA is not supported yet"),
+    "actor_rollout_ref.model.lora_rank": Mapped("actor.lora.rank", note="LoRA on the actor through peft (agentrl[lora])"),
+    "actor_rollout_ref.model.lora_alpha": Mapped("actor.lora.alpha"),
+    "actor_rollout_ref.model.target_modules": Mapped("actor.lora.target_modules", _as_list, note="verl's all-linear is peft's"),
     "actor_rollout_ref.hybrid_engine": NoEffect("the actor's rank 0 always hosts the rollout engine (built-in engine)"),
     # actor_rollout_ref.actor (keys agentrl spells alike are mapped by VERL_PREFIXES)
     "actor_rollout_ref.actor.grad_clip": Mapped("actor.optim.grad_clip"),

@@ -28,7 +28,8 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
         raise ImportError("actor.lora.rank > 0 needs peft: pip install 'agentrl[lora]'") from error
     peft_config = PeftLoraConfig(
         r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-        target_modules=list(config.target_modules), bias="none",
+        # ["all-linear"] (verl's default spelling) is peft's "all-linear": every linear layer but the output head
+        target_modules="all-linear" if list(config.target_modules) == ["all-linear"] else list(config.target_modules), bias="none",
     )
     return get_peft_model(model, peft_config)
 

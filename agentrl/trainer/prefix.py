@@ -223,6 +223,8 @@ def _response_lengths(batch: TrainBatch) -> torch.Tensor:
 def activation_checkpointing(model: Any) -> bool:
     """Whether the model recomputes activations in backward (transformers 5.x names it
     ``is_activation_checkpointing``; ``is_gradient_checkpointing``, older, now warns)."""
+    if hasattr(model, "get_base_model"):  # peft's LoRA wrapper forwards attributes, not the class's properties
+        model = model.get_base_model()
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         if hasattr(type(model), name):
             return bool(getattr(model, name))

@@ -129,3 +129,36 @@ def test_lora_weight_sync_to_builtin_engine_reproduces_trainer_logprobs(make_act
     print(f"mean |trainer - engine| logprob: synced {synced:.2e}, stale {stale:.2e}")
     assert synced < 1e-5  # fp32: the same weights, ragged vs padded forward
     assert stale > 100 * synced
+
+
+def test_all_linear_adapts_every_linear_layer_but_the_output_head(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainer.lora import apply_lora
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(rank=2, target_modules=["all-linear"]))
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_a_lora_actor_with_activation_checkpointing_trains_on_shared_prompts(tiny_model_dir):
+    """peft's wrapper hides transformers' checkpointing flag from a lookup on the class: the
+    shared-prompt forward then asked a checkpointed model for the prompts' K/V and got none
+    (found by the verl drop-in run with verl's LoRA keys)."""
+    from agentrl.trainer.prefix import activation_checkpointing
+
+    config = ActorConfig(optim=OptimConfig(lr=1e-2), ppo_micro_batch_size_per_gpu=6, ppo_mini_batch_size=6, lora=LORA)
+    actor = ActorWorker(model_path=str(tiny_model_dir), config=config, total_steps=4, gradient_checkpointing=True, share_prompts=True,
+                        rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), device="cpu", seed=0)
+    try:
+        assert activation_checkpointing(actor.model)
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(3, 200, (4,), generator=g).tolist()] * 3 + [torch.randint(3, 200, (3,), generator=g).tolist()] * 3
+        responses = [torch.randint(3, 200, (1 + i,), generator=g).tolist() for i in range(6)]
+        b = collate_sequences(prompts, responses, [[1] * len(r) for r in responses], pad_token_id=0)
+        b = b.replace(advantages=torch.linspace(-1, 1, 6).unsqueeze(1) * b.response_mask, old_logprobs=torch.full(b.response_mask.shape, -5.0))
+        metrics = actor.update([b], [mini_batch_denominator(b.response_mask, "token-mean")], use_kl_loss=False)
+        assert metrics["actor/grad_norm"] > 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
