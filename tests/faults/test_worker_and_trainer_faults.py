@@ -1,5 +1,6 @@
 """Faults survived: a worker process that dies mid-step is named, not waited on forever; a
-trainer killed with SIGKILL resumes from its last checkpoint with an uninterrupted run's metrics."""
+trainer (PPO with a critic and adaptive KL) killed with SIGKILL resumes from its last checkpoint
+with an uninterrupted run's metrics."""
 
 from __future__ import annotations
 
@@ -85,13 +86,22 @@ def tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:]
 
 
-def test_trainer_killed_with_sigkill_resumes_with_the_same_metrics(tmp_path):
+# PPO with what a PPO checkpoint holds beyond GRPO's: the critic (weights, optimizer) and the
+# adaptive KL coefficient (KL in the reward); GRPO's resume is tests/trainer/test_train_run.py's
+PPO = SHORT + [
+    "algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size_per_gpu=4",
+    "critic.optim.lr=1e-3", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05",
+    "algorithm.kl_ctrl.target_kl=0.001", "algorithm.kl_ctrl.horizon=10",
+]
+
+
+def test_trainer_killed_with_sigkill_resumes_ppo_with_the_same_metrics(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    reference = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=straight"], tmp_path, logs / "straight.txt")
+    reference = run(PPO + [f"trainer.runs_root={tmp_path}", "trainer.run_name=straight"], tmp_path, logs / "straight.txt")
     assert reference.wait(timeout=600) == 0, tail(logs / "straight.txt")
     killed_dir = tmp_path / "killed"
-    victim = run(SHORT + [f"trainer.runs_root={tmp_path}", "trainer.run_name=killed"], tmp_path, logs / "killed.txt",
+    victim = run(PPO + [f"trainer.runs_root={tmp_path}", "trainer.run_name=killed"], tmp_path, logs / "killed.txt",
                  start_new_session=True)
     deadline = time.monotonic() + 600
     while not (killed_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file():
@@ -100,7 +110,7 @@ def test_trainer_killed_with_sigkill_resumes_with_the_same_metrics(tmp_path):
         time.sleep(0.2)
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray and its workers, mid-run
     victim.wait()
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *SHORT, f"trainer.resume={killed_dir}"],
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *PPO, f"trainer.resume={killed_dir}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr
@@ -108,8 +118,12 @@ def test_trainer_killed_with_sigkill_resumes_with_the_same_metrics(tmp_path):
     assert sorted(resumed) == [1, 2, 3]
     # the policy moved: the comparison below sees the update, not a run that never trains
     assert all(straight[step]["reward/std"] > 0 and straight[step]["actor/grad_norm"] > 0 for step in straight), straight
-    assert all(straight[step]["kl/policy_ref"] > 0 for step in (2, 3)), straight
+    assert all(straight[step]["kl/policy_ref"] != 0 for step in (2, 3)), straight  # k1 to the reference may be < 0
+    coefs = [straight[step]["kl/coef"] for step in (1, 2, 3)]
+    assert coefs[0] != 0.05 and len(set(coefs)) == 3, coefs  # the controller moved the coefficient every step
+    assert all(straight[step]["critic/grad_norm"] > 0 for step in (1, 2, 3)), straight
     for step in (2, 3):
+        assert {"kl/coef", "critic/vf_loss", "critic/grad_norm", "critic/values_mean"} <= set(straight[step])
         for key, value in straight[step].items():
             if not key.startswith(("timing/", "tokens/per_s")):
                 assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)

@@ -144,39 +144,6 @@ def test_resume_continues_with_the_same_metrics(short_run, tmp_path):
         assert again[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
 
 
-PPO = [
-    "algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size_per_gpu=4",
-    "critic.optim.lr=1e-3", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05",
-    "algorithm.kl_ctrl.target_kl=0.001", "algorithm.kl_ctrl.horizon=10", "trainer.test_freq=0",
-]
-
-
-def test_ppo_with_a_critic_and_adaptive_kl_resumes_with_the_same_metrics(tmp_path):
-    """What a PPO checkpoint holds beyond GRPO's: the critic (weights and optimizer) and the
-    adaptive KL coefficient. Resumed from step 2, step 3 equals the uninterrupted run's."""
-    done = run_cli(SHORT + PPO + [f"trainer.runs_root={tmp_path}", "trainer.run_name=ppo"], cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    original = metrics_by_step(tmp_path / "ppo")
-    assert all(row["reward/std"] > 0 and row["actor/grad_norm"] > 0 for row in original.values()), original
-    assert original[3]["kl/policy_ref"] != 0 and original[3]["actor/ppo_kl"] != 0  # k1 to the reference may be < 0
-    coefs = [original[step]["kl/coef"] for step in (1, 2, 3)]
-    assert coefs[0] != 0.05 and len(set(coefs)) == 3  # the controller moves the coefficient every step
-    assert all(original[step]["critic/grad_norm"] > 0 for step in (1, 2, 3))
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "ppo", resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_3")
-    assert (resumed / "checkpoints" / "step_2" / "critic").is_dir()
-    lines = [l for l in (resumed / "metrics.jsonl").read_text().splitlines() if json.loads(l)["step"] <= 2]
-    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    done = run_cli(SHORT + PPO + [f"trainer.resume={resumed}"], cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    again, expected = metrics_by_step(resumed)[3], original[3]
-    compared = [k for k in expected if not k.startswith(TIMING) and not k.startswith("startup/")]
-    assert {"kl/coef", "critic/vf_loss", "critic/grad_norm", "critic/values_mean"} <= set(compared)
-    for key in compared:
-        assert again[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
-
-
 def test_weight_sync_through_disk_gives_the_steps_of_the_in_memory_sync(short_run, tmp_path):
     """engine.weight_sync=disk: the engine reloads a transformers checkpoint (SGLang's path).
     The run also keeps no rollouts (trainer.save_rollouts=false), which changes nothing else."""
