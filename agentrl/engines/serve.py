@@ -556,6 +556,8 @@ def cli_main(argv: list[str]) -> int:
     )
     app = build_app(engine, str(Path(args.model).resolve()), tokenizer=_load_tokenizer(args.model), api_key=api_key,
                     max_body_bytes=args.max_request_bytes)
+    # the one line a quiet server writes to its log: what it serves, and where
+    print(f"agentrl serve: {args.model} ({dtype} on {args.device}) listening on {args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -154,7 +154,7 @@ def test_agentrl_train_with_ray_placed_servers(tmp_path):
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     logs = list((tmp_path / "run" / "servers").glob("server-*.log"))
-    assert len(logs) == 1 and logs[0].stat().st_size > 0
+    assert len(logs) == 1 and " listening on " in logs[0].read_text()  # the server's log reached the run directory
     ports = [p.name.split("-")[1].split(".")[0].encode() for p in logs]
     left = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
