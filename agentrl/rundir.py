@@ -143,7 +143,11 @@ def _step_of(path: Path) -> int:
 def make_run_dir(cfg: "TrainConfig") -> RunDir:
     """``trainer.resume`` when set (the run continues there), else a new directory under
     ``trainer.runs_root`` named ``trainer.run_name`` (or the start time), ``-1``, ``-2``, ...
-    appended when that name is taken."""
+    appended when that name is taken. ``trainer.resume=auto`` is replaced by the run it finds
+    (``auto_resume``), or by null when there is none."""
+    if cfg.trainer.resume == "auto":
+        found = auto_resume(Path(cfg.trainer.runs_root), cfg.trainer.run_name)
+        cfg.trainer.resume = str(found) if found is not None else None
     if cfg.trainer.resume is not None:
         return RunDir(Path(cfg.trainer.resume))
     name = cfg.trainer.run_name or time.strftime("%Y%m%d-%H%M%S")
@@ -154,6 +158,21 @@ def make_run_dir(cfg: "TrainConfig") -> RunDir:
         suffix += 1
     path.mkdir(parents=True)
     return RunDir(path)
+
+
+def auto_resume(runs_root: Path, run_name: str | None) -> Path | None:
+    """The run ``trainer.resume=auto`` continues: ``runs_root/run_name`` when it holds a complete
+    checkpoint; without a run name, the run under ``runs_root`` whose last complete checkpoint is
+    the newest. None: nothing to resume (the command starts a new run)."""
+    root = runs_root.expanduser().resolve()
+    if run_name is not None:
+        candidates = [root / run_name]
+    else:
+        candidates = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    found = [(checkpoint, run) for run in candidates if run.is_dir() and (checkpoint := RunDir(run).latest_checkpoint()) is not None]
+    if not found:
+        return None
+    return max(found, key=lambda pair: (pair[0] / TRAINER_STATE).stat().st_mtime)[1]
 
 
 def config_yaml(cfg: "TrainConfig") -> str:

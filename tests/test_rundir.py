@@ -57,3 +57,28 @@ def test_the_summary_and_the_metrics_round_trip(tmp_path):
     assert json.loads(run.summary.read_text()) == {"steps": 2}
     page = run.write_report([], {"steps": 2}).read_text()
     assert "<svg" in page and f"agentrl run {tmp_path.name}" in page
+
+
+def test_resume_auto_finds_the_run_with_the_newest_complete_checkpoint_or_starts_a_new_one(tmp_path):
+    import os
+
+    from agentrl.rundir import auto_resume
+
+    def checkpoint(run: str, step: int, *, complete: bool = True, mtime: float = 0.0) -> None:
+        directory = tmp_path / run / "checkpoints" / (f"step_{step}" if complete else f"step_{step}.tmp")
+        directory.mkdir(parents=True)
+        if complete:
+            (directory / TRAINER_STATE).write_text(json.dumps({"step": step}))
+            os.utime(directory / TRAINER_STATE, (mtime, mtime))
+
+    checkpoint("a", 1, mtime=1_000)
+    checkpoint("b", 2, mtime=2_000)  # the newest complete checkpoint
+    checkpoint("c", 3, complete=False)  # killed while writing its only checkpoint: nothing to resume
+    (tmp_path / "empty").mkdir()
+    assert auto_resume(tmp_path, None) == tmp_path / "b"
+    assert auto_resume(tmp_path, "a") == tmp_path / "a"
+    assert auto_resume(tmp_path, "c") is None and auto_resume(tmp_path / "missing", None) is None
+    cfg = load_config("train", ["trainer.resume=auto", f"trainer.runs_root={tmp_path}", "trainer.run_name=a"])
+    assert make_run_dir(cfg).path == tmp_path / "a" and cfg.trainer.resume == str(tmp_path / "a")
+    cfg = load_config("train", ["trainer.resume=auto", f"trainer.runs_root={tmp_path}", "trainer.run_name=c"])
+    assert make_run_dir(cfg).path == tmp_path / "c-1" and cfg.trainer.resume is None  # a new run, named as asked

@@ -203,7 +203,7 @@ def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
                 read(path, key)
             except ConfigError as exc:  # verl's YAML: every problem, named with its entry and field
                 problems += exc.problems
-    if cfg.trainer.resume is not None and not Path(cfg.trainer.resume).is_dir():
+    if cfg.trainer.resume not in (None, "auto") and not Path(cfg.trainer.resume).is_dir():
         problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
     if not cfg.data.train_files and cfg.data.task is None:
         problems.append(("data.train_files", "empty, and data.task is null: give training files or a built-in task"))

@@ -333,7 +333,9 @@ class TrainerConfig(Section):
     threads_per_worker: int | None = Field(None, ge=1)
     runs_root: str = "runs"
     run_name: str | None = None  # null: a timestamp
-    resume: str | None = None  # a run directory to continue
+    # a run directory to continue; auto: runs_root/run_name, or the newest run under runs_root,
+    # when it holds a complete checkpoint, else a new run (verl's resume_mode=auto)
+    resume: str | None = None
     export_hf: bool = True  # save the final policy as a transformers checkpoint
     max_checkpoints: int = Field(2, ge=1)
     # a step whose rollout failed for infrastructure reasons (engine_error, abort, loop_error) on

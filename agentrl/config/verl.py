@@ -160,7 +160,7 @@ VERL_KEYS: dict[str, Rule] = {
     "trainer.n_gpus_per_node": NoEffect("ranks are placed by actor.world_size (and critic.world_size)"),
     "trainer.nnodes": NoEffect("ranks are placed by actor.world_size over the Ray cluster's nodes"),
     "trainer.default_local_dir": NoEffect("checkpoints go to <trainer.runs_root>/<run>/checkpoints"),
-    "trainer.resume_mode": NoEffect("resume with trainer.resume=<run directory>"),
+    "trainer.resume_mode": NoEffect("resume with trainer.resume=auto (the last run with a checkpoint) or trainer.resume=<run directory>"),
     "trainer.log_val_generations": NoEffect("validation trajectories are stored in rollouts/ and shown in report.html"),
     "trainer.balance_batch": NoEffect("rows are shared over ranks by agentrl"),
     "trainer.val_only": Refused("run `agentrl rollout` on the validation files instead"),

@@ -110,7 +110,9 @@ def test_trainer_killed_with_sigkill_resumes_ppo_with_the_same_metrics(tmp_path)
         time.sleep(0.2)
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray and its workers, mid-run
     victim.wait()
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *PPO, f"trainer.resume={killed_dir}"],
+    # the same command again with trainer.resume=auto: it finds the killed run's last checkpoint
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *PPO, f"trainer.runs_root={tmp_path}",
+                           "trainer.run_name=killed", "trainer.resume=auto"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr
