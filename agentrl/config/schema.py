@@ -352,6 +352,10 @@ class TrainerConfig(Section):
     # attempt; the run then starts every worker group again from its last checkpoint, at most this
     # many times (0: the error ends the run). Steps after the checkpoint are done again.
     max_restarts: int = Field(0, ge=0)
+    # How each worker group's ranks (one placement-group bundle each) are laid over a Ray cluster's
+    # nodes: PACK (on as few nodes as fit, the default), SPREAD (over as many as possible),
+    # STRICT_PACK (one node or fail), STRICT_SPREAD (one rank per node or fail)
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
     def planned_steps(self, steps_per_epoch: int) -> int:
         """The steps this run takes: total_steps, capped at total_epochs passes over the data."""

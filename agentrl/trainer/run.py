@@ -107,7 +107,7 @@ class Trainer:
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
-                    stacks_dir=str(run_dir))
+                    stacks_dir=str(run_dir), placement=cfg.trainer.placement)
         from agentrl.agent.setup import RolloutSetup
 
         # engine=sglang without engine.servers: this process starts the servers and owns them

@@ -27,7 +27,8 @@ RUNS = {
     "ppo-3-ranks": ["sft.enable=false", "actor.world_size=3", "critic.enable=true", "critic.world_size=3",
                     "algorithm.adv_estimator=gae", "data.train_batch_size=6", "rollout.n=1", "actor.ppo_mini_batch_size=3",
                     "critic.ppo_mini_batch_size=3", "actor.ppo_micro_batch_size_per_gpu=1",
-                    "critic.ppo_micro_batch_size_per_gpu=1", "model.share_prompt_forward=false", "trainer.save_freq=2"],
+                    "critic.ppo_micro_batch_size_per_gpu=1", "model.share_prompt_forward=false", "trainer.save_freq=2",
+                    "trainer.placement=SPREAD"],  # one node here: SPREAD places every rank on it
 }
 
 
