@@ -45,8 +45,9 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def new_api_key() -> str:
-    """A fresh random key (256 bits) for one run's servers."""
-    return secrets.token_urlsafe(32)
+    """A fresh random key (256 bits) for one run's servers. The prefix keeps it from starting with
+    ``-`` (one key in 64 would): SGLang's command line reads ``--api-key -x...`` as a missing value."""
+    return "agentrl-" + secrets.token_urlsafe(32)
 
 
 def api_key_from_env() -> str | None:

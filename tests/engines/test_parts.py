@@ -134,6 +134,22 @@ def test_sglang_servers_get_their_own_gpus_and_ports():
     assert sglang_specs("/ckpt", ports=[1])[0].api_key != key  # a fresh key for every launch
 
 
+def test_a_server_key_is_one_command_line_value_even_when_its_random_part_starts_with_a_dash(monkeypatch):
+    import argparse
+    import secrets
+
+    from agentrl.engines.guard import new_api_key
+
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: "-" + "x" * 42)  # what token_urlsafe returns once in 64 draws
+    key = new_api_key()
+    [spec] = sglang_specs("/ckpt", ports=[30000], api_key=key)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key")
+    parser.add_argument("--model-path")
+    i = spec.command.index("--api-key")
+    assert parser.parse_args(spec.command[i : i + 2]).api_key == key
+
+
 def test_a_server_that_dies_during_start_up_is_reported_with_its_log(tmp_path):
     spec = ServerSpec([sys.executable, "-c", "print('bad flag --foo'); raise SystemExit(3)"], port=1)
     with pytest.raises(EngineUnavailable) as info:
