@@ -697,16 +697,22 @@ class WorkerGroup:
             raise CollectiveTimeout(f"{self.during}: {name} group: {world_size} ranks of {num_cpus:g} CPU could not be placed ({placement}) "
                                     f"within {start_wait:g} s: the cluster has not the free resources")
         in_bundle = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r) for r in range(world_size)]
-        meeting = ray.remote(_rendezvous).options(scheduling_strategy=in_bundle[0], num_cpus=0)
-        master_addr, port = ray.get(meeting.remote(), timeout=start_wait)
         remote = ray.remote(num_cpus=num_cpus, runtime_env={"env_vars": env})(cls)
-        self.workers = [
-            remote.options(name=None, scheduling_strategy=in_bundle[rank]).remote(
-                rank=rank, world_size=world_size, master_addr=master_addr, master_port=port,
-                collective_timeout_s=collective_timeout_s, **kwargs)
-            for rank in range(world_size)
-        ]
-        self._starting: list[Any] | None = [self._remote(r, "ready") for r in range(world_size)]
+
+        def spawn() -> None:
+            meeting = ray.remote(_rendezvous).options(scheduling_strategy=in_bundle[0], num_cpus=0)
+            master_addr, port = ray.get(meeting.remote(), timeout=start_wait)
+            self.workers = [
+                remote.options(name=None, scheduling_strategy=in_bundle[rank]).remote(
+                    rank=rank, world_size=world_size, master_addr=master_addr, master_port=port,
+                    collective_timeout_s=collective_timeout_s, **kwargs)
+                for rank in range(world_size)
+            ]
+            self._starting = [self._remote(r, "ready") for r in range(world_size)]
+
+        self._spawn = spawn
+        self._starting: list[Any] | None = None
+        spawn()
         if wait:
             self.wait_ready()
 
@@ -719,9 +725,22 @@ class WorkerGroup:
         """Wait until every rank has started. The ranks must all start (and join the process group)
         within the timeout: a rank that cannot be placed (no free CPU or GPU left in the cluster)
         is an error, not a wait."""
-        starting, self._starting = self._starting, None
-        if starting is not None:
-            self._collect("ready", starting, from_start=True)
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            starting, self._starting = self._starting, None
+            if starting is None:
+                break
+            try:
+                self._collect("ready", starting, from_start=True)
+            except WorkerDied as exc:
+                # rank 0's free port was taken by another process between the rendezvous picking
+                # it and the process group binding it: the ranks start again on a new one
+                if self.world_size == 1 or "EADDRINUSE" not in str(exc) or attempt == _PORT_ATTEMPTS:
+                    raise
+                import ray
+
+                for worker in self.workers:
+                    ray.kill(worker)
+                self._spawn()
         return self
 
     def stacks_file(self, rank: int) -> Path:
@@ -815,6 +834,9 @@ class WorkerGroup:
         for w in self.workers:
             ray.kill(w)
         ray.util.remove_placement_group(self.placement)
+
+
+_PORT_ATTEMPTS = 3  # a group's start when another process took rank 0's port: rare, and never twice in a row
 
 
 def _rendezvous() -> tuple[str, int]:
