@@ -17,10 +17,9 @@ __all__ = ["cli_main", "known_agent_names"]
 
 def known_agent_names() -> set[str]:
     """The installed agent loops (entry points) and the aliases that point at one of them."""
-    from agentrl.plugins import ALIASES, PluginRegistry
+    from agentrl.plugins import PluginRegistry
 
-    names = set(PluginRegistry().names("agent_loops"))
-    return names | {alias for alias, target in ALIASES.get("agentrl.agent_loops", {}).items() if target in names}
+    return PluginRegistry().accepted_names("agent_loops")
 
 
 def _validate(argv: list[str]) -> int:
@@ -35,7 +34,7 @@ def _validate(argv: list[str]) -> int:
 
     registry = PluginRegistry()
     problems = validate_files(
-        args.files, known_agent_names=known_agent_names(), default_agent=args.default_agent,
+        args.files, known_agent_names=registry.accepted_names("agent_loops"), default_agent=args.default_agent,
         known_tools=registry.names("tools"), known_interactions=registry.names("interactions"),
         import_problem=registry.import_problem,
     )

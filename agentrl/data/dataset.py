@@ -87,8 +87,8 @@ def validate_files(
     ``extra_info.tools_kwargs``) or an interaction (``extra_info.interaction_kwargs.name``).
     ``import_problem(group, name)`` (``PluginRegistry.import_problem``), when given, is asked
     about each plugin a row names, so one that is installed but fails to import is reported at
-    the first row naming it, before any model is loaded. At most ``max_reported`` problems are listed; one more entry then says how many were left
-    out."""
+    the first row naming it, before any model is loaded. At most ``max_reported`` problems are
+    listed; one more entry then says how many were left out."""
     found = _Problems(max_reported)
     known = set(known_agent_names) if known_agent_names is not None else None
     known_text = ", ".join(sorted(known)) if known is not None else ""
