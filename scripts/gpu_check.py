@@ -1,0 +1,528 @@
+"""GPU figures for issue #18 item 6, as far as they can be measured without SGLang.
+
+On a Qwen2-shaped model with random weights (``--shape 0.5b``: Qwen2.5-0.5B's shape), this measures:
+
+a. the built-in engine (``BuiltinEngine``): tokens/s at several concurrencies, and the time to
+   first token read off its step log; ``model.generate`` on a static batch of the same shape
+   as a reference;
+b. one GRPO-shaped actor update: ``ActorWorker.update_on_policy`` driven without Ray (one-rank
+   process group, FSDP2 with bf16 compute over fp32 parameters on CUDA, as the trainer runs
+   it), and the packed path (``prefix.response_logprobs`` on an unwrapped bf16 model) with
+   fused AdamW;
+c. weight sync into the engine: in memory (``ActorWorker.sync_weights``'s path, and a direct
+   GPU-to-GPU ``update_weights``) and through disk (``export_hf`` + ``update_weights(path=)``);
+d. whether NCCL between two processes on one GPU works.
+
+Each part runs in its own try/except: a failure is recorded with its error text and the other
+parts still run. Prints JSON and writes ``$OUT/gpu_check.json`` when OUT is set.
+
+    python3 scripts/gpu_check.py --device cuda --shape 0.5b
+    python scripts/gpu_check.py --device cpu --shape tiny      # a quick check of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied embeddings
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=1000, max_position_embeddings=2048, rope_theta=10000.0,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    sync(device)
+    return time.perf_counter()
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc)[-6:])
+
+
+def run_part(results: dict, name: str, fn, *args):
+    """Run one part; its figures (or its error) go under ``results[name]``."""
+    started = time.perf_counter()
+    print(f"[gpu_check] {name} ...", file=sys.stderr, flush=True)
+    try:
+        out = fn(*args)
+        results[name] = {**(out or {}), "wall_s": round(time.perf_counter() - started, 3)}
+    except BaseException as exc:  # noqa: BLE001 - a part's failure is a result
+        results[name] = {"error": error_text(exc), "wall_s": round(time.perf_counter() - started, 3)}
+        out = None
+    print(f"[gpu_check] {name}: {json.dumps(results[name])[:2000]}", file=sys.stderr, flush=True)
+    return out
+
+
+def make_config(shape: str):
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(**SHAPES[shape], use_sliding_window=False)
+    config.eos_token_id = None
+    config.pad_token_id = 0
+    return config
+
+
+def new_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):  # a config of its own: the engine sets its attention implementation on it
+        model = Qwen2ForCausalLM(copy.deepcopy(config))
+    return model.to(dtype=dtype).eval()
+
+
+def save_model_dir(model: torch.nn.Module, directory: Path) -> None:
+    """A transformers checkpoint with a minimal tokenizer (``ActorWorker.export_hf`` reloads one)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(directory)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "<pad>": 1}, unk_token="<unk>")),
+        unk_token="<unk>", pad_token="<pad>",
+    )
+    tokenizer.save_pretrained(directory)
+
+
+def dir_bytes(directory: Path, pattern: str = "*.safetensors") -> int:
+    return sum(f.stat().st_size for f in Path(directory).glob(pattern))
+
+
+def state_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# ---------------------------------------------------------------------------------------- a
+
+
+def engine_throughput(engine, args, device) -> dict:
+    from agentrl.engines.base import GenerateRequest, SamplingParams
+
+    vocab = engine.vocab_size
+    g = torch.Generator().manual_seed(1)
+
+    async def batch(concurrency: int, new_tokens: int) -> tuple[float, list, dict]:
+        prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(concurrency)]
+        sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)  # no stop ids: runs to the length
+        requests = [GenerateRequest(p, sampling, rid=f"c{concurrency}-{i}-{time.monotonic_ns()}") for i, p in enumerate(prompts)]
+        engine.step_log.clear()
+        started = now(device)
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        wall = now(device) - started
+        steps = list(engine.step_log)
+        ttft = {}
+        for record in steps:
+            for rid in record.prefill_rids:
+                ttft.setdefault(rid, record.ended - started)
+        return wall, results, {"ttft": [ttft[r.rid] for r in requests if r.rid in ttft], "steps": steps}
+
+    async def main() -> dict:
+        await batch(min(4, max(args.concurrency)), 8)  # warm-up: CUDA context, cuBLAS handles, allocator
+        figures = {}
+        for c in args.concurrency:
+            wall, results, extra = await batch(c, args.new_tokens)
+            generated = sum(len(r.output_ids) for r in results)
+            steps = extra["steps"]
+            decode_only = [s.ended - s.started for s in steps if not s.prefill_rids]
+            prefill_steps = [s for s in steps if s.prefill_rids]
+            ttft = extra["ttft"]
+            figures[str(c)] = {
+                "requests": c, "generated_tokens": generated, "wall_s": round(wall, 4),
+                "tokens_per_s": round(generated / wall, 1),
+                "ttft_s_median": round(statistics.median(ttft), 4) if ttft else None,
+                "ttft_s_max": round(max(ttft), 4) if ttft else None,
+                "engine_steps": len(steps), "prefill_steps": len(prefill_steps),
+                "decode_step_ms_median": round(1e3 * statistics.median(decode_only), 3) if decode_only else None,
+                "finish_reasons": sorted({r.finish_reason.value for r in results}),
+            }
+            print(f"[gpu_check]   engine c={c}: {figures[str(c)]}", file=sys.stderr, flush=True)
+        return figures
+
+    out = asyncio.run(main())
+    return {"ttft_source": "BuiltinEngine.step_log: end of the step that prefilled the request, from submission "
+                           "(the engine reports no TTFT itself)", "by_concurrency": out}
+
+
+def part_engine(config, args, device, dtype, state) -> dict:
+    from agentrl.engines.builtin import BuiltinEngine
+
+    model = new_model(config, device, dtype, seed=0)
+    t0 = time.perf_counter()
+    engine = BuiltinEngine(model, device=str(device), dtype=dtype, max_batch_size=max(args.concurrency),
+                           max_seq_len=args.prompt_len + args.new_tokens + 64, seed=0)
+    build_s = time.perf_counter() - t0
+    state["engine"] = engine
+    figures = engine_throughput(engine, args, device)
+    return {"engine_build_s": round(build_s, 3), "forward": type(engine._forward).__name__,
+            "max_batch_size": engine.max_batch_size, "max_prefill_tokens": engine.max_prefill_tokens,
+            "kv_cache_bytes": engine.stats().kv_cache_bytes, **figures}
+
+
+def part_generate(config, args, device, dtype) -> dict:
+    model = new_model(config, device, dtype, seed=0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(2)
+    figures = {}
+
+    def once(c: int, new_tokens: int) -> tuple[float, int]:
+        ids = torch.randint(2, config.vocab_size, (c, args.prompt_len), generator=g).to(device)
+        started = now(device)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+        wall = now(device) - started
+        return wall, (out.shape[1] - args.prompt_len) * c
+
+    once(min(4, max(args.concurrency)), 8)  # warm-up
+    for c in args.concurrency:
+        wall, generated = once(c, args.new_tokens)
+        figures[str(c)] = {"requests": c, "generated_tokens": generated, "wall_s": round(wall, 4),
+                           "tokens_per_s": round(generated / wall, 1)}
+        print(f"[gpu_check]   generate c={c}: {figures[str(c)]}", file=sys.stderr, flush=True)
+    import transformers
+
+    return {"what": "model.generate, static batch, sampling, default cache", "attn_implementation":
+            model.config._attn_implementation, "transformers": transformers.__version__, "by_concurrency": figures}
+
+
+# ---------------------------------------------------------------------------------------- b
+
+
+def grpo_batch(args, vocab: int):
+    """``--rows`` rows in groups of ``--group`` sharing a prompt; full-length responses; random advantages."""
+    from agentrl.trainer.batch import collate_sequences
+
+    g = torch.Generator().manual_seed(3)
+    prompts, responses = [], []
+    for _ in range(args.rows // args.group):
+        prompt = torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.group):
+            prompts.append(prompt)
+            responses.append(torch.randint(2, vocab, (args.response_len,), generator=g).tolist())
+    masks = [[1] * len(r) for r in responses]
+    batch = collate_sequences(prompts, responses, masks, pad_token_id=0)
+    advantages = torch.randn(len(prompts), 1, generator=g) * batch.response_mask
+    return batch.replace(advantages=advantages)
+
+
+def part_actor_update(args, device, state) -> dict:
+    from agentrl.config.schema import ActorConfig, OptimConfig
+    from agentrl.trainer import packed
+    from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
+
+    config = ActorConfig(optim=OptimConfig(lr=1e-6), ppo_micro_batch_size_per_gpu=args.micro_batch,
+                         ppo_mini_batch_size=args.rows // args.group)
+    t0 = time.perf_counter()
+    worker = ActorWorker(model_path=str(state["model_dir"]), config=config, total_steps=1000, rank=0, world_size=1,
+                         master_addr="127.0.0.1", master_port=0, device=str(device), seed=0)
+    build_s = time.perf_counter() - t0
+    state["worker"] = worker
+    batch = grpo_batch(args, worker.model.config.vocab_size)
+    denominator = mini_batch_denominator(batch.response_mask, "token-mean")
+    times = []
+    for _ in range(args.warmup + args.steps):
+        started = now(device)
+        metrics, _, _ = worker.update_on_policy(batch, denominator, use_kl_loss=False)
+        times.append(now(device) - started)
+    measured = times[args.warmup:]
+    from torch.distributed.fsdp import FSDPModule
+
+    micro = batch.select(slice(0, args.micro_batch)).to(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {
+        "what": "ActorWorker.update_on_policy (one optimizer step, micro-batches accumulated), no Ray",
+        "rows": len(batch), "prompt_len": args.prompt_len, "response_len": args.response_len, "group": args.group,
+        "micro_batch": args.micro_batch, "tokens": int(batch.attention_mask.sum()),
+        "fsdp2_wrapped": isinstance(worker.model, FSDPModule), "param_dtype_compute": str(worker.param_dtype),
+        "master_param_dtype": str(next(worker.model.parameters()).dtype),
+        "forward_path": "packed" if packed.packed_supported(worker.model, micro) else "prefix (shared prompts + length buckets)",
+        "optimizer": type(worker.optimizer).__name__, "worker_build_s": round(build_s, 3),
+        "step_s": [round(t, 4) for t in times], "step_s_median": round(statistics.median(measured), 4),
+        "tokens_per_s": round(int(batch.attention_mask.sum()) / statistics.median(measured), 1),
+        "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
+        "cuda_max_memory_allocated_gb": round(peak / 1e9, 2) if peak else None,
+    }
+
+
+def part_packed_update(config, args, device, dtype, state) -> dict:
+    from agentrl.trainer import packed
+    from agentrl.trainer.prefix import response_logprobs
+
+    model = new_model(config, device, dtype, seed=0).train()
+    state["packed_model"] = model
+    batch = grpo_batch(args, config.vocab_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type in ("cuda", "cpu"))
+    micros = [m.trim().to(device) for m in batch.split(args.micro_batch)]
+    path = "packed" if packed.packed_supported(model, micros[0]) else "prefix"
+    tokens = int(batch.response_mask.sum())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        started = now(device)
+        optimizer.zero_grad(set_to_none=True)
+        for m in micros:
+            logprobs, _ = response_logprobs(model, m)
+            loss = -(logprobs * m.advantages * m.response_mask).sum() / tokens
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        times.append(now(device) - started)
+    measured = times[args.warmup:]
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {
+        "what": "prefix.response_logprobs on an unwrapped model (bf16 weights), fused AdamW, one optimizer step",
+        "forward_path": path, "rows": len(batch), "micro_batch": args.micro_batch, "param_dtype": str(dtype),
+        "step_s": [round(t, 4) for t in times], "step_s_median": round(statistics.median(measured), 4),
+        "tokens_per_s": round(int(batch.attention_mask.sum()) / statistics.median(measured), 1),
+        "cuda_max_memory_allocated_gb": round(peak / 1e9, 2) if peak else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------- c
+
+
+def part_weight_sync(config, args, device, dtype, state) -> dict:
+    engine, worker = state.get("engine"), state.get("worker")
+    if engine is None:
+        raise RuntimeError("no engine (part engine failed)")
+    out: dict = {}
+    version = 100
+
+    def timed(fn):
+        started = now(device)
+        value = fn()
+        return value, now(device) - started
+
+    # 1. ActorWorker.sync_weights's in-memory path: gather the full state (to CPU), copy into the engine.
+    if worker is not None:
+        worker.engine = engine
+        worker.shares_model = False
+        for _ in range(2):  # the first is a warm-up
+            version += 1
+            gathered, gather_s = timed(worker.policy_state)
+            _, copy_s = timed(lambda: asyncio.run(engine.update_weights(state_dict=gathered, version=version)))
+            version += 1
+            _, total_s = timed(lambda: worker.sync_weights(version))
+        size = state_bytes(gathered)
+        out["actor_sync_weights_memory"] = {
+            "what": "ActorWorker.sync_weights (weight_sync=memory, engine not sharing the module): "
+                    "policy_state (FSDP2 full state, cpu_offload) + engine.update_weights(state_dict)",
+            "bytes": size, "dtype": str(next(iter(gathered.values())).dtype), "device": str(next(iter(gathered.values())).device),
+            "policy_state_s": round(gather_s, 4), "update_weights_s": round(copy_s, 4), "total_s": round(total_s, 4),
+            "gb_per_s": round(size / 1e9 / total_s, 2),
+        }
+        del gathered
+    # 2. Directly from a bf16 model on the same device (the best case in one process).
+    source = state.get("packed_model") or new_model(config, device, dtype, seed=5)
+    direct = {k: v.detach() for k, v in source.state_dict().items() if k != "lm_head.weight" or not config.tie_word_embeddings}
+    for _ in range(2):
+        version += 1
+        _, direct_s = timed(lambda: asyncio.run(engine.update_weights(state_dict=direct, version=version)))
+    size = state_bytes(direct)
+    out["engine_update_weights_same_device"] = {
+        "what": "engine.update_weights(state_dict) from a bf16 model's tensors on the same device",
+        "bytes": size, "total_s": round(direct_s, 4), "gb_per_s": round(size / 1e9 / direct_s, 2),
+    }
+    # 3. Disk: the trainer writes a transformers checkpoint, the engine reloads it.
+    with tempfile.TemporaryDirectory(prefix="agentrl-gpu-sync-", dir=args.tmp) as tmp:
+        directory = Path(tmp)
+        if worker is not None:
+            _, export_s = timed(lambda: worker.export_hf(str(directory)))
+            how = "ActorWorker.export_hf (policy_state + from_config + save_pretrained)"
+        else:
+            _, export_s = timed(lambda: source.save_pretrained(directory))
+            how = "save_pretrained of a bf16 model"
+        size = dir_bytes(directory)
+        version += 1
+        _, load_s = timed(lambda: asyncio.run(engine.update_weights(path=str(directory), version=version)))
+        # the two halves alone: safetensors write of the engine's own bf16 tensors, and the read
+        from safetensors.torch import save_file
+
+        from agentrl.engines.weights import read_checkpoint
+
+        bf16_dir = directory / "bf16"
+        bf16_dir.mkdir()
+        cpu_state = {k: v.detach().to("cpu").contiguous() for k, v in direct.items()}
+        _, write_s = timed(lambda: save_file(cpu_state, str(bf16_dir / "model.safetensors")))
+        bf16_size = dir_bytes(bf16_dir)
+        _, read_s = timed(lambda: read_checkpoint(bf16_dir))
+        out["disk"] = {
+            "export": how, "dir": str(Path(args.tmp or tempfile.gettempdir())),
+            "bytes": size, "export_s": round(export_s, 4), "engine_load_s": round(load_s, 4),
+            "total_s": round(export_s + load_s, 4), "gb_per_s_total": round(size / 1e9 / (export_s + load_s), 2),
+            "bf16_safetensors_bytes": bf16_size, "bf16_write_s": round(write_s, 4), "bf16_read_s": round(read_s, 4),
+            "bf16_write_gb_per_s": round(bf16_size / 1e9 / write_s, 2), "bf16_read_gb_per_s": round(bf16_size / 1e9 / read_s, 2),
+        }
+    out["engine_weight_version"] = engine.weight_version
+    return out
+
+
+# ---------------------------------------------------------------------------------------- d
+
+_NCCL_CHILD = r"""
+import os, sys, json, datetime, torch, torch.distributed as dist
+rank = int(sys.argv[1]); path = sys.argv[2]; store_file = sys.argv[3]
+out = {"rank": rank}
+try:
+    torch.cuda.set_device(0)
+    store = dist.FileStore(store_file, 2)
+    dist.init_process_group("nccl", rank=rank, world_size=2, store=store, timeout=datetime.timedelta(seconds=60),
+                            device_id=torch.device("cuda", 0))
+    t = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    out["all_reduce_value"] = float(t[0])
+    out["ok"] = out["all_reduce_value"] == 3.0
+    dist.destroy_process_group()
+except BaseException as exc:
+    out["ok"] = False
+    out["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+json.dump(out, open(path, "w"))
+"""
+
+
+def part_nccl_two_processes(args, device) -> dict:
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA"}
+    with tempfile.TemporaryDirectory(prefix="agentrl-nccl-") as tmp:
+        script = Path(tmp) / "child.py"
+        script.write_text(_NCCL_CHILD)
+        env = {**os.environ, "NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+        procs = [subprocess.Popen([sys.executable, str(script), str(r), f"{tmp}/r{r}.json", f"{tmp}/store"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        logs, timed_out = [], False
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=args.nccl_timeout)[0])
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                p.kill()
+                logs.append(p.communicate()[0])
+        ranks = []
+        for r in range(2):
+            f = Path(tmp) / f"r{r}.json"
+            ranks.append(json.loads(f.read_text()) if f.exists() else {"rank": r, "ok": False, "error": "no result"})
+        return {"works": all(r.get("ok") for r in ranks), "timed_out": timed_out, "ranks": ranks,
+                "exit_codes": [p.returncode for p in procs],
+                "nccl_log_tail": [log[-1500:] for log in logs],
+                "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None}
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 16 64 (tiny: 1 4)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 16)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 128 (tiny: 8)")
+    parser.add_argument("--rows", type=int, default=None, help="update rows; default 64 (tiny: 8)")
+    parser.add_argument("--group", type=int, default=8, help="rows sharing a prompt (GRPO n); tiny: 4")
+    parser.add_argument("--micro-batch", type=int, default=None, help="default 16 (tiny: 4)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=["engine", "generate", "actor_update", "packed_update",
+                                                       "weight_sync", "nccl_two_processes"])
+    parser.add_argument("--nccl-timeout", type=float, default=120.0)
+    parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: the system's temp dir)")
+    args = parser.parse_args()
+    tiny = args.shape == "tiny"
+    args.concurrency = args.concurrency or ([1, 4] if tiny else [1, 16, 64])
+    args.prompt_len = args.prompt_len or (16 if tiny else 128)
+    args.new_tokens = args.new_tokens or (8 if tiny else 128)
+    args.response_len = args.new_tokens
+    args.rows = args.rows or (8 if tiny else 64)
+    if tiny and args.group == 8:
+        args.group = 4
+    args.micro_batch = args.micro_batch or (4 if tiny else 16)
+
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    results: dict = {"command": " ".join(sys.argv), "args": {k: v for k, v in vars(args).items()}}
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
+           "device": str(device), "cuda_available": torch.cuda.is_available()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, device_memory_gb=round(props.total_memory / 1e9, 1),
+                   multiprocessors=props.multi_processor_count, cuda=torch.version.cuda,
+                   nccl=".".join(map(str, torch.cuda.nccl.version())))
+    results["env"] = env
+    config = make_config(args.shape)
+    state: dict = {}
+
+    def setup() -> dict:
+        model = new_model(config, device, dtype, seed=0)
+        params = sum(p.numel() for p in model.parameters())
+        directory = Path(tempfile.mkdtemp(prefix="agentrl-gpu-model-", dir=args.tmp))
+        t0 = time.perf_counter()
+        save_model_dir(model, directory)
+        state["model_dir"] = directory
+        return {"parameters": params, "shape": SHAPES[args.shape], "dtype": args.dtype,
+                "save_pretrained_s": round(time.perf_counter() - t0, 3), "model_dir_bytes": dir_bytes(directory)}
+
+    run_part(results, "model", setup)
+    if "model_dir" not in state:
+        print(json.dumps(results, indent=1))
+        return 1
+    parts = {
+        "engine": lambda: part_engine(config, args, device, dtype, state),
+        "generate": lambda: part_generate(config, args, device, dtype),
+        "actor_update": lambda: part_actor_update(args, device, state),
+        "packed_update": lambda: part_packed_update(config, args, device, dtype, state),
+        "weight_sync": lambda: part_weight_sync(config, args, device, dtype, state),
+        "nccl_two_processes": lambda: part_nccl_two_processes(args, device),
+    }
+    for name in args.parts:
+        run_part(results, name, parts[name])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        write_out(results)  # after every part: a run stopped at its time limit keeps what it measured
+    engine = state.get("engine")
+    if engine is not None:
+        engine.close()
+    results["total_wall_s"] = round(time.perf_counter() - started, 2)
+    print(write_out(results))
+    return 0
+
+
+def write_out(results: dict) -> str:
+    text = json.dumps(results, indent=1, default=str)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        Path(os.environ["OUT"], "gpu_check.json").write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
