@@ -1,0 +1,50 @@
+"""``ActorWorker.export_hf`` writes the policy's own weights (the model is built on the meta device
+and given the state's tensors, never a fresh initialisation): a 1-rank gloo actor on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from agentrl.config.schema import ActorConfig, OptimConfig
+from agentrl.trainer.dist import free_port
+from agentrl.trainer.workers import ActorWorker
+
+
+@pytest.fixture
+def actor(tiny_model_dir):
+    worker = ActorWorker(
+        model_path=str(tiny_model_dir), config=ActorConfig(optim=OptimConfig(lr=1e-2)), total_steps=1,
+        rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), device="cpu", seed=0,
+    )
+    yield worker
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_export_writes_exactly_the_policy_state_and_loads_back(actor, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():  # a policy unlike any initialisation, so a re-initialised export cannot pass
+        for p in actor.model.parameters():
+            p.add_(0.25)
+    state = actor.policy_state()
+    actor.export_hf(str(tmp_path / "hf"))
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(written) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(written[name], tensor), name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert torch.equal(loaded.lm_head.weight, state["model.embed_tokens.weight"])  # tied head restored
+    assert (tmp_path / "hf" / "tokenizer_config.json").exists()
+
+
+def test_export_refuses_a_state_missing_a_tensor(actor, tmp_path, monkeypatch):
+    state = actor.policy_state()
+    del state["model.norm.weight"]
+    monkeypatch.setattr(actor, "policy_state", lambda: state)
+    with pytest.raises(RuntimeError, match="no tensor for model.norm.weight"):
+        actor.export_hf(str(tmp_path / "hf"))
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
