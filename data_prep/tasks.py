@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["TASKS", "SYSTEM_PROMPT", "Problem", "generate", "sft_conversations", "write_parquet", "main"]
+__all__ = ["TASKS", "SYSTEM_PROMPT", "Problem", "generate", "mental_slip", "sft_conversations", "write_parquet", "main"]
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic. End your answer with #### <number>."
 TEST_FRACTION = 8  # one problem in eight is held out
@@ -124,20 +124,35 @@ def generate(task: str, n: int, seed: int = 0, split: str = "train") -> list[dic
     return [_row(task, p, i, split) for i, p in enumerate(problems(task, n, seed, split))]
 
 
+def mental_slip(answer: int, rng: random.Random) -> int:
+    """``answer`` with one digit changed (never the leading one to 0): "mental arithmetic" that is
+    close and wrong, as a tiny model's guess at a product of large numbers is."""
+    digits = list(str(answer))
+    position = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[position] and not (position == 0 and d == "0" and len(digits) > 1)]
+    digits[position] = rng.choice(choices)
+    return int("".join(digits))
+
+
 def sft_conversations(
-    task: str, n: int, seed: int = 0, split: str = "train", *, informal_rate: float = 0.0, max_attempts: int = 3
+    task: str, n: int, seed: int = 0, split: str = "train", *, informal_rate: float = 0.0, tool_rate: float = 1.0,
+    max_attempts: int = 3,
 ) -> list[list[dict[str, Any]]]:
     """Demonstrations: one calculator call per step, then the answer.
 
-    ``informal_rate`` is the chance that a demonstrated answer is written as prose ("The answer
-    is N.") instead of the required ``#### N``: a demonstrator who has the tool skills but not
-    the answer format, which the strict reward checks. The quickstart's warm start uses such a
-    demonstrator so that RL has something left to learn. For ``arith_retry`` an informal answer is
-    followed by the interaction's "incorrect" feedback and another attempt (informal with the same
-    chance), up to ``max_attempts`` answers. The draws are seeded by (task, seed, split).
+    ``tool_rate`` is the chance that an answer is worked out with the calculator; otherwise the
+    demonstrator answers at once from "mental arithmetic", in the right format and wrong by one
+    digit (:func:`mental_slip`). The quickstart's warm start uses a demonstrator who rarely uses
+    the tool, so that RL has the tool to discover. ``informal_rate`` is the chance that an answer
+    is written as prose ("The answer is N.") instead of the required ``#### N``, which the strict
+    reward checks. For ``arith_retry`` an answer that the interaction judges wrong (prose or a
+    slip) is followed by its "incorrect" feedback and another attempt (with the same chances), up
+    to ``max_attempts`` answers. The draws are seeded by (task, seed, split).
     """
     if not 0.0 <= informal_rate <= 1.0:
         raise ValueError(f"informal_rate must be in [0, 1], got {informal_rate}")
+    if not 0.0 <= tool_rate <= 1.0:
+        raise ValueError(f"tool_rate must be in [0, 1], got {tool_rate}")
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
     from agentrl_interactions.gsm8k import INCORRECT
@@ -149,15 +164,20 @@ def sft_conversations(
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": problem.question},
         ]
-        for expression, value in problem.steps:
-            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            messages.append({"role": "tool", "content": str(value)})
         attempts = max_attempts if task == "arith_retry" else 1
+        computed = False  # the calculator's results are in the conversation
         for attempt in range(attempts):
+            # the draws in a fixed order, so that tool_rate=1 gives the demonstrations it gave before it existed
             informal = style.random() < informal_rate
-            messages.append({"role": "assistant", "content": f"The answer is {problem.answer}." if informal else f"#### {problem.answer}"})
-            if not informal or attempt == attempts - 1:
+            if not computed and (tool_rate >= 1.0 or style.random() < tool_rate):
+                computed = True
+                for expression, value in problem.steps:
+                    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                    messages.append({"role": "tool", "content": str(value)})
+            answer = problem.answer if computed else mental_slip(problem.answer, style)
+            messages.append({"role": "assistant", "content": f"The answer is {answer}." if informal else f"#### {answer}"})
+            if (computed and not informal) or attempt == attempts - 1:
                 break
             messages.append({"role": "user", "content": INCORRECT})
         conversations.append(messages)

@@ -304,6 +304,9 @@ class SFTConfig(Section):
     # Generated demonstrations only: the chance that a demonstrated answer is prose ("The answer
     # is N.") rather than the required "#### N" (data_prep.tasks.sft_conversations).
     informal_rate: float = Field(0.0, ge=0, le=1)
+    # Generated demonstrations only: the chance that the demonstrator works an answer out with the
+    # calculator; otherwise it answers at once, one digit wrong ("mental arithmetic").
+    tool_rate: float = Field(1.0, ge=0, le=1)
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     micro_batch_size: int = Field(16, ge=1)

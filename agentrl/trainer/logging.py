@@ -13,7 +13,7 @@ from agentrl.config.schema import LoggingConfig
 
 __all__ = ["MetricsLogger"]
 
-CONSOLE_KEYS = ("reward/mean", "success_rate", "val/success_rate", "turns/mean", "tool_calls/mean", "kl/policy_ref",
+CONSOLE_KEYS = ("reward/mean", "success_rate", "val/success_rate", "turns/mean", "tool_use_rate", "val/tool_use_rate", "kl/policy_ref",
                 "entropy/mean", "actor/pg_loss", "critic/vf_loss", "logprob_mismatch/mean", "timing/step_s", "sft/loss",
                 "sft/heldout_greedy_success")
 SFT_CONSOLE_EVERY = 25  # SFT steps are many and quick: the console shows one in 25 (and each held-out check)

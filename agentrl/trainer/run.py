@@ -360,6 +360,7 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             before = trainer.validate(0)
             log.log(0, before)
             summary["heldout_success_before"] = before.get("val/success_rate")
+            summary["heldout_tool_use_before"] = before.get("val/tool_use_rate")
             trainer.startup.lap("validation_before")
         log.console(trainer.startup.line())
         counts = trainer.actor.call_rank0("parameter_counts")
@@ -390,6 +391,7 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
         after = trainer.validate(cfg.trainer.total_steps)
         log.log(cfg.trainer.total_steps, after)
         summary["heldout_success_after"] = after.get("val/success_rate")
+        summary["heldout_tool_use_after"] = after.get("val/tool_use_rate")
         if cfg.trainer.export_hf:
             trainer.actor.call_all("export_hf", str(run.policy))
     finally:

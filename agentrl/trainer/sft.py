@@ -32,7 +32,7 @@ from agentrl.trainer.batch import TrainBatch, collate_sequences
 from agentrl.trainer.logging import MetricsLogger
 from agentrl.trainer.step import Group, shards
 
-__all__ = ["tokenize_conversations", "sft_batches", "run_sft_on_actor", "cli_main"]
+__all__ = ["tokenize_conversations", "shared_prefix_length", "sft_batches", "run_sft_on_actor", "cli_main"]
 
 
 def tool_schemas(cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -59,8 +59,30 @@ def tokenize_conversations(
     return out
 
 
+def shared_prefix_length(examples: Sequence[tuple[list[int], list[int]]]) -> int:
+    """Tokens that every example starts with and none trains on (the system prompt and tools
+    block that all generated demonstrations share), at least 1 and short of every example's end.
+
+    SFT batches use it as the rows' common 'prompt', which the trainer's shared-prompt forward
+    (``prefix.py``) computes once per batch instead of once per row: exact, and on the quickstart's
+    demonstrations most of each row's tokens."""
+    if not examples:
+        return 1
+    first_ids = examples[0][0]
+    k = len(first_ids)
+    for ids, mask in examples:
+        k = min(k, len(ids) - 1, mask.index(1) if 1 in mask else len(mask))
+        i = 0
+        while i < k and ids[i] == first_ids[i]:
+            i += 1
+        k = i
+    return max(1, k)
+
+
 def sft_batches(examples: Sequence[tuple[list[int], list[int]]], *, batch_size: int, pad_token_id: int, epochs: int, seed: int) -> list[TrainBatch]:
-    """Seeded shuffled batches over ``epochs``; each sequence's first token is its 'prompt'."""
+    """Seeded shuffled batches over ``epochs``; the tokens every example shares (at least the
+    first) are each row's 'prompt', the rest its 'response' under the assistant mask."""
+    k = shared_prefix_length(examples)
     batches = []
     for epoch in range(epochs):
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
@@ -68,7 +90,7 @@ def sft_batches(examples: Sequence[tuple[list[int], list[int]]], *, batch_size: 
             chosen = [examples[i] for i in order[start : start + batch_size]]
             batches.append(
                 collate_sequences(
-                    [ids[:1] for ids, _ in chosen], [ids[1:] for ids, _ in chosen], [mask[1:] for _, mask in chosen],
+                    [ids[:k] for ids, _ in chosen], [ids[k:] for ids, _ in chosen], [mask[k:] for _, mask in chosen],
                     pad_token_id=pad_token_id,
                 )
             )
@@ -104,7 +126,8 @@ def _conversations(cfg: TrainConfig) -> tuple[list[list[dict[str, Any]]], list[l
 
     seed = cfg.data.seed + 17
     heldout = sft_conversations(cfg.data.task, cfg.sft.eval_demos, seed=seed, split="test") if want_heldout else []
-    train = sft_conversations(cfg.data.task, cfg.sft.num_demos, seed=seed, informal_rate=cfg.sft.informal_rate)
+    train = sft_conversations(cfg.data.task, cfg.sft.num_demos, seed=seed, informal_rate=cfg.sft.informal_rate,
+                                tool_rate=cfg.sft.tool_rate)
     return train, heldout
 
 

@@ -227,6 +227,8 @@ def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> 
         f"{prefix}success_rate": float((rewards >= 1.0 - 1e-6).float().mean()),
         f"{prefix}turns/mean": sum(t.metrics.get("turns", 0.0) for t in trajectories) / n,
         f"{prefix}tool_calls/mean": sum(t.metrics.get("tool_calls", 0.0) for t in trajectories) / n,
+        # the share of trajectories that call a tool at all (what a policy learning to use its tools raises)
+        f"{prefix}tool_use_rate": sum(1 for t in trajectories if t.metrics.get("tool_calls", 0.0) > 0) / n,
         f"{prefix}response_length/mean": sum(len(t.response_ids) for t in trajectories) / n,
     }
     turn_rewards = [x.reward for t in trajectories for x in t.turns if x.role == "assistant" and x.reward is not None]

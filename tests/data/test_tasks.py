@@ -7,7 +7,7 @@ import re
 import pytest
 
 from agentrl.data.row import Row
-from agentrl_data_prep.tasks import generate, sft_conversations
+from agentrl_data_prep.tasks import generate, mental_slip, problems, sft_conversations
 from agentrl_tools.calculator import evaluate
 
 
@@ -72,6 +72,47 @@ def test_informal_answers_follow_the_rate_and_the_seed():
         sft_conversations("arith", 1, informal_rate=1.5)
     with pytest.raises(ValueError, match="max_attempts"):
         sft_conversations("arith_retry", 1, max_attempts=0)
+
+
+def test_a_rare_tool_demonstrator_answers_the_rest_at_once_one_digit_wrong():
+    every = sft_conversations("arith", 400, seed=0)
+    rare = sft_conversations("arith", 400, seed=0, tool_rate=0.15)
+    truth = [p.answer for p in problems("arith", 400, 0, "train")]
+    used = [any(m.get("tool_calls") for m in c) for c in rare]
+    assert 0.10 < sum(used) / len(used) < 0.20
+    for conversation, full, answer, tool in zip(rare, every, truth, used):
+        if tool:  # the same conversation as the demonstrator who always uses the tool
+            assert conversation == full
+            continue
+        assert [m["role"] for m in conversation] == ["system", "user", "assistant"]
+        said = conversation[-1]["content"]
+        assert re.fullmatch(r"#### [1-9]\d*", said)
+        wrong = said[5:]
+        assert len(wrong) == len(str(answer)) and sum(a != b for a, b in zip(wrong, str(answer))) == 1
+    assert rare == sft_conversations("arith", 400, seed=0, tool_rate=0.15)  # seeded
+    with pytest.raises(ValueError, match="tool_rate"):
+        sft_conversations("arith", 1, tool_rate=-0.1)
+
+
+def test_a_mental_slip_changes_exactly_one_digit_and_never_leads_with_zero():
+    import random
+
+    rng = random.Random(0)
+    for answer in [7, 10, 95, 1000, 123456] * 40:
+        slip = mental_slip(answer, rng)
+        assert slip != answer and len(str(slip)) == len(str(answer))
+        assert sum(a != b for a, b in zip(str(slip), str(answer))) == 1
+
+
+def test_a_retry_demonstrator_who_slipped_may_reach_for_the_tool_after_the_feedback():
+    from agentrl_interactions.gsm8k import INCORRECT
+
+    conversations = sft_conversations("arith_retry", 300, seed=0, tool_rate=0.4, max_attempts=2)
+    late = [c for c in conversations if c[2].get("content", "").startswith("####") and any(m.get("tool_calls") for m in c)]
+    assert late  # first answer mental (wrong), then "incorrect", then the calculator and the right answer
+    for c in late:
+        assert c[3] == {"role": "user", "content": INCORRECT}
+        assert c[4]["tool_calls"] and c[-1]["content"] == f"#### {int(c[5]['content'])}"
 
 
 def test_retry_demonstrations_answer_again_after_the_interaction_feedback():

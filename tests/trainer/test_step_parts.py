@@ -87,6 +87,16 @@ def test_trajectory_metrics_count_turns_tools_errors_and_finishes():
     assert m["tool_errors/bad_json"] == 2.0
     assert m["turn_reward/mean"] == 0.5
     assert m["retry/second_attempt_success"] == 1.0
+    assert m["tool_use_rate"] == 1.0
+
+
+def test_the_tool_use_rate_is_the_share_of_trajectories_with_a_call_not_the_calls_per_trajectory():
+    calls = [3.0, 0.0, 1.0, 0.0]
+    trajectories = [traj("g", i, [("assistant", 1, None)], reward=0.0) for i in range(4)]
+    for t, n in zip(trajectories, calls):
+        t.metrics["tool_calls"] = n
+    m = trajectory_metrics(trajectories, prefix="val/")
+    assert m["val/tool_use_rate"] == 0.5 and m["val/tool_calls/mean"] == 1.0
 
 
 def test_tool_call_metrics_are_averaged_per_tool_name_with_call_counts():
