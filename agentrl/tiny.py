@@ -249,10 +249,16 @@ def tiny_model_dir(size: str = "1m", seed: int = 0, cache_root: str | Path | Non
 
 
 def resolve_model(cfg: "TrainConfig") -> Path:
-    """The model a job starts from: ``model.path``, else the tiny model of ``model.tiny``."""
+    """The model a job starts from: ``model.path``, else the tiny model of ``model.tiny`` (with
+    its skills, when it names any)."""
     if cfg.model.path is not None:
         return Path(cfg.model.path)
-    return tiny_model_dir(cfg.model.tiny.size, seed=cfg.model.tiny.seed)
+    tiny = cfg.model.tiny
+    if tiny.skills != "none":
+        from agentrl.skilled_base import skilled_model_dir
+
+        return skilled_model_dir(tiny.skills, tiny.size, seed=tiny.seed)
+    return tiny_model_dir(tiny.size, seed=tiny.seed)
 
 
 def model_dir_arg(value: str | Path) -> Path:

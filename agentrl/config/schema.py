@@ -51,6 +51,9 @@ class Section(BaseModel):
 class TinyModelConfig(Section):
     size: Literal["1m", "5m", "18m"] = "1m"
     seed: int = 0
+    # "calculator": the tiny model after demonstrations of calculator use on word problems (built
+    # once per machine, agentrl/skilled_base.py), the stand-in for a pretrained instruct model
+    skills: Literal["none", "calculator"] = "none"
 
 
 class ModelConfig(Section):
