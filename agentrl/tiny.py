@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
 
-__all__ = ["TINY_SIZES", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model", "model_dir_arg"]
+__all__ = ["TINY_SIZES", "SKILLS", "skilled_model_path", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model", "model_dir_arg"]
 
 BUILDER_VERSION = "1"
 VOCAB_SIZE = 2048
@@ -215,8 +215,42 @@ def build_tiny_model(out_dir: str | Path, *, size: str = "1m", seed: int = 0, co
     return out
 
 
+# skill -> stages of (task, demonstrations' seed, batch size, peak learning rate, most steps): each
+# warmed up for 20 steps, then on a cosine towards a tenth of the peak at its most steps, and
+# stopped as soon as greedy decoding reproduces every assistant token of CHECK_DEMOS held-out
+# demonstrations of its task (checked every CHECK_EVERY steps). Word problems first: several tool
+# calls per demonstration, and copying from tool results appeared after 500 to 600 steps on these
+# demonstrations (1M model; on the arith questions alone not within 1,000 steps, and on another
+# draw of word problems not within 1,400: when it appears varies, hence a fixed draw); then the
+# arith questions, which the copying carries over to within about 100 steps (docs/learning.md); the build: agentrl/trainer/skilled_base.py.
+SKILLS: dict[str, tuple[tuple[str, int, int, float, int], ...]] = {
+    "calculator": (("word", 17, 16, 2e-3, 1500), ("arith", 17, 16, 3e-4, 200)),
+}
+SKILLS_VERSION = "3"
+
+
+def skilled_model_path(skill: str, size: str = "1m", seed: int = 0, cache_root: str | Path | None = None) -> Path:
+    """Where the tiny model with ``skill`` is cached (built or not): its name holds a hash of the
+    recipe, the tiny model it starts from and the transformers version."""
+    import transformers
+
+    if skill not in SKILLS:
+        raise ValueError(f"unknown skill {skill!r}; skills: {', '.join(SKILLS)}")
+    base = _model_key(size, seed)
+    key = hashlib.sha256(f"{SKILLS_VERSION}|{skill}|{SKILLS[skill]}|{base}|{transformers.__version__}".encode()).hexdigest()[:12]
+    root = Path(cache_root) if cache_root is not None else _cache_root()
+    return root / f"{size}-seed{seed}-{skill}-{key}"
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl")) / "tiny"
+
+
+def _model_key(size: str, seed: int) -> str:
+    import transformers
+
+    key = hashlib.sha256(f"{BUILDER_VERSION}|{size}|{seed}|{CHAT_TEMPLATE}|{transformers.__version__}".encode()).hexdigest()[:12]
+    return f"{size}-seed{seed}-{key}"
 
 
 def tiny_model_dir(size: str = "1m", seed: int = 0, cache_root: str | Path | None = None) -> Path:
@@ -227,11 +261,8 @@ def tiny_model_dir(size: str = "1m", seed: int = 0, cache_root: str | Path | Non
     """
     import transformers
 
-    key = hashlib.sha256(
-        f"{BUILDER_VERSION}|{size}|{seed}|{CHAT_TEMPLATE}|{transformers.__version__}".encode()
-    ).hexdigest()[:12]
     root = Path(cache_root) if cache_root is not None else _cache_root()
-    final = root / f"{size}-seed{seed}-{key}"
+    final = root / _model_key(size, seed)
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -255,9 +286,13 @@ def resolve_model(cfg: "TrainConfig") -> Path:
         return Path(cfg.model.path)
     tiny = cfg.model.tiny
     if tiny.skills != "none":
-        from agentrl.skilled_base import skilled_model_dir
+        path = skilled_model_path(tiny.skills, tiny.size, seed=tiny.seed)
+        if not (path / "config.json").is_file():
+            from agentrl.errors import ConfigError
 
-        return skilled_model_dir(tiny.skills, tiny.size, seed=tiny.seed)
+            raise ConfigError([("model.tiny.skills", f"{tiny.skills!r}: this machine has not built that model yet; "
+                                "`agentrl train` builds it (once, a few minutes) before it trains")])
+        return path
     return tiny_model_dir(tiny.size, seed=tiny.seed)
 
 

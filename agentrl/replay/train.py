@@ -68,7 +68,7 @@ def train_from_store(
     from transformers import AutoTokenizer
 
     from agentrl.data.rollout_store import TrajectoryFilter
-    from agentrl.tiny import resolve_model
+    from agentrl.trainer.skilled_base import ensure_model
     from agentrl.trainer.logging import MetricsLogger
     from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, worker_env
 
@@ -77,7 +77,7 @@ def train_from_store(
     if not stored_steps:
         raise DataError(f"no stored {split} trajectories in steps {_steps_text(steps)}", file=str(store.root))
     total = len(stored_steps) * epochs
-    model_path = str(resolve_model(cfg))
+    model_path = str(ensure_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     started_ray = init_local_ray()

@@ -41,7 +41,7 @@ from agentrl.engines.guard import api_key_from_env
 from agentrl.engines.managed import ManagedServers, check_engine_config
 from agentrl.errors import CheckpointError, WorkerDied
 from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
-from agentrl.tiny import resolve_model
+from agentrl.trainer.skilled_base import ensure_model
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.startup import StartupClock
 from agentrl.trainer.checkpoint_io import read_json
@@ -84,7 +84,7 @@ class Trainer:
 
         self.cfg, self.run, self.log = cfg, RunDir(run_dir), log
         clock = self.startup
-        self.model_path = str(resolve_model(cfg))
+        self.model_path = str(ensure_model(cfg))
         clock.lap("model")
         self.train_files, val_rows = prepare_data(cfg, self.run.data)
         self.dataset = RowDataset(

@@ -76,3 +76,25 @@ def test_reward_rises(algorithm, tmp_path):
     assert all(r["logprob_mismatch/mean"] < 1e-3 for r in steps)
     if algorithm == "ppo":
         assert all("critic/vf_loss" in r for r in rows if "reward/mean" in r)
+
+
+def test_rl_raises_the_tool_use_of_a_policy_that_seldom_calls_its_tool(tmp_path):
+    """The quickstart's setting, shortened: from the calculator-skilled base, the warm start on a
+    demonstrator who answers 85% of the questions mentally (and wrongly) leaves a policy that calls
+    the calculator on about 15% of its samples; GRPO raises that from the reward alone. Measured
+    (2026-11-26, seed 0): tool-use rate 0.125, 0.156, 0.125 at steps 1-3 and 0.77, 0.77, 0.94 at
+    steps 10-12; the run takes about 40 s."""
+    args = ["trainer.total_steps=12", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false",
+            "trainer.export_hf=false", "logging.progress=false", f"trainer.runs_root={tmp_path}", "trainer.run_name=run"]
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "tool_use_rate" in r and "reward/mean" in r]
+    assert len(steps) == 12
+    use = [r["tool_use_rate"] for r in steps]
+    first, last = sum(use[:3]) / 3, sum(use[-3:]) / 3
+    assert first <= 0.3, use  # the warm start seldom calls the tool
+    assert last >= first + 0.3, use
+    # where the tool is used the answer is right: the success follows the tool use up
+    success = [r["success_rate"] for r in steps]
+    assert sum(success[-3:]) / 3 >= sum(success[:3]) / 3 + 0.2, success

@@ -22,6 +22,9 @@ SHORT = [
     # rewards that differ within a group, so the policy moves and the comparisons below (resume,
     # disk sync) see the update (with verl's strict reward every reward here was 0)
     "reward.default=gsm8k_flexible", "reward.format_score=0.5",
+    # the untrained tiny model, not the quickstart's calculator-skilled base: that one answers
+    # every question right after RL's first steps, and equal rewards would leave the policy in place
+    "model.tiny.skills=none", "rollout.temperature=0.7",
 ]
 TIMING = ("timing/", "tokens/per_s")
 

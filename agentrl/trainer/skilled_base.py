@@ -14,7 +14,6 @@ shared-prompt forward, deterministic for a (size, seed, transformers version).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import shutil
 import sys
@@ -22,41 +21,30 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["SKILLS", "skilled_model_dir"]
+from agentrl.tiny import SKILLS, resolve_model, skilled_model_path
 
-# skill -> stages of (task, demonstrations' seed, batch size, peak learning rate, most steps): each
-# warmed up for 20 steps, then on a cosine towards a tenth of the peak at its most steps, and
-# stopped as soon as greedy decoding reproduces every assistant token of CHECK_DEMOS held-out
-# demonstrations of its task (checked every CHECK_EVERY steps). Word problems first: several tool
-# calls per demonstration, and copying from tool results appeared after 500 to 600 steps on these
-# demonstrations (1M model; on the arith questions alone not within 1,000 steps, and on another
-# draw of word problems not within 1,400: when it appears varies, hence a fixed draw); then the
-# arith questions, which the copying carries over to within about 100 steps (docs/learning.md).
-SKILLS: dict[str, tuple[tuple[str, int, int, float, int], ...]] = {
-    "calculator": (("word", 17, 16, 2e-3, 1500), ("arith", 17, 16, 3e-4, 200)),
-}
+if TYPE_CHECKING:
+    from agentrl.config.schema import TrainConfig
+
+__all__ = ["skilled_model_dir", "ensure_model", "greedy_exact"]
+
 CHECK_DEMOS = 128
 CHECK_EVERY = 50
 TARGET = 0.97
-SKILLS_VERSION = "3"
 
 
 def skilled_model_dir(skill: str, size: str = "1m", seed: int = 0, cache_root: str | Path | None = None) -> Path:
-    """The tiny model of ``size`` after ``skill``'s demonstrations, built once and reused."""
-    import transformers
+    """The tiny model of ``size`` after ``skill``'s demonstrations (``agentrl.tiny.SKILLS``), built
+    once into the cache beside the tiny model and reused afterwards."""
+    from agentrl.tiny import tiny_model_dir
 
-    from agentrl.tiny import _cache_root, tiny_model_dir
-
-    if skill not in SKILLS:
-        raise ValueError(f"unknown skill {skill!r}; skills: {', '.join(SKILLS)}")
-    base = tiny_model_dir(size, seed=seed, cache_root=cache_root)
-    key = hashlib.sha256(f"{SKILLS_VERSION}|{skill}|{SKILLS[skill]}|{base.name}|{transformers.__version__}".encode()).hexdigest()[:12]
-    root = Path(cache_root) if cache_root is not None else _cache_root()
-    final = root / f"{size}-seed{seed}-{skill}-{key}"
+    final = skilled_model_path(skill, size, seed, cache_root)  # refuses an unknown skill
     if (final / "config.json").is_file():
         return final
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    base = tiny_model_dir(size, seed=seed, cache_root=cache_root)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         _train(base, staging, skill, seed)
         try:
@@ -69,15 +57,25 @@ def skilled_model_dir(skill: str, size: str = "1m", seed: int = 0, cache_root: s
     return final
 
 
+def ensure_model(cfg: "TrainConfig") -> Path:
+    """``resolve_model`` for the commands that train: the tiny model's skills are built first if
+    the config asks for them and this machine has not built them yet."""
+    tiny = cfg.model.tiny
+    if cfg.model.path is None and tiny.skills != "none":
+        skilled_model_dir(tiny.skills, tiny.size, seed=tiny.seed)
+    return resolve_model(cfg)
+
+
 def greedy_exact(model, batch) -> float:
     """The share of ``batch``'s rows whose every trained token is the model's argmax (teacher forced:
     what greedy decoding would write, token for token)."""
     import torch
 
+    training = model.training
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    model.train()
+    model.train(training)
     P = batch.prompt_length
     predicted = logits[:, P - 1 : -1].argmax(-1)
     trained = batch.response_mask.bool()
