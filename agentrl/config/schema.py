@@ -52,7 +52,7 @@ class TinyModelConfig(Section):
     size: Literal["1m", "5m", "18m"] = "1m"
     seed: int = 0
     # "calculator": the tiny model after demonstrations of calculator use on word problems (built
-    # once per machine, agentrl/skilled_base.py), the stand-in for a pretrained instruct model
+    # once per machine, agentrl/trainer/skilled_base.py), the stand-in for a pretrained instruct model
     skills: Literal["none", "calculator"] = "none"
 
 
