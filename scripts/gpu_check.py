@@ -246,7 +246,8 @@ def part_actor_update(args, device, state) -> dict:
     times = []
     for _ in range(args.warmup + args.steps):
         started = now(device)
-        metrics, _, _ = worker.update_on_policy(batch, denominator, use_kl_loss=False)
+        # through `call`, as Ray calls it: a bf16 rank without FSDP2 computes under autocast there
+        metrics, _, _ = worker.call("update_on_policy", f"{args.tmp or tempfile.gettempdir()}/stacks.txt", batch, denominator, use_kl_loss=False)
         times.append(now(device) - started)
     measured = times[args.warmup:]
     from torch.distributed.fsdp import FSDPModule
@@ -254,7 +255,8 @@ def part_actor_update(args, device, state) -> dict:
     micro = batch.select(slice(0, args.micro_batch)).to(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {
-        "what": "ActorWorker.update_on_policy (one optimizer step, micro-batches accumulated), no Ray",
+        "what": "ActorWorker.call('update_on_policy') (one optimizer step, micro-batches accumulated), no Ray",
+        "autocast": str(worker.autocast_dtype),
         "rows": len(batch), "prompt_len": args.prompt_len, "response_len": args.response_len, "group": args.group,
         "micro_batch": args.micro_batch, "tokens": int(batch.attention_mask.sum()),
         "fsdp2_wrapped": isinstance(worker.model, FSDPModule), "param_dtype_compute": str(worker.param_dtype),

@@ -109,11 +109,13 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, param_dtype: torch.
     """FSDP2: one unit per decoder layer, then the root. Parameters stay fp32 (the optimizer's
     master copy); with ``param_dtype=bfloat16`` compute runs in bf16 and gradients reduce in fp32.
 
-    One rank computing in fp32 (the CPU default) gets the module unwrapped: FSDP2 would have
-    nothing to shard or cast, yet its per-layer gather and reduce copies cost about a quarter of
-    an update step on this CPU. Everything else (state dicts, optimizer state, ``reshard``)
-    treats both forms alike."""
-    if mesh.size() == 1 and param_dtype == torch.float32:
+    One rank gets the module unwrapped: FSDP2 would have nothing to shard, yet its per-layer
+    gather and reduce copies cost about a quarter of an update step on the CPU, and an FSDP2
+    module cannot take the trainer's packed forward (``packed.py``), which on one H200 made a
+    GRPO update 2.2x slower (docs/gpu.md). In bf16 such a rank computes under autocast instead
+    (``_Worker.call``): fp32 parameters, bf16 matrix products. Everything else (state dicts,
+    optimizer state, ``reshard``) treats both forms alike."""
+    if mesh.size() == 1:
         return model
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in _decoder_layers(model):

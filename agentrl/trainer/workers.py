@@ -82,6 +82,10 @@ def mini_batch_denominator(mask: torch.Tensor, mode: str) -> float:
     return algo.loss_denominator(mask, mode)
 
 
+# the worker methods that run the trainer's model forward (and backward)
+_MODEL_PASSES = frozenset({"compute_logprobs", "greedy_matches", "update", "update_on_policy", "sft_step", "compute_values"})
+
+
 class _Worker:
     """Shared plumbing: process group, device, dtype, seeding."""
 
@@ -96,6 +100,9 @@ class _Worker:
         )
         # fp32 on CPU (bf16 is many times slower there, see docs/benchmarks.md), bf16 compute on GPU
         self.param_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        # one rank is not wrapped in FSDP2 (dist.shard_model), whose mixed precision casts for
+        # several ranks: its bf16 compute comes from autocast around each call
+        self.autocast_dtype = self.param_dtype if world_size == 1 and self.param_dtype != torch.float32 else None
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
 
@@ -114,7 +121,14 @@ class _Worker:
         """``method(*args, **kwargs)`` with a watchdog: when the call runs longer than the
         collective timeout, every thread's Python stack is written to ``stacks_file`` (by
         faulthandler's own thread, so even a rank stuck in C++ inside a collective is seen). The
-        file is kept when the call fails or never returns, and removed when it returns."""
+        file is kept when the call fails or never returns, and removed when it returns. A rank
+        computing in bf16 without FSDP2 runs its forward and backward passes under autocast
+        (``autocast_dtype``; the rollout's engine keeps its own bf16 weights and numerics)."""
+        cast = self.autocast_dtype is not None and method in _MODEL_PASSES
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=cast):
+            return self._watched(method, stacks_file, *args, **kwargs)
+
+    def _watched(self, method: str, stacks_file: str, *args: Any, **kwargs: Any) -> Any:
         import faulthandler
 
         if self.collective_timeout_s is None:
@@ -424,6 +438,10 @@ class ActorWorker(_Worker):
             # CPU first spent 21.9 of the 22 s that exporting a 0.5B model took (docs/gpu.md)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
+            # written in the checkpoint's own dtype (a bf16 model stays bf16), as loading into a
+            # model built from its config did
+            dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+            state = {name: tensor.to(dtypes.get(name, tensor.dtype)) for name, tensor in state.items()}
             model.load_state_dict(state, strict=False, assign=True)
             model.tie_weights()
             missing = [name for name, p in model.named_parameters() if p.is_meta]

@@ -48,3 +48,26 @@ def test_export_refuses_a_state_missing_a_tensor(actor, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="no tensor for model.norm.weight"):
         actor.export_hf(str(tmp_path / "hf"))
     assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_export_keeps_the_checkpoints_own_dtype(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    bf16_dir = tmp_path / "bf16-model"
+    shutil.copytree(tiny_model_dir, bf16_dir)
+    config = json.loads((bf16_dir / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (bf16_dir / "config.json").write_text(json.dumps(config))
+    worker = ActorWorker(model_path=str(bf16_dir), config=ActorConfig(), total_steps=1,
+                         rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), device="cpu", seed=0)
+    try:
+        state = worker.policy_state()
+        assert all(t.dtype == torch.float32 for t in state.values())  # the trainer's master weights
+        worker.export_hf(str(tmp_path / "hf"))
+    finally:
+        dist.destroy_process_group()
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    for name, tensor in state.items():
+        assert torch.equal(written[name], tensor.to(torch.bfloat16)), name
