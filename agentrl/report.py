@@ -41,6 +41,7 @@ PLOTS: tuple[Plot, ...] = (
     Plot("assistant turns per trajectory", ("turns/mean", "val/turns/mean")),
     Plot("tool calls per trajectory", ("tool_calls/mean", "val/tool_calls/mean")),
     Plot("tool-use rate (share of trajectories with a call)", ("tool_use_rate", "val/tool_use_rate")),
+    Plot("success after a first answer judged wrong (interaction tasks)", ("retry/second_attempt_success", "val/retry/second_attempt_success")),
     Plot("tool errors by kind (per step)", prefixes=("tool_errors/",)),
     Plot("per tool: calls and mean ToolResult.metrics (per step)", prefixes=("tool/",)),
     Plot("response length (tokens)", ("response_length/mean", "val/response_length/mean")),

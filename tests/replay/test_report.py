@@ -12,7 +12,8 @@ def metric_rows():
     return [{"step": s, "reward/mean": s / 4, "val/reward/mean": 0.5, "success_rate": s / 8, "turns/mean": 2.0,
              "tool_calls/mean": 1.0, "tool_errors/bad_json": 3 - s, "tool_errors/timeout": 1.0, "response_length/mean": 40.0,
              "finish/stop": 0.75, "finish/length": 0.25, "actor/pg_loss": 0.1, "tool/python/calls": 2.0,
-             "tool/python/exit_code": 0.5} for s in range(4)]
+             "tool/python/exit_code": 0.5, "tool_use_rate": s / 3, "val/retry/second_attempt_success": 0.25 * s}
+            for s in range(4)]
 
 
 def test_report_plots_every_metric_family_over_steps_without_network_resources(scripted_store):
@@ -20,11 +21,12 @@ def test_report_plots_every_metric_family_over_steps_without_network_resources(s
     page = render_report(metric_rows(), trajectories, "run <x>")
     titles = re.findall(r'<svg class="plot"[^>]*aria-label="([^"]*)"', page)
     assert titles == ["reward (mean)", "success rate", "assistant turns per trajectory", "tool calls per trajectory",
-                      "tool errors by kind (per step)", "per tool: calls and mean ToolResult.metrics (per step)",
+                      "tool-use rate (share of trajectories with a call)",
+                      "success after a first answer judged wrong (interaction tasks)", "tool errors by kind (per step)", "per tool: calls and mean ToolResult.metrics (per step)",
                       "response length (tokens)", "finish reasons (fraction)"]
     keys = re.findall(r'<polyline class="series" data-key="([^"]*)"', page)
     assert {"reward/mean", "val/reward/mean", "tool_errors/bad_json", "tool_errors/timeout", "finish/stop", "finish/length",
-            "tool/python/calls", "tool/python/exit_code"} <= set(keys)
+            "tool/python/calls", "tool/python/exit_code", "tool_use_rate", "val/retry/second_attempt_success"} <= set(keys)
     # reward/mean rises from the bottom left to the top right of its plot (y grows downwards in SVG)
     points = re.search(r'data-key="reward/mean"[^>]*points="([^"]*)"', page)[1].split()
     ys = [float(p.split(",")[1]) for p in points]
