@@ -4,6 +4,8 @@
   ("What is 4821 * 37?"), solved with one ``calculator`` call.
 * ``word``: short word problems needing two or three calculator calls.
 * ``arith_retry``: ``arith`` with the GSM8K-style interaction (told it is wrong, it may retry).
+* ``word_steps``: the ``word`` problems with every calculator call checked on its own: a call
+  reaching one of the problem's intermediate values earns ``STEP_REWARD`` on its turn.
 
 Rows follow the standard schema (``agentrl.data.row.Row``), answers end with ``#### <number>``.
 A problem belongs to the test split when a hash of its text says so (one in eight), so the
@@ -71,7 +73,11 @@ TASKS: dict[str, tuple[Callable[[random.Random], Problem], str]] = {
     "arith": (_arith, "agentrl/arith"),
     "word": (_word, "agentrl/word"),
     "arith_retry": (_arith, "agentrl/arith_retry"),
+    "word_steps": (_word, "agentrl/word"),
 }
+# tasks drawing the same problems as another (a variant that differs in its rows only)
+SAME_PROBLEMS = {"word_steps": "word"}
+STEP_REWARD = 0.5  # word_steps: the reward of a calculator call that reaches one of the problem's intermediate values
 
 
 def _split_of(question: str) -> str:
@@ -86,7 +92,7 @@ def problems(task: str, n: int, seed: int, split: str) -> Iterator[Problem]:
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     make = TASKS[task][0]
-    rng = random.Random(f"{task}:{seed}")
+    rng = random.Random(f"{SAME_PROBLEMS.get(task, task)}:{seed}")
     seen: set[str] = set()
     tries = 0
     while len(seen) < n:
@@ -107,6 +113,9 @@ def _row(task: str, problem: Problem, index: int, split: str) -> dict[str, Any]:
         "split": split,
         "tools_kwargs": {"calculator": {"create_kwargs": {}}},
     }
+    if task == "word_steps":
+        extra["tools_kwargs"]["calculator"]["create_kwargs"] = {
+            "expected_steps": [value for _, value in problem.steps], "step_reward": STEP_REWARD}
     if task == "arith_retry":
         extra["interaction_kwargs"] = {"name": "gsm8k", "query": problem.question, "ground_truth": str(problem.answer)}
     return {
@@ -157,7 +166,7 @@ def sft_conversations(
         raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
     from agentrl_interactions.gsm8k import INCORRECT
 
-    style = random.Random(f"demonstrator:{task}:{seed}:{split}")
+    style = random.Random(f"demonstrator:{SAME_PROBLEMS.get(task, task)}:{seed}:{split}")
     conversations = []
     for problem in problems(task, n, seed, split):
         messages: list[dict[str, Any]] = [

@@ -115,7 +115,12 @@ def format_number(value: int | float) -> str:
 
 
 class CalculatorTool(Tool):
-    """Evaluates one arithmetic expression per call. No configuration, no per-trajectory state."""
+    """Evaluates one arithmetic expression per call.
+
+    A row may make each call a checked step: ``create_kwargs`` ``{"expected_steps": [values],
+    "step_reward": r}`` gives a call whose value is one of the expected intermediate values (each
+    counted once) the step reward ``r`` on its turn, and any other call 0 (the ``word_steps``
+    task: turn-level credit). Without them a call carries no reward."""
 
     name = "calculator"
     description = "Evaluate an arithmetic expression with + - * / // % ** and parentheses."
@@ -127,5 +132,25 @@ class CalculatorTool(Tool):
         "required": ["expression"],
     }
 
+    def __init__(self, **config: Any) -> None:
+        super().__init__(**config)
+        self._steps: dict[str, tuple[list[float], float]] = {}  # instance -> (values not yet reached, reward)
+
+    async def create(self, instance_id: str, **create_kwargs: Any) -> None:
+        expected = create_kwargs.get("expected_steps")
+        if expected:
+            self._steps[instance_id] = ([float(v) for v in expected], float(create_kwargs.get("step_reward", 1.0)))
+
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
-        return ToolResult(text=format_number(evaluate(arguments["expression"])))
+        value = evaluate(arguments["expression"])
+        steps = self._steps.get(instance_id)
+        if steps is None:
+            return ToolResult(text=format_number(value))
+        remaining, reward = steps
+        hit = next((i for i, v in enumerate(remaining) if abs(v - value) < 1e-9), None)
+        if hit is not None:
+            remaining.pop(hit)
+        return ToolResult(text=format_number(value), reward=reward if hit is not None else 0.0)
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        self._steps.pop(instance_id, None)

@@ -215,3 +215,35 @@ def test_tools_list_prints_every_builtin_schema():
     schemas = {s["function"]["name"]: s for s in json.loads(out.stdout)}
     assert schemas["calculator"] == CalculatorTool.schema()
     assert schemas["check_answer"] == CheckAnswerTool.schema()
+
+
+def test_a_checked_calculator_rewards_each_expected_step_once_and_other_calls_zero():
+    from agentrl_tools.calculator import CalculatorTool
+
+    tool = CalculatorTool()
+
+    async def run() -> list:
+        await tool.create("t", expected_steps=[408, 391], step_reward=0.5)
+        await tool.create("plain")
+        out = [await tool.execute("t", {"expression": e}) for e in ("12 * 34", "12 * 34", "400 + 1", "408 - 17")]
+        out.append(await tool.execute("plain", {"expression": "12 * 34"}))
+        await tool.release("t")
+        out.append(await tool.execute("t", {"expression": "408 - 17"}))  # released: a plain call again
+        return out
+
+    results = asyncio.run(run())
+    assert [r.text for r in results] == ["408", "408", "401", "391", "408", "391"]
+    # the first 408 is a step, its repeat is not; a wrong value is 0; the second step; no steps: no reward
+    assert [r.reward for r in results] == [0.5, 0.0, 0.0, 0.5, None, None]
+
+
+def test_word_steps_rows_are_the_word_problems_with_their_steps_checked():
+    from agentrl_data_prep.tasks import STEP_REWARD, generate, problems
+
+    word, steps = generate("word", 20, seed=4), generate("word_steps", 20, seed=4)
+    assert [r["prompt"] for r in word] == [r["prompt"] for r in steps]
+    assert {r["data_source"] for r in steps} == {"agentrl/word"}
+    for row, problem in zip(steps, problems("word", 20, 4, "train")):
+        kwargs = row["extra_info"]["tools_kwargs"]["calculator"]["create_kwargs"]
+        assert kwargs == {"expected_steps": [v for _, v in problem.steps], "step_reward": STEP_REWARD}
+    assert all(r["extra_info"]["tools_kwargs"]["calculator"]["create_kwargs"] == {} for r in word)
