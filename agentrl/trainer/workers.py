@@ -124,8 +124,10 @@ class _Worker:
         file is kept when the call fails or never returns, and removed when it returns. A rank
         computing in bf16 without FSDP2 runs its forward and backward passes under autocast
         (``autocast_dtype``; the rollout's engine keeps its own bf16 weights and numerics)."""
-        cast = self.autocast_dtype is not None and method in _MODEL_PASSES
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=cast):
+        dtype = self.autocast_dtype if method in _MODEL_PASSES else None
+        if dtype is None:
+            return self._watched(method, stacks_file, *args, **kwargs)
+        with torch.autocast(self.device.type, dtype=dtype):
             return self._watched(method, stacks_file, *args, **kwargs)
 
     def _watched(self, method: str, stacks_file: str, *args: Any, **kwargs: Any) -> Any:

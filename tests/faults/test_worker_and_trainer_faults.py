@@ -26,6 +26,9 @@ SHORT = [
     # rewards that differ within a group (any number 0.5, the right one 1): the policy moves, so
     # the resumed run's metrics can only match if the optimizer and weights were restored
     "reward.default=gsm8k_flexible", "reward.format_score=0.5",
+    # the untrained tiny model, not the quickstart's calculator-skilled base, which answers every
+    # question of a group alike
+    "model.tiny.skills=none", "rollout.temperature=0.7",
 ]
 
 

@@ -80,7 +80,7 @@ def test_the_watchdog_dumps_a_slow_call_and_keeps_the_file_only_when_it_fails(tm
 
     class Slow(_Worker):
         def __init__(self):  # no process group: only the watchdog is under test
-            self.rank, self.collective_timeout_s = 3, 0.2
+            self.rank, self.collective_timeout_s, self.autocast_dtype = 3, 0.2, None
 
         def slow_return(self) -> int:
             time.sleep(0.6)

@@ -115,7 +115,9 @@ def test_every_step_reports_the_metrics_that_matter(short_run):
 def assert_the_policy_moved(steps: dict[int, dict]) -> None:
     """Rewards differ within groups, the gradient is not zero, and the policy leaves the reference."""
     assert all(row["reward/std"] > 0 and row["actor/grad_norm"] > 0 for row in steps.values()), steps
-    assert all(steps[step]["kl/policy_ref"] > 0 and steps[step]["actor/ppo_kl"] != 0 for step in steps if step > 1), steps
+    # the k1 estimate of KL(policy || reference) is a sample mean of log-ratios: it can come out
+    # below 0 after a small step; what must not happen is the policy staying the reference
+    assert all(steps[step]["kl/policy_ref"] != 0 and steps[step]["actor/ppo_kl"] != 0 for step in steps if step > 1), steps
 
 
 def test_the_short_run_trains(short_run):
