@@ -4,9 +4,10 @@ A user starts RL from a model that already knows how to call a tool and read its
 tiny model starts from random weights, and a 1M-parameter model needs several hundred steps of
 demonstrations before it copies numbers from a tool result into its answer (an induction-style
 skill that appears abruptly, not gradually). ``skilled_model_dir`` teaches it that once per
-machine, cached beside the tiny model, on demonstrations of the ``word`` task (multi-step word
-problems, every step through the calculator): not the quickstart's ``arith`` questions, whose
-tool use the warm start and RL are about.
+machine, cached beside the tiny model: demonstrations of calculator use on the ``word`` task
+(several calls each, where copying appears soonest), then on the ``arith`` questions, each
+stage stopped by a held-out check (``agentrl.tiny.SKILLS`` holds the recipe). The quickstart's
+warm start then gives the policy the habit of not using the tool, and RL the habit of using it.
 
 Built in this process (one model, no Ray, no FSDP), with the trainer's own SFT batching and
 shared-prompt forward, deterministic for a (size, seed, transformers version).
