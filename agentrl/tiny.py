@@ -219,10 +219,10 @@ def build_tiny_model(out_dir: str | Path, *, size: str = "1m", seed: int = 0, co
 # warmed up for 20 steps, then on a cosine towards a tenth of the peak at its most steps, and
 # stopped as soon as greedy decoding reproduces every assistant token of CHECK_DEMOS held-out
 # demonstrations of its task (checked every CHECK_EVERY steps). Word problems first: several tool
-# calls per demonstration, and copying from tool results appeared after 500 to 600 steps on these
-# demonstrations (1M model; on the arith questions alone not within 1,000 steps, and on another
-# draw of word problems not within 1,400: when it appears varies, hence a fixed draw); then the
-# arith questions, which the copying carries over to within about 100 steps (docs/learning.md); the build: agentrl/trainer/skilled_base.py.
+# calls per demonstration, where copying from tool results appears soonest, though late and
+# abruptly, and at a step that varies with the draw of demonstrations (hence a fixed draw); then
+# the arith questions, which the copying carries over to quickly. The runs behind this:
+# docs/learning.md. The build: agentrl/trainer/skilled_base.py.
 SKILLS: dict[str, tuple[tuple[str, int, int, float, int], ...]] = {
     "calculator": (("word", 17, 16, 2e-3, 1500), ("arith", 17, 16, 3e-4, 200)),
 }
@@ -259,8 +259,6 @@ def tiny_model_dir(size: str = "1m", seed: int = 0, cache_root: str | Path | Non
     The build goes to a temporary directory first and is renamed into place, so concurrent
     callers and interrupted builds never see a half-written model.
     """
-    import transformers
-
     root = Path(cache_root) if cache_root is not None else _cache_root()
     final = root / _model_key(size, seed)
     if (final / "config.json").is_file():
