@@ -436,8 +436,8 @@ class ActorWorker(_Worker):
         state = self.policy_state()
         if rank_is_zero(self.rank):
             config = AutoConfig.from_pretrained(self.model_path)
-            # built on the meta device and given the state's tensors: a model initialised on the
-            # CPU first spent 21.9 of the 22 s that exporting a 0.5B model took (docs/gpu.md)
+            # built on the meta device and given the state's tensors: initialising a model on the
+            # CPU first was nearly all of an export's time for a 0.5B model (docs/gpu.md)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
             # written in the checkpoint's own dtype (a bf16 model stays bf16), as loading into a
