@@ -48,7 +48,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
@@ -260,13 +260,19 @@ def tiny_model_dir(size: str = "1m", seed: int = 0, cache_root: str | Path | Non
     callers and interrupted builds never see a half-written model.
     """
     root = Path(cache_root) if cache_root is not None else _cache_root()
-    final = root / _model_key(size, seed)
+    return build_once(root / _model_key(size, seed), lambda staging: build_tiny_model(staging, size=size, seed=seed))
+
+
+def build_once(final: Path, build: Callable[[Path], object]) -> Path:
+    """``final``, built by ``build(staging)`` into a temporary sibling directory and renamed into
+    place unless it already holds a model: concurrent callers and interrupted builds never see a
+    half-written one."""
     if (final / "config.json").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        build_tiny_model(staging, size=size, seed=seed)
+        build(staging)
         try:
             staging.rename(final)
         except OSError:

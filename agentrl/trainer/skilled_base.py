@@ -16,15 +16,13 @@ shared-prompt forward, deterministic for a (size, seed, transformers version).
 from __future__ import annotations
 
 import math
-import shutil
 import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentrl.tiny import SKILLS, resolve_model, skilled_model_path
+from agentrl.tiny import SKILLS, build_once, resolve_model, skilled_model_path
 
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
@@ -45,17 +43,7 @@ def skilled_model_dir(skill: str, size: str = "1m", seed: int = 0, cache_root: s
     if (final / "config.json").is_file():
         return final
     base = tiny_model_dir(size, seed=seed, cache_root=cache_root)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        _train(base, staging, skill, seed)
-        try:
-            staging.rename(final)
-        except OSError:
-            if not (final / "config.json").is_file():  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return build_once(final, lambda staging: _train(base, staging, skill, seed))
 
 
 def ensure_model(cfg: "TrainConfig") -> Path:
