@@ -55,7 +55,11 @@ class ModuleForward:
     def __init__(self, model: torch.nn.Module):
         self.decoder = model.base_model
         self.lm_head = model.get_output_embeddings()
-        self.mask_mapping = {kind: None for kind in getattr(model.config, "layer_types", None) or ["full_attention"]}
+        # Ragged attention reads no mask. Decoders with per-layer attention kinds (Qwen2/3, Gemma)
+        # take a ready mapping, which skips their mask builders; the others (Llama, Mistral, Phi-3)
+        # take only a tensor or None, and with None and no padding their builder returns None at once.
+        layer_types = getattr(model.config, "layer_types", None)
+        self.mask_mapping = {kind: None for kind in layer_types} if layer_types else None
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, layout, rows: torch.Tensor | None) -> torch.Tensor:
         hidden = self.decoder(
