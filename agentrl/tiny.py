@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
 
-__all__ = ["TINY_SIZES", "SKILLS", "skilled_model_path", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model", "model_dir_arg"]
+__all__ = ["TINY_SIZES", "SKILLS", "skilled_model_path", "shipped_skilled_model", "skill_recipe_key", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model", "model_dir_arg"]
 
 BUILDER_VERSION = "1"
 VOCAB_SIZE = 2048
@@ -242,6 +242,32 @@ def skilled_model_path(skill: str, size: str = "1m", seed: int = 0, cache_root: 
     return root / f"{size}-seed{seed}-{skill}-{key}"
 
 
+# Skilled models that ship with agentrl (built by scripts/build_skilled_base.py, a few minutes on a
+# 2-core machine), so that a first run does not wait for the build. Each folder's recipe.json
+# names the recipe it was built by; a folder built by another recipe is not used.
+SHIPPED_MODELS = Path(__file__).resolve().parent / "tiny_models"
+
+
+def skill_recipe_key(skill: str, size: str = "1m", seed: int = 0) -> str:
+    """What a skilled model's weights follow from: the skill's recipe, the tiny model's builder and
+    chat template, its size and seed (a shipped model's folder records it)."""
+    if skill not in SKILLS:
+        raise ValueError(f"unknown skill {skill!r}; skills: {', '.join(SKILLS)}")
+    recipe = f"{SKILLS_VERSION}|{skill}|{SKILLS[skill]}|{BUILDER_VERSION}|{size}|{seed}|{CHAT_TEMPLATE}"
+    return hashlib.sha256(recipe.encode()).hexdigest()[:12]
+
+
+def shipped_skilled_model(skill: str, size: str = "1m", seed: int = 0) -> Path | None:
+    """The skilled model shipped with agentrl for (skill, size, seed), if one was built by the
+    current recipe; else None (it is then built once on this machine)."""
+    path = SHIPPED_MODELS / f"{size}-seed{seed}-{skill}"
+    try:
+        recipe = json.loads((path / "recipe.json").read_text())
+    except FileNotFoundError:
+        return None
+    return path if recipe.get("key") == skill_recipe_key(skill, size, seed) else None
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl")) / "tiny"
 
@@ -290,6 +316,9 @@ def resolve_model(cfg: "TrainConfig") -> Path:
         return Path(cfg.model.path)
     tiny = cfg.model.tiny
     if tiny.skills != "none":
+        shipped = shipped_skilled_model(tiny.skills, tiny.size, seed=tiny.seed)
+        if shipped is not None:
+            return shipped
         path = skilled_model_path(tiny.skills, tiny.size, seed=tiny.seed)
         if not (path / "config.json").is_file():
             from agentrl.errors import ConfigError

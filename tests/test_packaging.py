@@ -82,7 +82,7 @@ def test_train_refuses_an_engine_setting_it_cannot_honour_before_any_work(tmp_pa
     assert list(tmp_path.iterdir()) == []  # nothing was started or written
 
 
-def test_the_wheel_carries_the_typing_marker_and_the_configs(tmp_path):
+def test_the_wheel_carries_the_typing_marker_the_configs_and_the_shipped_base(tmp_path):
     import zipfile
 
     from wheels import agentrl_wheel
@@ -90,3 +90,5 @@ def test_the_wheel_carries_the_typing_marker_and_the_configs(tmp_path):
     wheel = agentrl_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"agentrl/py.typed", "agentrl_configs/train.yaml", "agentrl_configs/engine/sglang.yaml"} <= names
+    shipped = "agentrl/tiny_models/1m-seed0-calculator/"  # the quickstart's base, whole
+    assert {shipped + f for f in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja", "recipe.json")} <= names

@@ -1,8 +1,11 @@
-"""The quickstart's base model (model.tiny.skills): built once into the cache, stopped by a held-out
-check, refused with the reason when the check is not reached, chosen by model.tiny.skills. The
-real build (minutes) runs in .ci/run before the tests; the quickstart learning test uses it."""
+"""The quickstart's base model (model.tiny.skills): shipped with agentrl when built by the current
+recipe, else built once into the cache, stopped by a held-out check, refused with the reason when
+the check is not reached, chosen by model.tiny.skills. The real build takes minutes
+(scripts/build_skilled_base.py); the tests check the shipped one against the recipe's last check."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -57,13 +60,56 @@ def test_an_unknown_skill_is_refused_with_the_known_ones():
         skilled_base.skilled_model_dir("juggling")
 
 
+def test_the_shipped_base_was_built_by_the_current_recipe():
+    from agentrl.tiny import SHIPPED_MODELS, shipped_skilled_model, skill_recipe_key
+
+    recorded = json.loads((SHIPPED_MODELS / "1m-seed0-calculator" / "recipe.json").read_text())
+    assert recorded == {"skill": "calculator", "size": "1m", "seed": 0, "key": skill_recipe_key("calculator")}, (
+        "agentrl.tiny.SKILLS (or the tiny model's builder or template) changed: rebuild the shipped base "
+        "with scripts/build_skilled_base.py")
+    assert shipped_skilled_model("calculator") == SHIPPED_MODELS / "1m-seed0-calculator"
+    assert shipped_skilled_model("calculator", seed=3) is None  # not shipped: built on the machine
+
+
+def test_the_shipped_base_passes_its_recipes_last_check():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.tiny import SKILLS, shipped_skilled_model
+
+    path = shipped_skilled_model("calculator")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    last = len(SKILLS["calculator"]) - 1
+    task = SKILLS["calculator"][last][0]
+    assert skilled_base.greedy_exact(model, skilled_base.check_batch(tokenizer, task, 0, last)) >= skilled_base.TARGET
+
+
+def test_a_recipe_change_makes_the_shipped_base_unused(monkeypatch):
+    import agentrl.tiny as tiny
+
+    assert tiny.shipped_skilled_model("calculator") is not None
+    monkeypatch.setattr(tiny, "SKILLS", {"calculator": (("arith", 17, 16, 3e-4, 201),)})
+    assert tiny.shipped_skilled_model("calculator") is None
+
+
+def test_the_training_commands_and_rollout_use_the_shipped_base_without_building(monkeypatch, tmp_path):
+    from agentrl.config.schema import TrainConfig
+    from agentrl.tiny import resolve_model, shipped_skilled_model
+
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(skilled_base, "skilled_model_dir", lambda *a, **k: pytest.fail("built a shipped base"))
+    cfg = TrainConfig.model_validate({"model": {"tiny": {"skills": "calculator"}}})
+    assert skilled_base.ensure_model(cfg) == resolve_model(cfg) == shipped_skilled_model("calculator")
+    assert not list(tmp_path.iterdir())
+
+
 def test_model_tiny_skills_chooses_the_skilled_base_which_only_the_training_commands_build(monkeypatch, tmp_path):
     from agentrl.config.schema import TrainConfig
     from agentrl.errors import ConfigError
     from agentrl.tiny import resolve_model, skilled_model_path
 
     monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
-    cfg = TrainConfig.model_validate({"model": {"tiny": {"skills": "calculator", "seed": 3}}})
+    cfg = TrainConfig.model_validate({"model": {"tiny": {"skills": "calculator", "seed": 3}}})  # seed 3: not shipped
     with pytest.raises(ConfigError, match="model.tiny.skills: 'calculator': this machine has not built that model yet"):
         resolve_model(cfg)  # what `agentrl rollout` does: it never trains one
     built = []

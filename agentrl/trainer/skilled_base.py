@@ -3,8 +3,10 @@
 A user starts RL from a model that already knows how to call a tool and read its result; the
 tiny model starts from random weights, and a 1M-parameter model needs several hundred steps of
 demonstrations before it copies numbers from a tool result into its answer (an induction-style
-skill that appears abruptly, not gradually). ``skilled_model_dir`` teaches it that once per
-machine, cached beside the tiny model: demonstrations of calculator use on the ``word`` task
+skill that appears abruptly, not gradually). agentrl ships that model, built by the current recipe
+(``agentrl/tiny_models``, written by scripts/build_skilled_base.py); without it (another size or
+seed, a changed recipe) ``skilled_model_dir`` builds it once per machine, cached beside the tiny
+model: demonstrations of calculator use on the ``word`` task
 (several calls each, where copying appears soonest), then on the ``arith`` questions, each
 stage stopped by a held-out check (``agentrl.tiny.SKILLS`` holds the recipe). The quickstart's
 warm start then gives the policy the habit of not using the tool, and RL the habit of using it.
@@ -22,12 +24,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentrl.tiny import SKILLS, build_once, resolve_model, skilled_model_path
+from agentrl.tiny import SKILLS, build_once, resolve_model, shipped_skilled_model, skilled_model_path
 
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
 
-__all__ = ["skilled_model_dir", "ensure_model", "greedy_exact"]
+__all__ = ["skilled_model_dir", "ensure_model", "greedy_exact", "check_batch"]
 
 CHECK_DEMOS = 128
 CHECK_EVERY = 50
@@ -48,9 +50,9 @@ def skilled_model_dir(skill: str, size: str = "1m", seed: int = 0, cache_root: s
 
 def ensure_model(cfg: "TrainConfig") -> Path:
     """``resolve_model`` for the commands that train: the tiny model's skills are built first if
-    the config asks for them and this machine has not built them yet."""
+    the config asks for them, agentrl does not ship them and this machine has not built them yet."""
     tiny = cfg.model.tiny
-    if cfg.model.path is None and tiny.skills != "none":
+    if cfg.model.path is None and tiny.skills != "none" and shipped_skilled_model(tiny.skills, tiny.size, tiny.seed) is None:
         skilled_model_dir(tiny.skills, tiny.size, seed=tiny.seed)
     return resolve_model(cfg)
 
@@ -69,6 +71,18 @@ def greedy_exact(model, batch) -> float:
     predicted = logits[:, P - 1 : -1].argmax(-1)
     trained = batch.response_mask.bool()
     return float(((predicted == batch.input_ids[:, P:]) | ~trained).all(-1).float().mean())
+
+
+def check_batch(tokenizer, task: str, seed: int, stage: int):
+    """The held-out demonstrations that stop a stage: another draw of the train split than the
+    stage trains on (the quickstart validates on the test split)."""
+    from agentrl.plugins import PluginRegistry
+    from agentrl.trainer.sft import sft_batches, tokenize_conversations
+    from agentrl_data_prep.tasks import sft_conversations
+
+    tools = [PluginRegistry().load("tools", "calculator").schema()]
+    heldout = tokenize_conversations(tokenizer, sft_conversations(task, CHECK_DEMOS, seed=seed + 2000 + stage), tools=tools, max_length=512)
+    return sft_batches(heldout, batch_size=CHECK_DEMOS, pad_token_id=tokenizer.pad_token_id, epochs=1, seed=0)[0]
 
 
 def _warmup_cosine(step: int, *, steps: int, warmup: int = 20) -> float:
@@ -96,10 +110,7 @@ def _train(base: Path, out: Path, skill: str, seed: int) -> None:
         conversations = sft_conversations(task, steps * batch_size, seed=seed + data_seed, tool_rate=1.0)
         examples = tokenize_conversations(tokenizer, conversations, tools=tools, max_length=512)
         batches = sft_batches(examples, batch_size=batch_size, pad_token_id=tokenizer.pad_token_id, epochs=1, seed=seed)
-        # the check's problems: another draw of the train split (the quickstart validates on the test split)
-        heldout = tokenize_conversations(tokenizer, sft_conversations(task, CHECK_DEMOS, seed=seed + 2000 + stage),
-                                         tools=tools, max_length=512)
-        check = sft_batches(heldout, batch_size=CHECK_DEMOS, pad_token_id=tokenizer.pad_token_id, epochs=1, seed=0)[0]
+        check = check_batch(tokenizer, task, seed, stage)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(_warmup_cosine, steps=steps))
         bar = tqdm(batches, desc=f"{skill} skills: {task}", unit="step", file=sys.stderr)
