@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["TASKS", "SYSTEM_PROMPT", "Problem", "generate", "mental_slip", "sft_conversations", "write_parquet", "main"]
+__all__ = ["TASKS", "SYSTEM_PROMPT", "RECOVERY_SOURCE", "Problem", "generate", "after_wrong_answer", "mental_slip", "sft_conversations", "write_parquet", "main"]
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic. End your answer with #### <number>."
 TEST_FRACTION = 8  # one problem in eight is held out
@@ -131,6 +131,29 @@ def _row(task: str, problem: Problem, index: int, split: str) -> dict[str, Any]:
 def generate(task: str, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
     """``n`` rows of ``task`` for ``split`` (plain dicts, valid ``Row``s)."""
     return [_row(task, p, i, split) for i, p in enumerate(problems(task, n, seed, split))]
+
+
+RECOVERY_SOURCE = "agentrl/arith_retry_after_wrong"
+
+
+def after_wrong_answer(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """``arith_retry`` rows that start one attempt later: the prompt holds a first answer from
+    "mental arithmetic" (:func:`mental_slip`, as the warm start's demonstrator answers) and the
+    interaction's "incorrect" reply, so what the policy writes first is its second attempt.
+    Their data source is ``RECOVERY_SOURCE``: validated beside the plain rows, they measure how
+    often a policy recovers after a wrong answer, on every problem and at every validation."""
+    from agentrl_interactions.gsm8k import INCORRECT
+
+    rng = random.Random(f"after_wrong:{seed}")
+    out = []
+    for row in rows:
+        if "interaction_kwargs" not in row["extra_info"]:
+            raise ValueError("after_wrong_answer needs rows with an interaction (task arith_retry)")
+        answer = int(row["reward_model"]["ground_truth"])
+        prompt = row["prompt"] + [{"role": "assistant", "content": f"#### {mental_slip(answer, rng)}"},
+                                  {"role": "user", "content": INCORRECT}]
+        out.append({**row, "data_source": RECOVERY_SOURCE, "prompt": prompt})
+    return out
 
 
 def mental_slip(answer: int, rng: random.Random) -> int:

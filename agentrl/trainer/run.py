@@ -361,6 +361,7 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             log.log(0, before)
             summary["heldout_success_before"] = before.get("val/success_rate")
             summary["heldout_tool_use_before"] = before.get("val/tool_use_rate")
+            summary.update(_by_source(before, "before"))
             trainer.startup.lap("validation_before")
         log.console(trainer.startup.line())
         counts = trainer.actor.call_rank0("parameter_counts")
@@ -392,11 +393,20 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
         log.log(cfg.trainer.total_steps, after)
         summary["heldout_success_after"] = after.get("val/success_rate")
         summary["heldout_tool_use_after"] = after.get("val/tool_use_rate")
+        summary.update(_by_source(after, "after"))
         if cfg.trainer.export_hf:
             trainer.actor.call_all("export_hf", str(run.policy))
     finally:
         trainer.close()
     return trainer
+
+
+def _by_source(validation: dict[str, float], when: str) -> dict[str, dict[str, float]]:
+    """``heldout_by_source_<when>``: each validation data source's success, when there are several."""
+    prefix = "val/source/"
+    found = {k[len(prefix):].removesuffix("/success_rate"): v for k, v in validation.items()
+             if k.startswith(prefix) and k.endswith("/success_rate")}
+    return {f"heldout_by_source_{when}": found} if found else {}
 
 
 def cli_main(argv: list[str]) -> int:

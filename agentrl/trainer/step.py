@@ -253,6 +253,14 @@ def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> 
     second = [t for t in trajectories if sum(1 for x in t.turns if x.role == "user") >= 1]
     if second:
         m[f"{prefix}retry/second_attempt_success"] = sum(1 for t in second if t.reward >= 1.0 - 1e-6) / len(second)
+    # several data sources (verl reports validation per source too): each one's success and tool use
+    sources: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        sources.setdefault(t.data_source, []).append(t)
+    if len(sources) > 1:
+        for source, group in sources.items():
+            m[f"{prefix}source/{source}/success_rate"] = sum(1 for t in group if t.reward >= 1.0 - 1e-6) / len(group)
+            m[f"{prefix}source/{source}/tool_use_rate"] = sum(1 for t in group if t.metrics.get("tool_calls", 0.0) > 0) / len(group)
     return m
 
 

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from agentrl.data.row import Row
-from agentrl_data_prep.tasks import generate, mental_slip, problems, sft_conversations
+from agentrl_data_prep.tasks import RECOVERY_SOURCE, after_wrong_answer, generate, mental_slip, problems, sft_conversations
+from agentrl_interactions.gsm8k import INCORRECT
 from agentrl_tools.calculator import evaluate
 
 
@@ -50,6 +51,22 @@ def test_retry_variant_carries_the_gsm8k_interaction():
     assert row["extra_info"]["interaction_kwargs"] == {
         "name": "gsm8k", "query": row["prompt"][1]["content"], "ground_truth": row["reward_model"]["ground_truth"]
     }
+
+
+def test_rows_after_a_wrong_answer_start_at_the_second_attempt():
+    rows = generate("arith_retry", 20, seed=0, split="test")
+    after = after_wrong_answer(rows)
+    assert after == after_wrong_answer(rows) and len(after) == 20
+    for row, late in zip(rows, after):
+        Row.model_validate(late)
+        assert late["data_source"] == RECOVERY_SOURCE and late["extra_info"] == row["extra_info"]
+        assert late["prompt"][:2] == row["prompt"] and [m["role"] for m in late["prompt"][2:]] == ["assistant", "user"]
+        assert late["prompt"][3]["content"] == INCORRECT
+        first = re.fullmatch(r"#### (\d+)", late["prompt"][2]["content"]).group(1)
+        truth = row["reward_model"]["ground_truth"]
+        assert len(first) == len(truth) and sum(a != b for a, b in zip(first, truth)) == 1  # one digit wrong
+    with pytest.raises(ValueError, match="needs rows with an interaction"):
+        after_wrong_answer(generate("arith", 2, seed=0))
 
 
 def test_word_problems_need_two_or_three_calls():
@@ -166,3 +183,17 @@ def test_retry_demonstrations_train_on_both_answers_and_never_on_the_feedback(ti
     trained = tiny_tokenizer.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
     assert trained.endswith(f"The answer is {answer}.<|im_end|>#### {answer}<|im_end|>")
     assert INCORRECT not in trained and INCORRECT in tiny_tokenizer.decode(out["input_ids"])
+
+
+def test_the_retry_tasks_validation_holds_each_problem_twice_plain_and_after_a_wrong_answer(tmp_path):
+    from agentrl.config.schema import TrainConfig
+    from agentrl.data.prepare import prepare_data
+
+    cfg = TrainConfig.model_validate({"data": {"task": "arith_retry", "task_train_size": 8, "task_val_size": 5}})
+    _, val = prepare_data(cfg, tmp_path)
+    sources = [row.data_source for _, row in val]
+    assert sources == ["agentrl/arith_retry"] * 5 + [RECOVERY_SOURCE] * 5
+    assert len({uid for uid, _ in val}) == 10  # distinct ids: the two kinds are separate rows
+    assert [r.prompt[1].content for _, r in val[:5]] == [r.prompt[1].content for _, r in val[5:]]
+    _, plain = prepare_data(TrainConfig.model_validate({"data": {"task": "arith", "task_val_size": 5}}), tmp_path / "plain")
+    assert {row.data_source for _, row in plain} == {"agentrl/arith"}

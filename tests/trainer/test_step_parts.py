@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -97,6 +98,17 @@ def test_the_tool_use_rate_is_the_share_of_trajectories_with_a_call_not_the_call
         t.metrics["tool_calls"] = n
     m = trajectory_metrics(trajectories, prefix="val/")
     assert m["val/tool_use_rate"] == 0.5 and m["val/tool_calls/mean"] == 1.0
+
+
+def test_several_data_sources_each_get_success_and_tool_use_and_one_source_adds_nothing():
+    trajectories = [traj("g", i, [("assistant", 1, None)], reward=r) for i, r in enumerate([1.0, 0.0, 1.0, 1.0, 0.0])]
+    for t, source, calls in zip(trajectories, ["a", "a", "b/after", "b/after", "b/after"], [1.0, 0.0, 0.0, 2.0, 1.0]):
+        t.data_source, t.metrics["tool_calls"] = source, calls
+    m = trajectory_metrics(trajectories, prefix="val/")
+    assert m["val/source/a/success_rate"] == 0.5 and m["val/source/a/tool_use_rate"] == 0.5
+    assert m["val/source/b/after/success_rate"] == pytest.approx(2 / 3) and m["val/source/b/after/tool_use_rate"] == pytest.approx(2 / 3)
+    assert m["val/success_rate"] == pytest.approx(0.6)
+    assert not [k for k in trajectory_metrics(trajectories[:2]) if k.startswith("source/")]
 
 
 def test_tool_call_metrics_are_averaged_per_tool_name_with_call_counts():
