@@ -34,7 +34,7 @@ from agentrl.errors import (
     WorkerDied,
 )
 from agentrl.plugins import PluginRegistry
-from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, Turn
+from agentrl.trajectory import Segment, ToolCallRecord, Trajectory, TrajectoryBuilder, Turn
 
 __version__ = "0.1.0"
 
@@ -49,6 +49,7 @@ __all__ = [
     "Trajectory",
     "Turn",
     "ToolCallRecord",
+    "Segment",
     "TrajectoryBuilder",
     # plugin APIs
     "Engine",

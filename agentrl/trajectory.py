@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from agentrl.errors import TrajectoryError
 
-__all__ = ["Turn", "ToolCallRecord", "Trajectory", "TrajectoryBuilder", "TrajectoryFinish", "TurnRole"]
+__all__ = ["Turn", "ToolCallRecord", "Segment", "Trajectory", "TrajectoryBuilder", "TrajectoryFinish", "TurnRole"]
 
 TurnRole = Literal["assistant", "tool", "user"]
 
@@ -108,6 +108,19 @@ class ToolCallRecord:
 
 
 @dataclass(slots=True)
+class Segment:
+    """An earlier stretch of an episode whose context was rewritten before it went on (an agent
+    program that truncated or summarised its history: ``openai_agent``). Its tokens are exact as
+    sampled, under its own prompt; the trainer trains them with the trajectory's advantage."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    logprobs: list[float]
+    turns: list[Turn] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Trajectory:
     """A finished episode. ``response_*`` lists are aligned token for token."""
 
@@ -129,15 +142,19 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
     ground_truth: str | None = None
+    # the segments before the last rewrite of the context, oldest first (the fields above hold
+    # the last one); empty for every loop that never rewrites its context
+    earlier_segments: list[Segment] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.finish_reason = TrajectoryFinish.parse(self.finish_reason, where=f"trajectory {self.row_id}: finish_reason")
-        n = len(self.response_ids)
-        if len(self.response_mask) != n or len(self.logprobs) != n:
-            raise TrajectoryError(
-                f"trajectory {self.row_id}: response_ids ({n}), response_mask ({len(self.response_mask)}) "
-                f"and logprobs ({len(self.logprobs)}) must have equal lengths"
-            )
+        for where, part in [("", self)] + [(f" earlier segment {k}", s) for k, s in enumerate(self.earlier_segments)]:
+            n = len(part.response_ids)
+            if len(part.response_mask) != n or len(part.logprobs) != n:
+                raise TrajectoryError(
+                    f"trajectory {self.row_id}{where}: response_ids ({n}), response_mask ({len(part.response_mask)}) "
+                    f"and logprobs ({len(part.logprobs)}) must have equal lengths"
+                )
 
     @property
     def num_assistant_turns(self) -> int:

@@ -26,6 +26,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def skilled_model_dir() -> Path:
+    """The tiny model taught the calculator, as agentrl ships it (read-only: copy it to change it)."""
+    from agentrl.tiny import shipped_skilled_model
+
+    path = shipped_skilled_model("calculator")
+    assert path is not None, "the shipped skilled base does not match its recipe (tests/test_skilled_base.py says how to rebuild)"
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -1,11 +1,12 @@
-"""``agentrl train`` on an agent program it does not know: the plain-``openai`` GSM8K-style
-calculator agent (``agent_programs/gsm8k_calculator.py``) behind the ``openai_agent`` loop."""
+"""``agentrl train`` on agent programs it does not know, behind the ``openai_agent`` loop: the
+plain-``openai`` GSM8K-style calculator agent (``agent_programs/gsm8k_calculator.py``), and its
+variant that compacts its history after each tool result (``gsm8k_calculator_compact``), whose
+earlier segments train with the trajectory's advantage."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -14,27 +15,21 @@ import pyarrow.parquet as pq
 import pytest
 
 from agentrl.data.rollout_store import RolloutStore
+from agentrl_data_prep.tasks import generate
 
 
 @pytest.mark.ray
-def test_two_grpo_steps_of_a_plain_openai_agent(tiny_model_dir, tmp_path):
-    rng = random.Random(0)
+@pytest.mark.parametrize("program", ["gsm8k_calculator", "gsm8k_calculator_compact"])
+def test_two_grpo_steps_of_a_plain_openai_agent(program, skilled_model_dir, tmp_path):
     rows = []
-    for i in range(4):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append({
-            "data_source": "agentrl/arith", "agent_name": "openai_agent",
-            "prompt": [{"role": "system", "content": "Use the calculator. End with '#### N'."},
-                       {"role": "user", "content": f"What is {a} + {b}?"}],
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"index": i, "agent_program": "gsm8k_calculator"},
-        })
+    for i, task_row in enumerate(generate("arith", 4, seed=3)):
+        rows.append({**task_row, "agent_name": "openai_agent", "extra_info": {"index": i, "agent_program": program}})
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", f"data.train_files=[{tmp_path / 'rows.parquet'}]",
-        "data.task=null", f"model.path={tiny_model_dir}", "sft.enable=false", "trainer.total_steps=2", "trainer.test_freq=0",
+        "data.task=null", f"model.path={skilled_model_dir}", "sft.enable=false", "trainer.total_steps=2", "trainer.test_freq=0",
         "trainer.val_before_train=false", "trainer.save_freq=0", "data.train_batch_size=4", "rollout.n=2",
-        "rollout.max_new_tokens=16", "data.max_response_length=96", "actor.ppo_mini_batch_size=4",
+        "rollout.max_new_tokens=64", "data.max_response_length=512", "actor.ppo_mini_batch_size=4",
         f"trainer.runs_root={tmp_path}", "trainer.run_name=byo", "logging.progress=false", "trainer.threads_per_worker=1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -50,4 +45,17 @@ def test_two_grpo_steps_of_a_plain_openai_agent(tiny_model_dir, tmp_path):
     for s in stored:
         t = s.trajectory
         assert t.agent_name == "openai_agent" and "segment_splits" in t.metrics
-        assert s.row.prompt[-1].content.split("What is ")[1].rstrip("?") in t.messages[1]["content"]  # its own row
+        assert s.row.prompt[-1].content in t.messages[1]["content"]  # its own row
+        assert len(t.earlier_segments) == t.metrics["segment_splits"]
+    splits = sum(s["trajectories/earlier_segments"] for s in steps)
+    assert splits == sum(len(s.trajectory.earlier_segments) for s in stored)
+    if program == "gsm8k_calculator":
+        assert splits == 0  # it replays its whole history: every call extends one segment
+    else:
+        # the skilled base calls the calculator, so the program compacts its history and segments
+        # start; they are trained rows (their tokens count, the logprob check above covers them)
+        assert splits >= 4
+    # every sampled token of every segment is in the step's loss
+    for metrics, step in zip(steps, sorted({s.step for s in stored})):
+        parts = [p for s in stored if s.step == step for p in [s.trajectory, *s.trajectory.earlier_segments]]
+        assert metrics["tokens/sampled"] == sum(sum(p.response_mask) for p in parts)

@@ -10,7 +10,8 @@ Layout: ``<root>/<split>-step<step:06d>-w<writer:03d>.parquet``. One row per tra
   agent_name), so a trajectory can be re-run through its agent loop without the dataset.
 
 The schema version sits in each file's metadata (``agentrl_schema_version``). Version 1 (the
-files agentrl 0.1 wrote, one per step: no ``writer_id`` and no ``row``) is read too.
+files agentrl 0.1 wrote, one per step: no ``writer_id`` and no ``row``) is read too, and files
+before version 4 read with no ``earlier_segments``.
 
 A shard is written to a hidden temporary file in the same directory in row groups, fsynced,
 then renamed over its final name (and the directory fsynced), so a reader sees a whole shard
@@ -39,19 +40,21 @@ import pyarrow.parquet as pq
 
 from agentrl.data.row import Row
 from agentrl.errors import DataError
-from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, Turn
+from agentrl.trajectory import Segment, ToolCallRecord, Trajectory, TrajectoryFinish, Turn
 
 __all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
            "trajectories_to_table", "shard_name"]
 
-SCHEMA_VERSION = "3"  # 3: each tool call's metrics
-READABLE_VERSIONS = ("1", "2", "3")
+SCHEMA_VERSION = "4"  # 3: each tool call's metrics; 4: earlier segments
+READABLE_VERSIONS = ("1", "2", "3", "4")
 VERSION_KEY = b"agentrl_schema_version"
 
 _TURN = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64()), ("reward", pa.float64())])
 _CALL = pa.struct([("turn", pa.int64()), ("name", pa.string()), ("arguments", pa.string()), ("raw", pa.string()),
                    ("result", pa.string()), ("error", pa.string()), ("reward", pa.float64()), ("duration_s", pa.float64()),
                    ("metrics", pa.string())])
+_SEGMENT = pa.struct([("prompt_ids", pa.list_(pa.int64())), ("response_ids", pa.list_(pa.int64())),
+                      ("response_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float64())), ("turns", pa.list_(_TURN))])
 SCHEMA = pa.schema(
     [
         ("step", pa.int64()), ("split", pa.string()), ("writer_id", pa.int64()),
@@ -63,6 +66,7 @@ SCHEMA = pa.schema(
         ("reward", pa.float64()), ("reward_info", pa.string()), ("tool_calls", pa.list_(_CALL)),
         ("metrics", pa.string()), ("policy_version", pa.int64()), ("ground_truth", pa.string()),
         ("row", pa.string()),  # the dataset row as JSON; null when the writer did not have it
+        ("earlier_segments", pa.list_(_SEGMENT)),  # Trajectory.earlier_segments (none before version 4)
     ],
     metadata={VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -146,7 +150,7 @@ def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | Non
         "step": step, "split": split, "writer_id": writer_id, "row_id": t.row_id, "group_id": t.group_id,
         "sample_index": t.sample_index, "data_source": t.data_source, "agent_name": t.agent_name,
         "prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "response_mask": t.response_mask, "logprobs": t.logprobs,
-        "turns": [{"role": x.role, "start": x.start, "end": x.end, "reward": x.reward} for x in t.turns],
+        "turns": [_encode_turn(x) for x in t.turns],
         "messages": json.dumps(t.messages), "finish_reason": t.finish_reason.value, "reward": float(t.reward),
         "reward_info": json.dumps(t.reward_info, default=str),
         "tool_calls": [
@@ -157,7 +161,16 @@ def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | Non
         ],
         "metrics": json.dumps(t.metrics), "policy_version": t.policy_version, "ground_truth": t.ground_truth,
         "row": None if row is None else row.model_dump_json(),
+        "earlier_segments": [
+            {"prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
+             "logprobs": g.logprobs, "turns": [_encode_turn(x) for x in g.turns]}
+            for g in t.earlier_segments
+        ],
     }
+
+
+def _encode_turn(x: Turn) -> dict[str, Any]:
+    return {"role": x.role, "start": x.start, "end": x.end, "reward": x.reward}
 
 
 def _decode(r: dict[str, Any]) -> Trajectory:
@@ -175,6 +188,11 @@ def _decode(r: dict[str, Any]) -> Trajectory:
             for c in r["tool_calls"]
         ],
         metrics=json.loads(r["metrics"]), policy_version=r["policy_version"], ground_truth=r["ground_truth"],
+        earlier_segments=[
+            Segment(g["prompt_ids"], g["response_ids"], g["response_mask"], g["logprobs"],
+                    [Turn(x["role"], x["start"], x["end"], x["reward"]) for x in g["turns"]])
+            for g in r.get("earlier_segments") or []  # none before schema version 4
+        ],
     )
 
 

@@ -21,6 +21,7 @@ online step's.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -175,6 +176,56 @@ def compute_advantages(batch: TrainBatch, cfg: TrainConfig, kl_coef: float | Non
     return batch.replace(advantages=advantages, returns=returns), metrics
 
 
+def with_earlier_segments(trajectories: Sequence[Trajectory], groups_per_mini: int) -> tuple[list[Trajectory], list[int], list[int]]:
+    """The rows to train, the row whose advantage each takes (-1: its own) and where mini-batches
+    start. Without earlier segments: the trajectories as given, mini-batches by row count (empty
+    list). With them (an agent program rewrote its history, ``Trajectory.earlier_segments``):
+    each group's trajectories, then their earlier segments, each a row in a group of its own so
+    that it stays out of the group's statistics, and mini-batches of ``groups_per_mini`` groups
+    with their segments."""
+    if not any(t.earlier_segments for t in trajectories):
+        return list(trajectories), [-1] * len(trajectories), []
+    by_group: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        by_group.setdefault(t.group_id, []).append(t)
+    rows: list[Trajectory] = []
+    parent: list[int] = []
+    starts: list[int] = []
+    for g, members in enumerate(by_group.values()):
+        if g % groups_per_mini == 0:
+            starts.append(len(rows))
+        first = len(rows)
+        rows.extend(members)
+        parent.extend([-1] * len(members))
+        for i, t in enumerate(members):
+            for k, seg in enumerate(t.earlier_segments):
+                rows.append(dataclasses.replace(
+                    t, group_id=f"{t.group_id}#{t.sample_index}/segment{k}", prompt_ids=seg.prompt_ids,
+                    response_ids=seg.response_ids, response_mask=seg.response_mask, logprobs=seg.logprobs,
+                    turns=[dataclasses.replace(x, reward=None) for x in seg.turns], reward=0.0, tool_calls=[],
+                    earlier_segments=[]))
+                parent.append(first + i)
+    return rows, parent, starts
+
+
+def share_advantages(batch: TrainBatch, parent: Sequence[int]) -> TrainBatch:
+    """Rows with a parent take the parent's advantage and return at its first sampled token, on
+    each of their own sampled tokens (for GRPO and RLOO that is the trajectory's advantage)."""
+    index = torch.tensor(parent, dtype=torch.long)
+    rows = (index >= 0).nonzero()[:, 0]
+    if not len(rows):
+        return batch
+    source = index[rows]
+    first = batch.response_mask[source].argmax(-1)  # the first sampled token of each parent
+
+    def shared(x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        out[rows] = x[source, first][:, None] * batch.response_mask[rows]
+        return out
+
+    return batch.replace(advantages=shared(batch.advantages), returns=shared(batch.returns))
+
+
 def overlong_shaping(batch: TrainBatch, trajectories: Sequence[Trajectory], cfg: TrainConfig) -> tuple[TrainBatch, dict[str, float]]:
     """DAPO's length shaping, when configured: the soft overlong penalty joins each trajectory's
     reward (on its last sampled token and its last turn), and overlong filtering leaves responses
@@ -311,10 +362,13 @@ def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
     timings[f"timing/{phase}_s"] = time.perf_counter() - start
 
 
-def update(group: Group, batch: TrainBatch, mini_size: int, epochs: int, mode: str, **kwargs: Any) -> dict[str, float]:
-    """``epochs`` passes over mini-batches of ``mini_size`` trajectories, each sharded over the
-    group's ranks; the ranks' metrics averaged."""
-    minis = [mb for _ in range(epochs) for mb in batch.split(mini_size)]
+def update(group: Group, batch: TrainBatch, mini_size: int, epochs: int, mode: str, *, starts: Sequence[int] = (),
+           **kwargs: Any) -> dict[str, float]:
+    """``epochs`` passes over mini-batches of ``mini_size`` trajectories (or starting at the rows
+    ``starts``, when given), each sharded over the group's ranks; the ranks' metrics averaged."""
+    bounds = list(starts) + [len(batch)]
+    split = [batch.select(slice(a, b)) for a, b in zip(bounds, bounds[1:])] if starts else batch.split(mini_size)
+    minis = [mb for _ in range(epochs) for mb in split]
     denominators = [mini_batch_denominator(mb.response_mask, mode) for mb in minis]
     per_mini = [balanced_shards(mb, group.world_size).shards for mb in minis]
     per_rank = [[mini[rank] for mini in per_mini] for rank in range(group.world_size)]
@@ -373,9 +427,11 @@ class TrainingStep:
         usable = usable_trajectories(trajectories, where)
         if group_size is None:
             group_size = max(Counter(t.group_id for t in usable).values())
-        batch = collate(usable, pad_token_id=self.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
+        rows, parent, starts = with_earlier_segments(usable, cfg.actor.ppo_mini_batch_size)
+        critic_starts = with_earlier_segments(usable, cfg.critic.ppo_mini_batch_size)[2]
+        batch = collate(rows, pad_token_id=self.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
                         max_response_length=cfg.data.max_response_length)
-        batch, shaping_metrics = overlong_shaping(batch, usable, cfg)
+        batch, shaping_metrics = overlong_shaping(batch, rows, cfg)
         actor, micro = groups.actor, cfg.actor.ppo_micro_batch_size_per_gpu
         on_policy = on_policy and update_actor
         entropy = None
@@ -398,6 +454,7 @@ class TrainingStep:
         weight_metrics: dict[str, float] = {}
         with timed(timings, "advantages"):
             batch, adv_metrics = compute_advantages(batch, cfg, self.kl_ctrl.value if self.kl_ctrl is not None else None)
+            batch = share_advantages(batch, parent)
             if max_ratio is not None:
                 weights, weight_metrics = truncated_importance_weights(batch.old_logprobs, batch.engine_logprobs,
                                                                        batch.response_mask, max_ratio)
@@ -407,7 +464,7 @@ class TrainingStep:
         if groups.critic is not None:
             with timed(timings, "critic_update"):
                 metrics.update(update(groups.critic, batch, cfg.critic.ppo_mini_batch_size * group_size, cfg.critic.ppo_epochs,
-                                      mode, loss_agg_mode=mode))
+                                      mode, starts=critic_starts, loss_agg_mode=mode))
         if on_policy:
             with timed(timings, "actor_update"):
                 denominator = mini_batch_denominator(batch.response_mask, mode)
@@ -419,7 +476,7 @@ class TrainingStep:
         elif update_actor:
             with timed(timings, "actor_update"):
                 metrics.update(update(actor, batch, cfg.actor.ppo_mini_batch_size * group_size, cfg.actor.ppo_epochs,
-                                      mode, use_kl_loss=cfg.actor.use_kl_loss))
+                                      mode, starts=starts, use_kl_loss=cfg.actor.use_kl_loss))
 
         mask = batch.response_mask
         mismatch = (batch.engine_logprobs - batch.old_logprobs).abs() * mask  # the engine's against the trainer's
@@ -434,6 +491,7 @@ class TrainingStep:
             "logprob_mismatch/max": float(mismatch.max()) if mismatch.numel() else 0.0,
             "tokens/sampled": float(mask.sum()),
             "trajectories/loop_errors": float(len(trajectories) - len(usable)),
+            "trajectories/earlier_segments": float(len(rows) - len(usable)),  # trained as rows of their own
         })
         metrics.update(failure_metrics(trajectories))
         metrics.update(weight_metrics)

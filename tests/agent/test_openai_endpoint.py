@@ -102,7 +102,14 @@ def test_async_streaming_client_and_a_rewritten_history_starts_a_segment(tiny_to
     assert t.response_ids == sampled + r.separator_ids
     assert t.response_mask == [1] * len(sampled) + [0] * len(r.separator_ids)
     assert t.metrics["segment_splits"] == 1
-    assert t.metrics["segment_dropped_tokens"] == len(tiny_tokenizer.encode("first answer", add_special_tokens=False)) + 1
+    # the first segment, exact as sampled under its own prompt: the trainer trains it too
+    first = tiny_tokenizer.encode("first answer", add_special_tokens=False) + [r.eos_id]
+    (seg,) = t.earlier_segments
+    assert seg.prompt_ids == r.prompt_ids(row().messages())
+    assert seg.response_ids == first and seg.response_mask == [1] * len(first)
+    assert seg.logprobs == [-0.5] * len(first)  # the scripted engine's logprob
+    assert [(x.role, x.start, x.end) for x in seg.turns] == [("assistant", 0, len(first))]
+    assert t.metrics["segment_earlier_tokens"] == len(first)
     assert t.reward == 1.0
 
 
@@ -234,9 +241,15 @@ def test_the_program_is_found_by_entry_point(tiny_tokenizer):
     from agentrl_agent_loops.openai_agent import find_program
     from agentrl_agent_programs.gsm8k_calculator import solve
 
-    assert find_program(make_row(agent="openai_agent"), PluginRegistry()) is solve  # the one installed
+    from agentrl_agent_programs.gsm8k_calculator_compact import solve as compact
+
+    assert find_program(make_row(agent="openai_agent", agent_program="gsm8k_calculator"), PluginRegistry()) is solve
+    assert find_program(make_row(agent="openai_agent", agent_program="gsm8k_calculator_compact"), PluginRegistry()) is compact
     with pytest.raises(PluginError, match="no plugin named 'nosuch' in group agentrl.agents"):
         find_program(make_row(agent="openai_agent", agent_program="nosuch"), PluginRegistry())
+    # several installed and the row names none: refused with the names
+    with pytest.raises(PluginError, match=r"2 agent programs are installed \(gsm8k_calculator, gsm8k_calculator_compact\); name one"):
+        find_program(make_row(agent="openai_agent"), PluginRegistry())
 
 
 def test_the_response_budget_caps_max_tokens_and_ends_the_trajectory(tiny_tokenizer, make_ctx):

@@ -19,7 +19,7 @@ from v1_format import write_trajectories
 
 from agentrl.errors import DataError, TrajectoryError
 from agentrl.data.rollout_store import SCHEMA_VERSION, RolloutStore, TrajectoryFilter, shard_name, trajectories_to_table
-from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, Turn
+from agentrl.trajectory import Segment, ToolCallRecord, Trajectory, TrajectoryFinish, Turn
 
 
 def odd_trajectory(**changes) -> Trajectory:
@@ -35,6 +35,9 @@ def odd_trajectory(**changes) -> Trajectory:
                     ToolCallRecord(turn=0, name="calculator", arguments={"expression": "1+1", "k": [1, {"z": None}]},
                                    raw="...", result="2", reward=0.5, duration_s=0.001, metrics={"exit_code": 0.0, "wall_s": 0.25})],
         metrics={"turns": 2.0, "tool_errors/bad_json": 1.0}, policy_version=7, ground_truth=None,
+        earlier_segments=[Segment([4, 5], [9, 9, 3], [1, 0, 1], [-0.5, 0.0, -1e-9],
+                                  [Turn("assistant", 0, 1, None), Turn("tool", 1, 2), Turn("assistant", 2, 3, 0.75)]),
+                          Segment([6], [], [], [], [])],
     )
     return dataclasses.replace(t, **changes)
 
@@ -64,12 +67,21 @@ def test_a_shard_of_an_unknown_schema_version_is_refused_naming_the_file(tmp_pat
 
 
 def test_version_1_files_of_the_rollout_command_are_read_without_rows(tmp_path):
-    t = odd_trajectory()
+    t = odd_trajectory(earlier_segments=[])  # version 1 kept no earlier segments
     for call in t.tool_calls:
         call.metrics = {}  # version 1 kept no per-call metrics; they read back empty
     write_trajectories([t], tmp_path / "rollout-00000.parquet", step=5, split="train")
     [stored] = RolloutStore(tmp_path).iter_stored()
     assert stored.trajectory == t and (stored.split, stored.step, stored.writer_id, stored.row) == ("train", 5, 0, None)
+
+
+def test_version_3_files_read_with_no_earlier_segments(tmp_path):
+    path = RolloutStore(tmp_path).write_step(2, [odd_trajectory()])
+    table = pq.read_table(path)
+    older = table.drop_columns(["earlier_segments"]).replace_schema_metadata({"agentrl_schema_version": "3"})
+    pq.write_table(older, path)
+    [stored] = RolloutStore(tmp_path).iter_stored()
+    assert stored.trajectory == odd_trajectory(earlier_segments=[])
 
 
 def _store_with_variety(tmp_path) -> RolloutStore:

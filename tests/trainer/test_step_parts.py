@@ -9,8 +9,8 @@ from torch.testing import assert_close
 from agentrl.config.schema import TrainConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import collate
-from agentrl.trainer.step import compute_advantages, pad_rows, shards, trajectory_metrics
-from agentrl.trajectory import ToolCallRecord, Trajectory, Turn
+from agentrl.trainer.step import compute_advantages, pad_rows, share_advantages, shards, trajectory_metrics, with_earlier_segments
+from agentrl.trajectory import Segment, ToolCallRecord, Trajectory, Turn
 
 
 def traj(group: str, sample: int, turns: list[tuple[str, int, float | None]], reward: float, finish: str = "stop") -> Trajectory:
@@ -98,6 +98,33 @@ def test_the_tool_use_rate_is_the_share_of_trajectories_with_a_call_not_the_call
         t.metrics["tool_calls"] = n
     m = trajectory_metrics(trajectories, prefix="val/")
     assert m["val/tool_use_rate"] == 0.5 and m["val/tool_calls/mean"] == 1.0
+
+
+def test_earlier_segments_train_with_their_trajectorys_advantage_outside_the_group_statistics():
+    a = traj("g", 0, [("assistant", 2, None)], reward=1.0)
+    a.earlier_segments = [Segment([7, 8, 9], [4, 4, 4, 6], [1, 1, 0, 1], [-0.2, -0.3, 0.0, -0.4],
+                                 [Turn("assistant", 0, 2, 0.5), Turn("tool", 2, 3), Turn("assistant", 3, 4)])]
+    b = traj("g", 1, [("assistant", 2, None)], reward=0.0)
+    c, d = traj("h", 0, [("assistant", 1, None)], reward=0.0), traj("h", 1, [("assistant", 1, None)], reward=0.0)
+    rows, parent, starts = with_earlier_segments([a, b, c, d], groups_per_mini=1)
+    assert [r.group_id for r in rows] == ["g", "g", "g#0/segment0", "h", "h"] and parent == [-1, -1, 0, -1, -1]
+    assert starts == [0, 3]  # each mini-batch: one group's trajectories and their segments
+    seg = rows[2]
+    assert (seg.prompt_ids, seg.response_ids, seg.response_mask, seg.reward) == ([7, 8, 9], [4, 4, 4, 6], [1, 1, 0, 1], 0.0)
+    assert seg.turns[0].reward is None and not seg.earlier_segments  # its turn reward is not counted twice
+    cfg = cfg_with(adv_estimator="grpo")
+    batch, _ = compute_advantages(collate(rows, pad_token_id=0), cfg, kl_coef=None)
+    batch = share_advantages(batch, parent)
+    # group g: rewards 1 and 0 -> +-1/sqrt(2) (Bessel's std), the segment's tokens take a's advantage
+    a_adv = 2**-0.5
+    assert_close(batch.advantages[0, :2], torch.full((2,), a_adv))
+    assert_close(batch.advantages[1, :2], torch.full((2,), -a_adv))
+    assert_close(batch.advantages[2, :4], torch.tensor([a_adv, a_adv, 0.0, a_adv]))
+    # without the segment, the group's advantages are the same: it is outside the statistics
+    alone, _ = compute_advantages(collate([a, b, c, d], pad_token_id=0), cfg, kl_coef=None)
+    assert_close(alone.advantages[:2, :2], batch.advantages[:2, :2])
+    # nothing changes for trajectories without segments: same rows, same order, mini-batches by count
+    assert with_earlier_segments([b, c], groups_per_mini=1) == ([b, c], [-1, -1], [])
 
 
 def test_several_data_sources_each_get_success_and_tool_use_and_one_source_adds_nothing():
