@@ -26,7 +26,7 @@ from agentrl.data.row import Row
 from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry, discover
 from agentrl.rewards import score_to_float
-from agentrl.trajectory import Segment, Trajectory, TrajectoryBuilder, TrajectoryFinish
+from agentrl.trajectory import Trajectory, TrajectoryBuilder, TrajectoryFinish, TrajectorySegment
 
 
 def find_program(row: Row, registry: PluginRegistry) -> Any:
@@ -97,10 +97,11 @@ class OpenAIAgentLoop(AgentLoop):
                 reward, info = score_to_float(fn(row.data_source, answer.final_answer, row.ground_truth, row.extra_info.model_dump()))
         if error:
             info["error"] = error
-        earlier = [Segment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask, s.builder.logprobs,
+        earlier = [TrajectorySegment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask, s.builder.logprobs,
                            s.builder.turns) for s in session.segments[:-1]]
         metrics = {
             "turns": float(session.assistant_turns), "generate_calls": float(len(session.calls)),
+            "tool_calls": float(session.tool_calls_returned),  # the trainer's tool_use_rate counts these
             "response_tokens": float(len(builder.response_ids)), "sampled_tokens": float(sum(builder.response_mask)),
             "gen_time_s": session.gen_time, "segment_splits": float(session.segment_splits),
             "segment_earlier_tokens": float(sum(sum(s.response_mask) for s in earlier)),

@@ -13,15 +13,19 @@ CALCULATOR = {
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+        "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "the expression to evaluate, for example 4821 * 37"}},
+            "required": ["expression"],
+        },
     },
 }
 
 
 def calculate(expression: str) -> str:
-    if not expression or set(expression) - set("0123456789+-*/(). "):
-        return "error: only numbers, + - * / and parentheses"
+    if not expression or set(expression) - set("0123456789+-*/%(). "):
+        return "error: only numbers, + - * / // % ** and parentheses"
     try:
         return str(eval(expression, {"__builtins__": {}}, {}))  # the character check above keeps it arithmetic
     except Exception as exc:

@@ -34,7 +34,7 @@ from agentrl.errors import (
     WorkerDied,
 )
 from agentrl.plugins import PluginRegistry
-from agentrl.trajectory import Segment, ToolCallRecord, Trajectory, TrajectoryBuilder, Turn
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, TrajectorySegment, Turn
 
 __version__ = "0.1.0"
 
@@ -49,7 +49,7 @@ __all__ = [
     "Trajectory",
     "Turn",
     "ToolCallRecord",
-    "Segment",
+    "TrajectorySegment",
     "TrajectoryBuilder",
     # plugin APIs
     "Engine",

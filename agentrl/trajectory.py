@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from agentrl.errors import TrajectoryError
 
-__all__ = ["Turn", "ToolCallRecord", "Segment", "Trajectory", "TrajectoryBuilder", "TrajectoryFinish", "TurnRole"]
+__all__ = ["Turn", "ToolCallRecord", "TrajectorySegment", "Trajectory", "TrajectoryBuilder", "TrajectoryFinish", "TurnRole"]
 
 TurnRole = Literal["assistant", "tool", "user"]
 
@@ -108,7 +108,7 @@ class ToolCallRecord:
 
 
 @dataclass(slots=True)
-class Segment:
+class TrajectorySegment:
     """An earlier stretch of an episode whose context was rewritten before it went on (an agent
     program that truncated or summarised its history: ``openai_agent``). Its tokens are exact as
     sampled, under its own prompt; the trainer trains them with the trajectory's advantage."""
@@ -144,7 +144,7 @@ class Trajectory:
     ground_truth: str | None = None
     # the segments before the last rewrite of the context, oldest first (the fields above hold
     # the last one); empty for every loop that never rewrites its context
-    earlier_segments: list[Segment] = field(default_factory=list)
+    earlier_segments: list[TrajectorySegment] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.finish_reason = TrajectoryFinish.parse(self.finish_reason, where=f"trajectory {self.row_id}: finish_reason")

@@ -59,3 +59,32 @@ def test_two_grpo_steps_of_a_plain_openai_agent(program, skilled_model_dir, tmp_
     for metrics, step in zip(steps, sorted({s.step for s in stored})):
         parts = [p for s in stored if s.step == step for p in [s.trajectory, *s.trajectory.earlier_segments]]
         assert metrics["tokens/sampled"] == sum(sum(p.response_mask) for p in parts)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_an_agents_sdk_agent_learns_to_call_its_tool_through_agentrl_train(tmp_path):
+    """A real agent framework, unaware of agentrl: ``gsm8k_calculator_agents_sdk`` (an OpenAI
+    Agents SDK ``Agent`` with a calculator) in the quickstart's setting: the warm start seldom
+    calls the tool, GRPO on the agent's own trajectories raises tool use and reward. Measured
+    (2026-11-26, 20 steps, seed 0): reward 0.125, 0.156, 0.094 at steps 1-3, 0.625, 0.594, 0.563
+    at steps 13-15 and 0.78 at 17-19; tool use 0.28 -> 1.0; 91 s. Here 15 steps."""
+    rows = [{**r, "agent_name": "openai_agent", "extra_info": {"index": i, "agent_program": "gsm8k_calculator_agents_sdk"}}
+            for i, r in enumerate(generate("arith", 400, seed=0))]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    args = [f"data.train_files=[{tmp_path / 'rows.parquet'}]", "trainer.total_steps=15", "trainer.test_freq=0",
+            "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.export_hf=false", "logging.progress=false",
+            f"trainer.runs_root={tmp_path}", "trainer.run_name=sdk"]
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "sdk" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s.get("step", 0) > 0 and "reward/mean" in s]
+    assert len(steps) == 15 and all(s["trajectories/loop_errors"] == 0 for s in steps)
+    reward = [s["reward/mean"] for s in steps]
+    use = [s["tool_use_rate"] for s in steps]
+    assert sum(use[:3]) / 3 <= 0.4, use  # the warm start seldom calls the tool
+    assert sum(use[-3:]) / 3 >= sum(use[:3]) / 3 + 0.3, use
+    assert sum(reward[-3:]) / 3 >= sum(reward[:3]) / 3 + 0.2, reward
+    assert all(s["logprob_mismatch/max"] < 1e-4 for s in steps)  # the SDK's calls, scored as sampled

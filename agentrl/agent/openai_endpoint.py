@@ -55,6 +55,17 @@ _ACCEPTED_KEYS = _SAMPLING_KEYS | {
 }
 
 
+def _as_rendered(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the chat template is given it: without OpenAI's ``strict`` flag, which asks the
+    server to constrain generation to the schema (this endpoint does not) and describes nothing
+    to the model. Frameworks set it by default (the Agents SDK sends ``strict`` on every function
+    tool); rendered, it would be text the model never saw beside its tools."""
+    function = tool.get("function")
+    if isinstance(function, dict) and "strict" in function:
+        return {**tool, "function": {k: v for k, v in function.items() if k != "strict"}}
+    return tool
+
+
 class RequestRefused(Exception):
     """A request the endpoint will not serve: answered with ``status`` and an OpenAI error body
     naming the field; ``finish`` set when the refusal ends the trajectory (a limit)."""
@@ -102,6 +113,7 @@ class EndpointSession:
     calls: list[CallRecord] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     assistant_turns: int = 0
+    tool_calls_returned: int = 0  # calls parsed from the answers (what the policy asked to run)
     finish: TrajectoryFinish | None = None  # set when a limit or the engine ended the trajectory
     error: str | None = None
     weight_versions: list[int] = field(default_factory=list)
@@ -161,6 +173,7 @@ class EndpointSession:
         answer: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
         if tool_calls:
             answer["tool_calls"] = tool_calls
+            self.tool_calls_returned += len(tool_calls)
         segment.messages.append(normalize_message(answer, where="response"))
         finish = "length" if result.finish_reason is FinishReason.LENGTH else "tool_calls" if tool_calls else "stop"
         return {
@@ -208,6 +221,8 @@ class EndpointSession:
         tools = body.get("tools") or None
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise RequestRefused("tools: a list of tool objects is required", param="tools")
+        if tools is not None:
+            tools = [_as_rendered(t) for t in tools]
         choice = body.get("tool_choice")
         if choice not in (None, "auto", "none"):
             raise RequestRefused(f"tool_choice={choice!r}: only 'auto' and 'none' are supported "

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from agentrl.data.row import Row
 from agentrl.errors import DataError
-from agentrl.trajectory import Segment, ToolCallRecord, Trajectory, TrajectoryFinish, Turn
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, TrajectorySegment, Turn
 
 __all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
            "trajectories_to_table", "shard_name"]
@@ -189,7 +189,7 @@ def _decode(r: dict[str, Any]) -> Trajectory:
         ],
         metrics=json.loads(r["metrics"]), policy_version=r["policy_version"], ground_truth=r["ground_truth"],
         earlier_segments=[
-            Segment(g["prompt_ids"], g["response_ids"], g["response_mask"], g["logprobs"],
+            TrajectorySegment(g["prompt_ids"], g["response_ids"], g["response_mask"], g["logprobs"],
                     [Turn(x["role"], x["start"], x["end"], x["reward"]) for x in g["turns"]])
             for g in r.get("earlier_segments") or []  # none before schema version 4
         ],

@@ -248,7 +248,7 @@ def test_the_program_is_found_by_entry_point(tiny_tokenizer):
     with pytest.raises(PluginError, match="no plugin named 'nosuch' in group agentrl.agents"):
         find_program(make_row(agent="openai_agent", agent_program="nosuch"), PluginRegistry())
     # several installed and the row names none: refused with the names
-    with pytest.raises(PluginError, match=r"2 agent programs are installed \(gsm8k_calculator, gsm8k_calculator_compact\); name one"):
+    with pytest.raises(PluginError, match=r"3 agent programs are installed \(gsm8k_calculator, gsm8k_calculator_agents_sdk, gsm8k_calculator_compact\); name one"):
         find_program(make_row(agent="openai_agent"), PluginRegistry())
 
 
@@ -265,3 +265,100 @@ def test_the_response_budget_caps_max_tokens_and_ends_the_trajectory(tiny_tokeni
     (t,) = run(loop_with(program), ctx, [("r0", row())])
     assert [r.sampling.max_new_tokens for r in engine.requests] == [call_len + 3]  # the budget, not max_new_tokens
     assert t.finish_reason == "response_budget" and [turn.role for turn in t.turns] == ["assistant"]
+
+
+def test_streamed_tool_calls_assemble_in_the_client_and_merge_token_by_token(tiny_tokenizer, make_ctx):
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [CALL, "#### 408"]})
+    ctx = make_ctx(engine)
+    seen = {}
+
+    def program(task):
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        messages = list(task.messages)
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(model=task.model, messages=messages, tools=[CALCULATOR], stream=True):
+            for piece in chunk.choices[0].delta.tool_calls or []:  # assembled as clients do, by index
+                call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += piece.id or ""
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        seen["calls"], seen["finish"] = calls, finish
+        (call,) = calls.values()
+        messages += [{"role": "assistant", "content": "", "tool_calls": [
+                         {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": "408"}]
+        answer = client.chat.completions.create(model=task.model, messages=messages, tools=[CALCULATOR], stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in answer if c.choices)
+
+    (t,) = run(loop_with(program), ctx, [("r0", row())])
+    (call,) = seen["calls"].values()
+    assert seen["finish"] == "tool_calls" and call["name"] == "calculator" and call["id"]
+    assert t.metrics["tool_calls"] == 1.0  # the call the policy wrote, for tool_use_rate
+    assert json.loads(call["arguments"]) == {"expression": "12 * 34"}
+    # the streamed call, sent back as the client assembled it, extends the context exactly
+    r = ctx.renderer
+    sampled1 = tiny_tokenizer.encode(CALL, add_special_tokens=False) + [r.eos_id]
+    sampled2 = tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [r.eos_id]
+    first, second = engine.requests
+    assert second.input_ids[: len(first.input_ids) + len(sampled1)] == first.input_ids + sampled1
+    assert t.metrics["segment_splits"] == 0 and t.reward == 1.0
+    assert [x.role for x in t.turns] == ["assistant", "tool", "assistant"]
+    assert t.response_ids[: len(sampled1)] == sampled1 and t.response_ids[t.turns[2].start : t.turns[2].end] == sampled2
+
+
+def test_the_strict_flag_of_a_tool_is_not_rendered(tiny_tokenizer, make_ctx):
+    """OpenAI's ``strict`` asks for constrained decoding (not done here) and describes nothing:
+    frameworks send it by default, and the model sees its tools as without it."""
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": ["#### 1"], "r1": ["#### 1"]})
+    ctx = make_ctx(engine)
+    strict = {**CALCULATOR, "function": {**CALCULATOR["function"], "strict": True}}
+
+    def program_with(tool):
+        def program(task):
+            client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+            return client.chat.completions.create(model=task.model, messages=task.messages, tools=[tool]).choices[0].message.content
+
+        return program
+
+    run(loop_with(program_with(strict)), ctx, [("r0", row())])
+    run(loop_with(program_with(CALCULATOR)), ctx, [("r1", row())])
+    assert engine.requests[0].input_ids == engine.requests[1].input_ids == ctx.renderer.prompt_ids(row().messages(), [CALCULATOR])
+    assert "strict" not in tiny_tokenizer.decode(engine.requests[0].input_ids)
+
+
+def test_an_agents_sdk_agent_streaming_its_run_merges_exactly(tiny_tokenizer, make_ctx):
+    """The Agents SDK's streamed run (``Runner.run_streamed``) over the endpoint's SSE answers,
+    its tool call included."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [CALL, "#### 408"]})
+    ctx = make_ctx(engine)
+    executed, events = [], []
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        executed.append(expression)
+        return str(eval(expression, {"__builtins__": {}}, {}))
+
+    async def program(task):
+        client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        agent = Agent(name="math", instructions="Use the calculator.", tools=[calculator],
+                      model=OpenAIChatCompletionsModel(model=task.model, openai_client=client))
+        result = Runner.run_streamed(agent, "What is 12 * 34?", max_turns=4)
+        async for event in result.stream_events():
+            events.append(event.type)
+        await client.close()
+        return result.final_output
+
+    (t,) = run(loop_with(program), ctx, [("r0", row())])
+    assert executed == ["12 * 34"] and t.reward == 1.0 and t.finish_reason == "stop"
+    assert "raw_response_event" in events
+    r = ctx.renderer
+    sampled1 = tiny_tokenizer.encode(CALL, add_special_tokens=False) + [r.eos_id]
+    first, second = engine.requests
+    assert second.input_ids[: len(first.input_ids) + len(sampled1)] == first.input_ids + sampled1
+    assert t.metrics["segment_splits"] == 0 and [x.role for x in t.turns] == ["assistant", "tool", "assistant"]

@@ -19,7 +19,7 @@ from v1_format import write_trajectories
 
 from agentrl.errors import DataError, TrajectoryError
 from agentrl.data.rollout_store import SCHEMA_VERSION, RolloutStore, TrajectoryFilter, shard_name, trajectories_to_table
-from agentrl.trajectory import Segment, ToolCallRecord, Trajectory, TrajectoryFinish, Turn
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, TrajectorySegment, Turn
 
 
 def odd_trajectory(**changes) -> Trajectory:
@@ -35,9 +35,9 @@ def odd_trajectory(**changes) -> Trajectory:
                     ToolCallRecord(turn=0, name="calculator", arguments={"expression": "1+1", "k": [1, {"z": None}]},
                                    raw="...", result="2", reward=0.5, duration_s=0.001, metrics={"exit_code": 0.0, "wall_s": 0.25})],
         metrics={"turns": 2.0, "tool_errors/bad_json": 1.0}, policy_version=7, ground_truth=None,
-        earlier_segments=[Segment([4, 5], [9, 9, 3], [1, 0, 1], [-0.5, 0.0, -1e-9],
+        earlier_segments=[TrajectorySegment([4, 5], [9, 9, 3], [1, 0, 1], [-0.5, 0.0, -1e-9],
                                   [Turn("assistant", 0, 1, None), Turn("tool", 1, 2), Turn("assistant", 2, 3, 0.75)]),
-                          Segment([6], [], [], [], [])],
+                          TrajectorySegment([6], [], [], [], [])],
     )
     return dataclasses.replace(t, **changes)
 

@@ -10,7 +10,7 @@ from agentrl.config.schema import TrainConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import collate
 from agentrl.trainer.step import compute_advantages, pad_rows, share_advantages, shards, trajectory_metrics, with_earlier_segments
-from agentrl.trajectory import Segment, ToolCallRecord, Trajectory, Turn
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectorySegment, Turn
 
 
 def traj(group: str, sample: int, turns: list[tuple[str, int, float | None]], reward: float, finish: str = "stop") -> Trajectory:
@@ -102,7 +102,7 @@ def test_the_tool_use_rate_is_the_share_of_trajectories_with_a_call_not_the_call
 
 def test_earlier_segments_train_with_their_trajectorys_advantage_outside_the_group_statistics():
     a = traj("g", 0, [("assistant", 2, None)], reward=1.0)
-    a.earlier_segments = [Segment([7, 8, 9], [4, 4, 4, 6], [1, 1, 0, 1], [-0.2, -0.3, 0.0, -0.4],
+    a.earlier_segments = [TrajectorySegment([7, 8, 9], [4, 4, 4, 6], [1, 1, 0, 1], [-0.2, -0.3, 0.0, -0.4],
                                  [Turn("assistant", 0, 2, 0.5), Turn("tool", 2, 3), Turn("assistant", 3, 4)])]
     b = traj("g", 1, [("assistant", 2, None)], reward=0.0)
     c, d = traj("h", 0, [("assistant", 1, None)], reward=0.0), traj("h", 1, [("assistant", 1, None)], reward=0.0)

@@ -1,0 +1,45 @@
+"""The GSM8K calculator agent written with a real agent framework: the OpenAI Agents SDK.
+
+Nothing here knows agentrl: an ``Agent`` with one function tool, run by the SDK's ``Runner``
+against the chat-completions endpoint it is given, its client closed before it returns. Needs ``pip install openai-agents`` (the
+``agents`` extra); the import happens at the first call, so the entry point loads without it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agentrl_agent_programs.gsm8k_calculator import CALCULATOR, calculate
+
+INSTRUCTIONS = "Use the calculator tool for arithmetic. End your answer with #### <number>."
+
+
+async def solve(task: Any, max_turns: int = 4) -> str:
+    try:
+        import openai
+        from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+        from agents.exceptions import MaxTurnsExceeded
+    except ImportError as exc:
+        raise ImportError("the gsm8k_calculator_agents_sdk program needs the OpenAI Agents SDK: pip install openai-agents") from exc
+
+    set_tracing_disabled(True)  # no trace upload from a rollout
+
+    async def run_calculator(context: Any, arguments: str) -> str:
+        return calculate(str(json.loads(arguments or "{}").get("expression", "")))
+
+    # the tool as the model was taught it (CALCULATOR's schema), not as the SDK would derive it
+    # from a Python signature: a small model follows the tool description it was trained on
+    calculator = FunctionTool(name="calculator", description=CALCULATOR["function"]["description"],
+                              params_json_schema=CALCULATOR["function"]["parameters"], on_invoke_tool=run_calculator,
+                              strict_json_schema=False)
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    try:
+        agent = Agent(name="gsm8k", instructions=INSTRUCTIONS, tools=[calculator],
+                      model=OpenAIChatCompletionsModel(model=task.model, openai_client=client))
+        result = await Runner.run(agent, task.messages[-1]["content"], max_turns=max_turns)
+        return str(result.final_output or "")
+    except MaxTurnsExceeded:
+        return ""  # no final answer within its turns: scored as a wrong one
+    finally:
+        await client.close()  # in this event loop, not at garbage collection after it closed
