@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -179,5 +181,45 @@ def test_rollout_command_on_gsm8k_tools_through_sglang_gives_the_builtin_engines
     served = rollout("sglang", "engine=sglang")
     assert served == builtin
     assert all(len(p) > 100 for p, _, _ in served.values())  # the tool schemas are in the prompt
+    ports = _ports_of(tmp_path / "sglang" / "servers")
+    assert len(ports) == 1 and not _processes_on_port(ports[0])
+
+
+def test_an_openai_agent_behind_the_endpoint_gets_the_same_tokens_from_sglang_as_from_the_builtin_engine(
+        skilled_model_dir, tmp_path):
+    """The OpenAI-compatible endpoint in front of real SGLang: the plain-``openai`` calculator agent
+    (``gsm8k_calculator``) on the calculator-skilled base, greedy, through `agentrl rollout` with
+    one managed SGLang server and with the built-in engine: the same trajectories token for token,
+    tool round trips merged into one stream (observations masked), SGLang's logprobs within the
+    engines' agreement."""
+    from agentrl.data.rollout_store import RolloutStore
+    from agentrl_data_prep.tasks import generate
+
+    rows = [{**r, "agent_name": "openai_agent", "extra_info": {"index": i, "agent_program": "gsm8k_calculator"}}
+            for i, r in enumerate(generate("arith", 4, seed=5))]
+    data = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    common = [f"data.train_files=[{data}]", "data.task=null", f"model.path={skilled_model_dir}", "rollout.n=1",
+              "rollout.temperature=0", "rollout.max_new_tokens=64", f"trainer.runs_root={tmp_path}", "logging.progress=false"]
+
+    def rollout(name: str, *engine: str):
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", *engine, *common, f"trainer.run_name={name}"],
+                              capture_output=True, text=True, timeout=900, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        stored = [s.trajectory for s in RolloutStore(tmp_path / name / "rollouts").iter_stored()]
+        assert len(stored) == 4 and all(t.agent_name == "openai_agent" and t.finish_reason == "stop" for t in stored)
+        return {t.row_id: t for t in stored}
+
+    builtin = rollout("builtin")
+    served = rollout("sglang", "engine=sglang")
+    assert {k: (t.prompt_ids, t.response_ids, t.response_mask) for k, t in served.items()} == {
+        k: (t.prompt_ids, t.response_ids, t.response_mask) for k, t in builtin.items()}
+    # each answer is a calculator call, its result (masked) and the answer: one merged stream
+    assert all([x.role for x in t.turns] == ["assistant", "tool", "assistant"] for t in served.values())
+    assert all(t.metrics["tool_calls"] == 1.0 and t.metrics["segment_splits"] == 0 and t.reward == 1.0 for t in served.values())
+    for key, t in served.items():
+        gap = (torch.tensor(t.logprobs) - torch.tensor(builtin[key].logprobs)).abs().max()
+        assert gap < MISMATCH_TOLERANCE, (key, float(gap))
     ports = _ports_of(tmp_path / "sglang" / "servers")
     assert len(ports) == 1 and not _processes_on_port(ports[0])
