@@ -440,7 +440,13 @@ async def test_in_step_copies_chain_through_requests_that_copied_their_own_prefi
         GenerateRequest(prompt, SamplingParams(max_new_tokens=5, temperature=1.0, seed=i), rid=f"{name}{i}")
         for name, prompt in (("a", a), ("b", b)) for i in range(3)
     ]
-    results = await asyncio.gather(*(engine.generate(r) for r in requests))
+    # all six queued before the worker may step: it takes the engine's lock to read its inbox (a
+    # worker thread that woke at the first request took a step with it alone on a loaded machine)
+    with engine._cv:
+        running = [asyncio.ensure_future(engine.generate(r)) for r in requests]
+        while len(engine._inbox) < len(requests):
+            await asyncio.sleep(0)
+    results = await asyncio.gather(*running)
     first = engine.step_log[0]
     assert len(first.prefill_rids) == 6
     assert first.prefill_tokens == len(a) + 1 + 1 + (len(b) - len(head)) + 1 + 1
