@@ -48,6 +48,22 @@ def _ports_of(server_logs: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1].split(".")[0]) for p in server_logs.glob("server-*.log"))
 
 
+def _trainer_in_process(overrides: list[str]):
+    """(trainer, run dir, metrics logger) of `agentrl train` with ``overrides``, in this process."""
+    from agentrl.config import load_config
+    from agentrl.engines.managed import check_engine_config
+    from agentrl.rundir import make_run_dir
+    from agentrl.trainer.logging import MetricsLogger
+    from agentrl.trainer.run import Trainer
+
+    cfg = load_config("train", overrides)
+    check_engine_config(cfg, training=True)
+    run = make_run_dir(cfg)
+    run.write_config(cfg)
+    log = MetricsLogger(run.path, cfg.logging)
+    return Trainer(cfg, run.path, log=log), run, log
+
+
 def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_and_resumes(tmp_path):
     """Three steps in process against one real managed server: every step's rollout is sampled
     with the trainer's weights, the served policy is the exported one, no server outlives the
@@ -56,15 +72,10 @@ def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_an
     so its logprobs agree with the trainer's recomputation and the weight versions continue."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.config import load_config
     from agentrl.data.rollout_store import RolloutStore
     from agentrl.engines.base import GenerateRequest, SamplingParams
     from agentrl.engines.guard import auth_headers
-    from agentrl.engines.managed import check_engine_config
     from agentrl.engines.sglang import SGLangClient
-    from agentrl.rundir import make_run_dir
-    from agentrl.trainer.logging import MetricsLogger
-    from agentrl.trainer.run import Trainer
 
     overrides = [
         "engine=sglang", "sft.enable=false", "data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=12",
@@ -77,12 +88,7 @@ def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_an
         # the quickstart's calculator-skilled base at temperature 1)
         "model.tiny.skills=none", "rollout.temperature=0.7",
     ]
-    cfg = load_config("train", overrides)
-    check_engine_config(cfg, training=True)
-    run = make_run_dir(cfg)
-    run.write_config(cfg)
-    log = MetricsLogger(run.path, cfg.logging)
-    trainer = Trainer(cfg, run.path, log=log)
+    trainer, run, log = _trainer_in_process(overrides)
     try:
         assert trainer.servers is not None and len(trainer.servers.urls) == 1
         url = trainer.servers.urls[0]
@@ -223,3 +229,39 @@ def test_an_openai_agent_behind_the_endpoint_gets_the_same_tokens_from_sglang_as
         assert gap < MISMATCH_TOLERANCE, (key, float(gap))
     ports = _ports_of(tmp_path / "sglang" / "servers")
     assert len(ports) == 1 and not _processes_on_port(ports[0])
+
+
+def test_a_lora_actor_syncs_its_merged_weights_to_sglang(tmp_path):
+    """LoRA (``actor.lora.rank``) with a real SGLang server: after each update the server gets the
+    merged weights (base + scaled adapter product; SGLang's own adapter loading is not used), so
+    every step samples with the trainer's policy and the served policy is the exported merged one."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engines.guard import auth_headers
+
+    overrides = [
+        "engine=sglang", "sft.enable=false", "data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=12",
+        "data.max_response_length=48", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
+        "actor.entropy_coeff=0.1", "actor.optim.lr=0.05", "actor.lora.rank=8", "actor.lora.alpha=16",
+        "trainer.val_before_train=false", "logging.progress=false", f"trainer.runs_root={tmp_path}", "trainer.run_name=run",
+        "logging.loggers=[jsonl]", "trainer.test_freq=0", "trainer.export_hf=false", "model.tiny.skills=none",
+        "rollout.temperature=0.7",
+    ]
+    trainer, _, log = _trainer_in_process(overrides)
+    try:
+        url = trainer.servers.urls[0]
+        metrics = [trainer.train_step(step, trainer.dataset.next_batch()) for step in range(2)]
+        for step, m in enumerate(metrics):  # step 1's rollout ran on the weights merged after update 1
+            assert m["logprob_mismatch/max"] < MISMATCH_TOLERANCE, (step, m["logprob_mismatch/max"])
+        info = httpx.get(f"{url}/get_model_info", headers=auth_headers(trainer.servers.api_key), timeout=30).json()
+        assert str(info["weight_version"]) == "2"
+        policy = tmp_path / "policy"
+        trainer.actor.call_all("export_hf", str(policy))  # merged
+        merged = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+        initial = AutoModelForCausalLM.from_pretrained(trainer.model_path, dtype=torch.float32)
+        with torch.no_grad():
+            moved = max(float((a - b).abs().max()) for a, b in zip(merged.parameters(), initial.parameters()))
+        assert moved > 1e-3, f"the adapters barely moved the weights ({moved}): the mismatch check proves nothing"
+    finally:
+        trainer.close()
+        log.close()
