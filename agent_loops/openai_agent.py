@@ -97,8 +97,8 @@ class OpenAIAgentLoop(AgentLoop):
                 reward, info = score_to_float(fn(row.data_source, answer.final_answer, row.ground_truth, row.extra_info.model_dump()))
         if error:
             info["error"] = error
-        earlier = [TrajectorySegment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask, s.builder.logprobs,
-                           s.builder.turns) for s in session.segments[:-1]]
+        earlier = [TrajectorySegment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask,
+                                     s.builder.logprobs, s.builder.turns) for s in session.segments[:-1]]
         metrics = {
             "turns": float(session.assistant_turns), "generate_calls": float(len(session.calls)),
             "tool_calls": float(session.tool_calls_returned),  # the trainer's tool_use_rate counts these

@@ -173,12 +173,16 @@ def _encode_turn(x: Turn) -> dict[str, Any]:
     return {"role": x.role, "start": x.start, "end": x.end, "reward": x.reward}
 
 
+def _decode_turn(x: dict[str, Any]) -> Turn:
+    return Turn(x["role"], x["start"], x["end"], x["reward"])
+
+
 def _decode(r: dict[str, Any]) -> Trajectory:
     return Trajectory(
         row_id=r["row_id"], group_id=r["group_id"], sample_index=r["sample_index"], data_source=r["data_source"],
         agent_name=r["agent_name"], prompt_ids=r["prompt_ids"], response_ids=r["response_ids"],
         response_mask=r["response_mask"], logprobs=r["logprobs"],
-        turns=[Turn(x["role"], x["start"], x["end"], x["reward"]) for x in r["turns"]],
+        turns=[_decode_turn(x) for x in r["turns"]],
         messages=json.loads(r["messages"]), finish_reason=r["finish_reason"], reward=r["reward"],
         reward_info=json.loads(r["reward_info"]),
         tool_calls=[
@@ -190,7 +194,7 @@ def _decode(r: dict[str, Any]) -> Trajectory:
         metrics=json.loads(r["metrics"]), policy_version=r["policy_version"], ground_truth=r["ground_truth"],
         earlier_segments=[
             TrajectorySegment(g["prompt_ids"], g["response_ids"], g["response_mask"], g["logprobs"],
-                    [Turn(x["role"], x["start"], x["end"], x["reward"]) for x in g["turns"]])
+                              [_decode_turn(x) for x in g["turns"]])
             for g in r.get("earlier_segments") or []  # none before schema version 4
         ],
     )
