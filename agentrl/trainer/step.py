@@ -176,13 +176,13 @@ def compute_advantages(batch: TrainBatch, cfg: TrainConfig, kl_coef: float | Non
     return batch.replace(advantages=advantages, returns=returns), metrics
 
 
-def with_earlier_segments(trajectories: Sequence[Trajectory], groups_per_mini: int) -> tuple[list[Trajectory], list[int], list[int]]:
-    """The rows to train, the row whose advantage each takes (-1: its own) and where mini-batches
-    start. Without earlier segments: the trajectories as given, mini-batches by row count (empty
-    list). With them (an agent program rewrote its history, ``Trajectory.earlier_segments``):
-    each group's trajectories, then their earlier segments, each a row in a group of its own so
-    that it stays out of the group's statistics, and mini-batches of ``groups_per_mini`` groups
-    with their segments."""
+def with_earlier_segments(trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], list[int], list[int]]:
+    """The rows to train, the row whose advantage each takes (-1: its own) and the row where each
+    group's block starts. Without earlier segments: the trajectories as given and no blocks
+    (mini-batches go by row count). With them (an agent program rewrote its history,
+    ``Trajectory.earlier_segments``): each group's trajectories, then their earlier segments,
+    each a row in a group of its own so that it stays out of the group's statistics; a mini-batch
+    of k groups starts at every k-th block (``mini_batch_starts``), its groups' segments with it."""
     if not any(t.earlier_segments for t in trajectories):
         return list(trajectories), [-1] * len(trajectories), []
     by_group: dict[str, list[Trajectory]] = {}
@@ -190,11 +190,10 @@ def with_earlier_segments(trajectories: Sequence[Trajectory], groups_per_mini: i
         by_group.setdefault(t.group_id, []).append(t)
     rows: list[Trajectory] = []
     parent: list[int] = []
-    starts: list[int] = []
-    for g, members in enumerate(by_group.values()):
-        if g % groups_per_mini == 0:
-            starts.append(len(rows))
+    blocks: list[int] = []
+    for members in by_group.values():
         first = len(rows)
+        blocks.append(first)
         rows.extend(members)
         parent.extend([-1] * len(members))
         for i, t in enumerate(members):
@@ -205,7 +204,12 @@ def with_earlier_segments(trajectories: Sequence[Trajectory], groups_per_mini: i
                     turns=[dataclasses.replace(x, reward=None) for x in seg.turns], reward=0.0, tool_calls=[],
                     earlier_segments=[]))
                 parent.append(first + i)
-    return rows, parent, starts
+    return rows, parent, blocks
+
+
+def mini_batch_starts(blocks: Sequence[int], groups_per_mini: int) -> list[int]:
+    """Where mini-batches of ``groups_per_mini`` group blocks start (none without blocks)."""
+    return list(blocks[::groups_per_mini])
 
 
 def share_advantages(batch: TrainBatch, parent: Sequence[int]) -> TrainBatch:
@@ -427,8 +431,7 @@ class TrainingStep:
         usable = usable_trajectories(trajectories, where)
         if group_size is None:
             group_size = max(Counter(t.group_id for t in usable).values())
-        rows, parent, starts = with_earlier_segments(usable, cfg.actor.ppo_mini_batch_size)
-        critic_starts = with_earlier_segments(usable, cfg.critic.ppo_mini_batch_size)[2]
+        rows, parent, blocks = with_earlier_segments(usable)
         batch = collate(rows, pad_token_id=self.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
                         max_response_length=cfg.data.max_response_length)
         batch, shaping_metrics = overlong_shaping(batch, rows, cfg)
@@ -464,7 +467,8 @@ class TrainingStep:
         if groups.critic is not None:
             with timed(timings, "critic_update"):
                 metrics.update(update(groups.critic, batch, cfg.critic.ppo_mini_batch_size * group_size, cfg.critic.ppo_epochs,
-                                      mode, starts=critic_starts, loss_agg_mode=mode))
+                                      mode, starts=mini_batch_starts(blocks, cfg.critic.ppo_mini_batch_size),
+                                      loss_agg_mode=mode))
         if on_policy:
             with timed(timings, "actor_update"):
                 denominator = mini_batch_denominator(batch.response_mask, mode)
@@ -476,7 +480,8 @@ class TrainingStep:
         elif update_actor:
             with timed(timings, "actor_update"):
                 metrics.update(update(actor, batch, cfg.actor.ppo_mini_batch_size * group_size, cfg.actor.ppo_epochs,
-                                      mode, starts=starts, use_kl_loss=cfg.actor.use_kl_loss))
+                                      mode, starts=mini_batch_starts(blocks, cfg.actor.ppo_mini_batch_size),
+                                      use_kl_loss=cfg.actor.use_kl_loss))
 
         mask = batch.response_mask
         mismatch = (batch.engine_logprobs - batch.old_logprobs).abs() * mask  # the engine's against the trainer's

@@ -9,7 +9,9 @@ from torch.testing import assert_close
 from agentrl.config.schema import TrainConfig
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import collate
-from agentrl.trainer.step import compute_advantages, pad_rows, share_advantages, shards, trajectory_metrics, with_earlier_segments
+from agentrl.trainer.step import (
+    compute_advantages, mini_batch_starts, pad_rows, share_advantages, shards, trajectory_metrics, with_earlier_segments,
+)
 from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectorySegment, Turn
 
 
@@ -106,9 +108,10 @@ def test_earlier_segments_train_with_their_trajectorys_advantage_outside_the_gro
                                  [Turn("assistant", 0, 2, 0.5), Turn("tool", 2, 3), Turn("assistant", 3, 4)])]
     b = traj("g", 1, [("assistant", 2, None)], reward=0.0)
     c, d = traj("h", 0, [("assistant", 1, None)], reward=0.0), traj("h", 1, [("assistant", 1, None)], reward=0.0)
-    rows, parent, starts = with_earlier_segments([a, b, c, d], groups_per_mini=1)
+    rows, parent, blocks = with_earlier_segments([a, b, c, d])
     assert [r.group_id for r in rows] == ["g", "g", "g#0/segment0", "h", "h"] and parent == [-1, -1, 0, -1, -1]
-    assert starts == [0, 3]  # each mini-batch: one group's trajectories and their segments
+    assert blocks == [0, 3]  # each group's trajectories, then their segments
+    assert mini_batch_starts(blocks, 1) == [0, 3] and mini_batch_starts(blocks, 2) == [0]
     seg = rows[2]
     assert (seg.prompt_ids, seg.response_ids, seg.response_mask, seg.reward) == ([7, 8, 9], [4, 4, 4, 6], [1, 1, 0, 1], 0.0)
     assert seg.turns[0].reward is None and not seg.earlier_segments  # its turn reward is not counted twice
@@ -124,7 +127,7 @@ def test_earlier_segments_train_with_their_trajectorys_advantage_outside_the_gro
     alone, _ = compute_advantages(collate([a, b, c, d], pad_token_id=0), cfg, kl_coef=None)
     assert_close(alone.advantages[:2, :2], batch.advantages[:2, :2])
     # nothing changes for trajectories without segments: same rows, same order, mini-batches by count
-    assert with_earlier_segments([b, c], groups_per_mini=1) == ([b, c], [-1, -1], [])
+    assert with_earlier_segments([b, c]) == ([b, c], [-1, -1], []) and mini_batch_starts([], 1) == []
 
 
 def test_several_data_sources_each_get_success_and_tool_use_and_one_source_adds_nothing():
