@@ -14,18 +14,13 @@ the tolerance; ``test_the_family_specific_parts_move_the_logprobs`` shows that i
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from family_fixtures import build_family_dir
+from logprob_checks import as_batch, engine_samples, mismatch, sharpen, trainer_logprobs
 
 import agentrl.engines._packed as engine_packed
 import agentrl.trainer.packed as trainer_packed
-from agentrl.engines.base import GenerateRequest, SamplingParams
-from agentrl.engines.builtin import BuiltinEngine
-from agentrl.trainer.batch import collate_sequences
-from agentrl.trainer.prefix import response_logprobs
 
 MAX_ABS = 1e-5
 MAX_MEAN = 3e-6
@@ -74,11 +69,7 @@ def family_model(request, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(out)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(family, len(tokenizer)), dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    sharpen(model)
     model.save_pretrained(out)
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], tools=TOOLS, add_generation_prompt=True, tokenize=True)
@@ -88,44 +79,8 @@ def family_model(request, tmp_path_factory):
     return family, out, model.eval(), prompts
 
 
-def _engine_samples(model_dir, prompts, temperature: float, *, module_path: bool, monkeypatch):
-    if module_path:
-        monkeypatch.setattr(engine_packed, "fast_decoder_supported", lambda decoder: False)
-
-    async def run():
-        async with BuiltinEngine(model_dir, max_batch_size=8) as engine:
-            assert isinstance(engine._forward, engine_packed.ModuleForward) == module_path
-            requests = [
-                GenerateRequest(p, SamplingParams(max_new_tokens=10, temperature=temperature, seed=i))
-                for i, p in enumerate(prompts)
-            ]
-            return await asyncio.gather(*(engine.generate(r) for r in requests))
-
-    try:
-        return asyncio.run(run())
-    finally:
-        monkeypatch.undo()
-
-
-def _batch(prompts, results):
-    return collate_sequences(prompts, [r.output_ids for r in results], [[1] * len(r.output_ids) for r in results],
-                             pad_token_id=0, logprobs=[r.logprobs for r in results])
-
-
-def _trainer_logprobs(model, batch, temperature, *, module_path: bool, monkeypatch):
-    if module_path:
-        monkeypatch.setattr(trainer_packed, "packed_supported", lambda model, batch: False)
-    try:
-        with torch.no_grad():
-            return response_logprobs(model, batch, temperature=temperature)[0]
-    finally:
-        monkeypatch.undo()
-
-
-def _mismatch(logprobs, batch) -> tuple[float, float]:
-    mask = batch.response_mask
-    delta = (logprobs - batch.engine_logprobs).abs() * mask
-    return float(delta.max()), float(delta.sum() / mask.sum())
+def _samples(model_dir, prompts, temperature: float, *, module_path: bool, monkeypatch):
+    return engine_samples(model_dir, prompts, temperature, max_new_tokens=10, module_path=module_path, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -135,23 +90,22 @@ def test_trainer_logprobs_match_the_engine_within_1e_5_on_each_family(family_mod
     assert max(max(p) for p in prompts) > 50_000 and min(len(p) for p in prompts) > 50  # real ids, long prompts
     engine_paths = ["packed", "module"] if FAST_PATH[family] else ["module"]
     for engine_path in engine_paths:
-        results = _engine_samples(model_dir, prompts, temperature, module_path=engine_path == "module", monkeypatch=monkeypatch)
-        batch = _batch(prompts, results)
+        results = _samples(model_dir, prompts, temperature, module_path=engine_path == "module", monkeypatch=monkeypatch)
+        batch = as_batch(prompts, results)
         assert int(batch.response_mask.sum()) == sum(len(r.output_ids) for r in results) > 20
         mean_logprob = float((batch.engine_logprobs * batch.response_mask).sum() / batch.response_mask.sum())
         assert mean_logprob < -0.5  # far from one-hot, and (with ~10^5 ids) far from uniform below
         for trainer_path in (["packed", "module"] if FAST_PATH[family] else ["module"]):
             assert trainer_packed.packed_supported(model, batch) == FAST_PATH[family]
-            got = _trainer_logprobs(model, batch, temperature, module_path=trainer_path == "module", monkeypatch=monkeypatch)
-            worst, mean = _mismatch(got, batch)
+            got = trainer_logprobs(model, batch, temperature, module_path=trainer_path == "module", monkeypatch=monkeypatch)
+            worst, mean = mismatch(got, batch)
             assert worst < MAX_ABS and mean < MAX_MEAN, (family, engine_path, trainer_path, worst, mean)
 
 
 def test_the_family_specific_parts_move_the_logprobs(family_model, monkeypatch):
     """The agreement above could not hold if one path dropped what sets the family apart."""
     family, model_dir, model, prompts = family_model
-    batch = _batch(prompts, _engine_samples(model_dir, prompts, 1.0, module_path=False, monkeypatch=monkeypatch)
-                   if FAST_PATH[family] else _engine_samples(model_dir, prompts, 1.0, module_path=True, monkeypatch=monkeypatch))
+    batch = as_batch(prompts, _samples(model_dir, prompts, 1.0, module_path=not FAST_PATH[family], monkeypatch=monkeypatch))
     attn = model.model.layers[0].self_attn
     if family == "qwen3":  # per-head q/k norms set to identity
         parts = [attn.q_norm.weight, attn.k_norm.weight]
@@ -173,8 +127,8 @@ def test_the_family_specific_parts_move_the_logprobs(family_model, monkeypatch):
             p.copy_(c)
     try:
         for path in (["packed", "module"] if FAST_PATH[family] else ["module"]):
-            changed = _trainer_logprobs(model, batch, 1.0, module_path=path == "module", monkeypatch=monkeypatch)
-            assert _mismatch(changed, batch)[1] > 1000 * MAX_MEAN, (family, path)
+            changed = trainer_logprobs(model, batch, 1.0, module_path=path == "module", monkeypatch=monkeypatch)
+            assert mismatch(changed, batch)[1] > 1000 * MAX_MEAN, (family, path)
     finally:
         with torch.no_grad():
             for p, s in zip(parts, saved):

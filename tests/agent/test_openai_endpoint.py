@@ -180,15 +180,17 @@ def test_concurrent_agents_on_the_real_tiny_model_keep_their_own_sessions(tiny_m
         assert (torch.tensor(t.logprobs)[mask] - reference[mask]).abs().max() < 1e-4
 
 
-def test_openai_agents_sdk_agent_trains_token_exact(tiny_tokenizer, make_ctx):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_openai_agents_sdk_agent_trains_token_exact(streamed, tiny_tokenizer, make_ctx):
     """A real framework (the OpenAI Agents SDK) that knows nothing of agentrl: its tool round trip
-    is merged into one exact stream."""
+    is merged into one exact stream, whether it runs on whole answers or streams them
+    (``Runner.run_streamed`` over the endpoint's server-sent events, tool-call deltas included)."""
     from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
     engine = ScriptedEngine(tiny_tokenizer, {"r0": [CALL, "#### 408"]})
     ctx = make_ctx(engine)
-    executed = []
+    executed, events = [], []
 
     @function_tool
     def calculator(expression: str) -> str:
@@ -200,12 +202,19 @@ def test_openai_agents_sdk_agent_trains_token_exact(tiny_tokenizer, make_ctx):
         client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
         agent = Agent(name="math", instructions="Use the calculator.", tools=[calculator],
                       model=OpenAIChatCompletionsModel(model=task.model, openai_client=client))
-        result = await Runner.run(agent, "What is 12 * 34?", max_turns=4)
+        if streamed:
+            result = Runner.run_streamed(agent, "What is 12 * 34?", max_turns=4)
+            async for event in result.stream_events():
+                events.append(event.type)
+        else:
+            result = await Runner.run(agent, "What is 12 * 34?", max_turns=4)
+        await client.close()
         return result.final_output
 
     (t,) = run(loop_with(program), ctx, [("r0", row())])
     assert t.finish_reason == "stop", t.reward_info
     assert executed == ["12 * 34"] and t.reward == 1.0
+    assert ("raw_response_event" in events) == streamed
     r = ctx.renderer
     first, second = engine.requests
     sampled1 = tiny_tokenizer.encode(CALL, add_special_tokens=False) + [r.eos_id]
@@ -327,38 +336,3 @@ def test_the_strict_flag_of_a_tool_is_not_rendered(tiny_tokenizer, make_ctx):
     assert engine.requests[0].input_ids == engine.requests[1].input_ids == ctx.renderer.prompt_ids(row().messages(), [CALCULATOR])
     assert "strict" not in tiny_tokenizer.decode(engine.requests[0].input_ids)
 
-
-def test_an_agents_sdk_agent_streaming_its_run_merges_exactly(tiny_tokenizer, make_ctx):
-    """The Agents SDK's streamed run (``Runner.run_streamed``) over the endpoint's SSE answers,
-    its tool call included."""
-    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)
-    engine = ScriptedEngine(tiny_tokenizer, {"r0": [CALL, "#### 408"]})
-    ctx = make_ctx(engine)
-    executed, events = [], []
-
-    @function_tool
-    def calculator(expression: str) -> str:
-        """Evaluate an arithmetic expression."""
-        executed.append(expression)
-        return str(eval(expression, {"__builtins__": {}}, {}))
-
-    async def program(task):
-        client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
-        agent = Agent(name="math", instructions="Use the calculator.", tools=[calculator],
-                      model=OpenAIChatCompletionsModel(model=task.model, openai_client=client))
-        result = Runner.run_streamed(agent, "What is 12 * 34?", max_turns=4)
-        async for event in result.stream_events():
-            events.append(event.type)
-        await client.close()
-        return result.final_output
-
-    (t,) = run(loop_with(program), ctx, [("r0", row())])
-    assert executed == ["12 * 34"] and t.reward == 1.0 and t.finish_reason == "stop"
-    assert "raw_response_event" in events
-    r = ctx.renderer
-    sampled1 = tiny_tokenizer.encode(CALL, add_special_tokens=False) + [r.eos_id]
-    first, second = engine.requests
-    assert second.input_ids[: len(first.input_ids) + len(sampled1)] == first.input_ids + sampled1
-    assert t.metrics["segment_splits"] == 0 and [x.role for x in t.turns] == ["assistant", "tool", "assistant"]

@@ -14,17 +14,12 @@ temperatures; the tolerances are 1e-5 and 3e-6.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 
 import pytest
 import torch
+from logprob_checks import as_batch, engine_samples, mismatch, sharpen, trainer_logprobs
 
-import agentrl.engines._packed as engine_packed
-import agentrl.trainer.packed as trainer_packed
-from agentrl.engines.base import GenerateRequest, SamplingParams
-from agentrl.engines.builtin import BuiltinEngine
-from agentrl.trainer.batch import collate_sequences
 from agentrl.trainer.workers import response_logprobs
 
 PROMPTS = [[5, 17, 99, 3], [40, 41], [7, 8, 9, 10, 11, 12, 13]]
@@ -38,11 +33,7 @@ def sharp_model_dir(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    sharpen(model)
     out = tmp_path_factory.mktemp("sharp-tiny")
     model.save_pretrained(out)
     for f in tiny_model_dir.iterdir():
@@ -58,54 +49,15 @@ def sharp_model(sharp_model_dir):
     return AutoModelForCausalLM.from_pretrained(sharp_model_dir, dtype=torch.float32).eval()
 
 
-def engine_samples(model_dir, temperature: float, *, module_path: bool = False, monkeypatch=None):
-    if module_path:
-        monkeypatch.setattr(engine_packed, "fast_decoder_supported", lambda decoder: False)
-
-    async def run():
-        async with BuiltinEngine(model_dir, max_batch_size=8) as engine:
-            assert isinstance(engine._forward, engine_packed.ModuleForward) == module_path
-            requests = [
-                GenerateRequest(p, SamplingParams(max_new_tokens=12, temperature=temperature, seed=i)) for i, p in enumerate(PROMPTS)
-            ]
-            return await asyncio.gather(*(engine.generate(r) for r in requests))
-
-    try:
-        return asyncio.run(run())
-    finally:
-        if module_path:
-            monkeypatch.undo()
-
-
-def as_batch(results):
-    return collate_sequences(
-        PROMPTS, [r.output_ids for r in results], [[1] * len(r.output_ids) for r in results],
-        pad_token_id=0, logprobs=[r.logprobs for r in results],
-    )
-
-
-def trainer_logprobs(model, batch, temperature, *, module_path: bool, monkeypatch):
-    if module_path:
-        monkeypatch.setattr(trainer_packed, "packed_supported", lambda model, batch: False)
-    try:
-        assert trainer_packed.packed_supported(model, batch) != module_path
-        with torch.no_grad():
-            return response_logprobs(model, batch, temperature=temperature)[0]
-    finally:
-        monkeypatch.undo()
-
-
-def mismatch(logprobs, batch) -> tuple[float, float]:
-    mask = batch.response_mask
-    delta = (logprobs - batch.engine_logprobs).abs() * mask
-    return float(delta.max()), float(delta.sum() / mask.sum())
+def samples(model_dir, temperature: float, **kwargs):
+    return engine_samples(model_dir, PROMPTS, temperature, max_new_tokens=12, **kwargs)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
 @pytest.mark.parametrize("engine_path", ["packed", "module"])
 def test_trainer_logprobs_match_the_engine_within_1e_5(sharp_model_dir, sharp_model, temperature, engine_path, monkeypatch):
-    results = engine_samples(sharp_model_dir, temperature, module_path=engine_path == "module", monkeypatch=monkeypatch)
-    batch = as_batch(results)
+    results = samples(sharp_model_dir, temperature, module_path=engine_path == "module", monkeypatch=monkeypatch)
+    batch = as_batch(PROMPTS, results)
     assert int(batch.response_mask.sum()) == sum(len(r.output_ids) for r in results) > 20
     # the sampled tokens are far from uniform: a tolerance of 1e-5 is a real constraint here
     mean_logprob = float((batch.engine_logprobs * batch.response_mask).sum() / batch.response_mask.sum())
@@ -118,7 +70,7 @@ def test_trainer_logprobs_match_the_engine_within_1e_5(sharp_model_dir, sharp_mo
 
 def test_every_layer_and_each_position_move_the_logprobs_far_beyond_the_tolerance(sharp_model_dir, sharp_model, monkeypatch):
     """The agreement above could not hold with a skipped layer or a position off by one."""
-    batch = as_batch(engine_samples(sharp_model_dir, 1.0))
+    batch = as_batch(PROMPTS, samples(sharp_model_dir, 1.0))
     for layer in sharp_model.model.layers:
         # the layer adds nothing to the residual stream: it is skipped on both paths
         outputs = [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
@@ -152,7 +104,7 @@ def test_every_layer_and_each_position_move_the_logprobs_far_beyond_the_toleranc
 
 def test_ignoring_the_temperature_would_be_caught(sharp_model_dir, sharp_model):
     """Scoring T = 0.6 samples at T = 1 is far off."""
-    batch = as_batch(engine_samples(sharp_model_dir, 0.6))
+    batch = as_batch(PROMPTS, samples(sharp_model_dir, 0.6))
     with torch.no_grad():
         untempered, _ = response_logprobs(sharp_model, batch)
     assert mismatch(untempered, batch)[1] > 1e-2
