@@ -234,10 +234,8 @@ def skilled_model_path(skill: str, size: str = "1m", seed: int = 0, cache_root: 
     recipe, the tiny model it starts from and the transformers version."""
     import transformers
 
-    if skill not in SKILLS:
-        raise ValueError(f"unknown skill {skill!r}; skills: {', '.join(SKILLS)}")
-    base = _model_key(size, seed)
-    key = hashlib.sha256(f"{SKILLS_VERSION}|{skill}|{SKILLS[skill]}|{base}|{transformers.__version__}".encode()).hexdigest()[:12]
+    recipe = skill_recipe_key(skill, size, seed)  # refuses an unknown skill
+    key = hashlib.sha256(f"{recipe}|{transformers.__version__}".encode()).hexdigest()[:12]
     root = Path(cache_root) if cache_root is not None else _cache_root()
     return root / f"{size}-seed{seed}-{skill}-{key}"
 
