@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["TASKS", "SYSTEM_PROMPT", "RECOVERY_SOURCE", "Problem", "generate", "after_wrong_answer", "mental_slip", "sft_conversations", "write_parquet", "main"]
+__all__ = ["TASKS", "SYSTEM_PROMPT", "RECOVERY_SOURCE", "Problem", "generate", "validation_rows", "after_wrong_answer", "mental_slip", "sft_conversations", "write_parquet", "main"]
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic. End your answer with #### <number>."
 TEST_FRACTION = 8  # one problem in eight is held out
@@ -156,6 +156,14 @@ def after_wrong_answer(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[s
     return out
 
 
+def validation_rows(task: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The held-out rows a job on ``task`` validates on: ``n`` problems of the test split, and for
+    ``arith_retry`` the same problems again starting after a wrong first answer
+    (:func:`after_wrong_answer`), so the recovery after feedback is measured on every problem."""
+    rows = generate(task, n, seed, "test")
+    return rows + after_wrong_answer(rows, seed) if task == "arith_retry" else rows
+
+
 def mental_slip(answer: int, rng: random.Random) -> int:
     """``answer`` with one digit changed (never the leading one to 0): "mental arithmetic" that is
     close and wrong, as a tiny model's guess at a product of large numbers is."""
@@ -232,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_parquet(generate(args.task, args.n, args.seed, "train"), out / "train.parquet")
-    n_test = max(32, args.n // TEST_FRACTION)
-    write_parquet(generate(args.task, n_test, args.seed, "test"), out / "test.parquet")
-    print(f"wrote {args.n} train and {n_test} test rows of {args.task} to {out}")
+    test = validation_rows(args.task, max(32, args.n // TEST_FRACTION), args.seed)
+    write_parquet(test, out / "test.parquet")
+    print(f"wrote {args.n} train and {len(test)} test rows of {args.task} to {out}")
     return 0
 
 

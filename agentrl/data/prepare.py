@@ -29,11 +29,9 @@ def prepare_data(cfg: "TrainConfig", data_dir: Path) -> tuple[list[str], list[tu
         files = [str(write_rows(generate(cfg.data.task, cfg.data.task_train_size, cfg.data.seed, "train"), data_dir / "train.parquet"))]
     val_files = list(cfg.data.val_files)
     if not val_files and cfg.data.task is not None and not cfg.data.train_files:
-        from agentrl_data_prep.tasks import after_wrong_answer, generate
+        from agentrl_data_prep.tasks import validation_rows
 
-        rows = generate(cfg.data.task, cfg.data.task_val_size, cfg.data.seed, "test")
-        if cfg.data.task == "arith_retry":  # the same problems again, starting after a wrong first answer
-            rows += after_wrong_answer(rows, cfg.data.seed)
+        rows = validation_rows(cfg.data.task, cfg.data.task_val_size, cfg.data.seed)
         val_files = [str(write_rows(rows, data_dir / "val.parquet"))]
     from agentrl.config.verl_files import read_interaction_config, read_tool_config
     from agentrl.plugins import PluginRegistry
