@@ -3,7 +3,8 @@
 Discovery reads installed package metadata (``importlib.metadata``), never a registry that a
 module fills when it happens to be imported. Any process that can import agentrl - the driver,
 a Ray actor, a subprocess - resolves the same names to the same objects. The built-ins are
-declared in agentrl's own ``pyproject.toml`` exactly like a third-party package's.
+declared in agentrl's own ``pyproject.toml`` exactly like a third-party package's. A worker on
+another node of a cluster the job joined reads the driver's table instead (``PLUGIN_TABLE_ENV``).
 
 A plugin is imported only when it is loaded, so a broken plugin fails alone, with an error
 naming its distribution and entry point. Two distributions offering one name in one group are
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata as metadata
+import json
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from agentrl.errors import PluginError
 
-__all__ = ["GROUPS", "ALIASES", "PluginSpec", "PluginRegistry", "discover", "refresh", "load_plugin"]
+__all__ = ["PLUGIN_TABLE_ENV", "GROUPS", "ALIASES", "PluginSpec", "PluginRegistry", "discover", "refresh", "load_plugin"]
 
 GROUPS: tuple[str, ...] = (
     "agentrl.agent_loops",
@@ -55,8 +58,17 @@ def _group_name(group: str) -> str:
     return full
 
 
+# A driver that ships its code to other Ray nodes (``agentrl.trainer.shipping``) sends its plugin
+# table in this variable: shipped modules carry no package metadata, and every node must resolve
+# the names the driver resolved, to the same targets.
+PLUGIN_TABLE_ENV = "AGENTRL_PLUGIN_TABLE"
+
+
 @functools.lru_cache(maxsize=None)
 def _scan() -> tuple[PluginSpec, ...]:
+    shipped = os.environ.get(PLUGIN_TABLE_ENV)
+    if shipped:
+        return tuple(PluginSpec(**spec) for spec in json.loads(shipped))
     specs: dict[tuple[str, str, str | None], PluginSpec] = {}
     all_entry_points = metadata.entry_points()
     for ep in (ep for group in GROUPS for ep in all_entry_points.select(group=group)):

@@ -362,6 +362,10 @@ class TrainerConfig(Section):
     # nodes: PACK (on as few nodes as fit, the default), SPREAD (over as many as possible),
     # STRICT_PACK (one node or fail), STRICT_SPREAD (one rank per node or fail)
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Whether the job's Ray runtime environment carries agentrl and the plugins the driver sees to
+    # every node (so other nodes need only the third-party libraries): auto does when joining a
+    # running cluster (RAY_ADDRESS), not for the private one-machine cluster
+    ship_code: Literal["auto", "always", "never"] = "auto"
 
     def planned_steps(self, steps_per_epoch: int) -> int:
         """The steps this run takes: total_steps, capped at total_epochs passes over the data."""

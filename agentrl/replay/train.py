@@ -70,7 +70,9 @@ def train_from_store(
     from agentrl.data.rollout_store import TrajectoryFilter
     from agentrl.trainer.skilled_base import ensure_model
     from agentrl.trainer.logging import MetricsLogger
-    from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, worker_env
+    from agentrl.trainer.workers import (
+        ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, worker_env,
+    )
 
     where = TrajectoryFilter(split=split, steps=steps)
     stored_steps = sorted(set(store.read_table(["step"], where).column("step").to_pylist()))
@@ -80,21 +82,22 @@ def train_from_store(
     model_path = str(ensure_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    started_ray = init_local_ray()
+    started_ray = init_local_ray(cfg.trainer.ship_code)
     cpus = os.cpu_count() or 2
     env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
     dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
                 stacks_dir=str(out_dir))
-    actor = WorkerGroup(ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="actor",
+    plan = plan_groups(cfg, actor_cpus=0.01)  # GPUs, and the bundles the groups share
+    actor = WorkerGroup(ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
                         model_path=model_path, config=cfg.actor, total_steps=total, temperature=cfg.rollout.temperature,
                         share_prompts=cfg.model.share_prompt_forward, **dist)
     groups = Groups(actor=actor)
     if cfg.use_reference:
-        groups.reference = WorkerGroup(ReferenceWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="reference",
+        groups.reference = WorkerGroup(ReferenceWorker, world_size=cfg.actor.world_size, env=env, name="reference", **placed(plan, "reference", actor),
                                        model_path=model_path, temperature=cfg.rollout.temperature,
                                        share_prompts=cfg.model.share_prompt_forward, **dist)
     if cfg.critic.enable:
-        groups.critic = WorkerGroup(CriticWorker, world_size=cfg.critic.world_size, num_cpus=0.01, env=env, name="critic",
+        groups.critic = WorkerGroup(CriticWorker, world_size=cfg.critic.world_size, env=env, name="critic", **placed(plan, "critic", actor),
                                     model_path=model_path, config=cfg.critic, total_steps=total,
                                     share_prompts=cfg.model.share_prompt_forward, **dist)
     kl = cfg.algorithm.kl_ctrl

@@ -80,7 +80,9 @@ class Trainer:
 
     def _setup(self, cfg: TrainConfig, run_dir: Path, log: MetricsLogger) -> None:
         from agentrl.data.dataset import RowDataset
-        from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, worker_env
+        from agentrl.trainer.workers import (
+            ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, worker_env,
+        )
 
         self.cfg, self.run, self.log = cfg, RunDir(run_dir), log
         clock = self.startup
@@ -99,7 +101,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         clock.lap("tokenizer")
 
-        init_local_ray()
+        init_local_ray(cfg.trainer.ship_code)
         from agentrl.trainer.nodes import check_nodes_can_write
 
         check_nodes_can_write([self.run.path, self.run.checkpoints])  # before any worker loads a model
@@ -124,8 +126,9 @@ class Trainer:
         self.start_step = 0
         resumed = cfg.trainer.resume is not None and self.run.latest_checkpoint() is not None
         warm_start = not resumed and cfg.sft.enable and (cfg.model.path is None or cfg.sft.train_files)
+        plan = plan_groups(cfg, actor_cpus=cpus / cfg.actor.world_size * 0.5)  # GPUs, and the bundles the groups share
         self.actor = WorkerGroup(
-            ActorWorker, world_size=cfg.actor.world_size, num_cpus=cpus / cfg.actor.world_size * 0.5, env=env, name="actor",
+            ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
             gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature,
             share_prompts=cfg.model.share_prompt_forward, wait=False, **dist,
@@ -140,14 +143,14 @@ class Trainer:
         self.reference = None
         if cfg.use_reference:
             self.reference = WorkerGroup(
-                ReferenceWorker, world_size=cfg.actor.world_size, num_cpus=0.01, env=env, name="reference",
+                ReferenceWorker, world_size=cfg.actor.world_size, env=env, name="reference", **placed(plan, "reference", self.actor),
                 model_path=self.policy_source, temperature=cfg.rollout.temperature, share_prompts=cfg.model.share_prompt_forward,
                 wait=False, **dist,
             )
         self.critic = None
         if cfg.critic.enable:
             self.critic = WorkerGroup(
-                CriticWorker, world_size=cfg.critic.world_size, num_cpus=0.01, env=env, name="critic",
+                CriticWorker, world_size=cfg.critic.world_size, env=env, name="critic", **placed(plan, "critic", self.actor),
                 model_path=self.policy_source, config=cfg.critic, total_steps=max(1, self.total_steps),
                 share_prompts=cfg.model.share_prompt_forward, wait=False, **dist,
             )

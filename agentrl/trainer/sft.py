@@ -197,7 +197,7 @@ def cli_main(argv: list[str]) -> int:
 
     import ray
 
-    init_local_ray()
+    init_local_ray(cfg.trainer.ship_code)
     try:
         actor = WorkerGroup(
             ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.5, env=worker_env(max(1, (os.cpu_count() or 2) // cfg.actor.world_size)),

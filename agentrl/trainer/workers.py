@@ -22,6 +22,7 @@ import asyncio
 import math
 import os
 import random
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -693,11 +694,16 @@ class WorkerGroup:
 
     def __init__(self, cls: type, *, world_size: int, num_cpus: float, env: dict[str, str], name: str,
                  collective_timeout_s: float | None = DEFAULT_COLLECTIVE_TIMEOUT_S, stacks_dir: str | None = None,
-                 placement: str = "PACK", wait: bool = True, **kwargs: Any):
+                 placement: str = "PACK", wait: bool = True, num_gpus: float = 0.0,
+                 bundle: dict[str, float] | None = None, colocate_with: "WorkerGroup | None" = None, **kwargs: Any):
         """``wait=False``: return once the ranks are spawned, so that several groups load their
-        models at the same time; ``wait_ready()`` then waits for them (every call does too)."""
-        import tempfile
+        models at the same time; ``wait_ready()`` then waits for them (every call does too).
 
+        Each rank takes ``num_cpus`` and ``num_gpus`` from its placement-group bundle. The group
+        reserves one ``bundle`` per rank (default: the rank's own CPUs and GPUs), or, with
+        ``colocate_with``, runs rank r in that group's bundle r: on GPUs a bundle is one device,
+        so colocated ranks share their rank's GPU by fractions (Ray gives a rank that asks for no
+        GPU every device of its node, and every rank would pick the first)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -715,15 +721,23 @@ class WorkerGroup:
         self.during = "start-up"
         # One bundle per rank, on one node where it fits (PACK) or over several (SPREAD); the
         # process group meets at rank 0's node, whose address and free port are asked there.
-        self.placement = placement_group([{"CPU": num_cpus}] * world_size, strategy=placement)
         start_wait = max(self.timeout_s or _START_TIMEOUT_S, _START_TIMEOUT_S)
-        ready, _ = ray.wait([self.placement.ready()], timeout=start_wait)
-        if not ready:
-            ray.util.remove_placement_group(self.placement)
-            raise CollectiveTimeout(f"{self.during}: {name} group: {world_size} ranks of {num_cpus:g} CPU could not be placed ({placement}) "
-                                    f"within {start_wait:g} s: the cluster has not the free resources")
+        self.owns_placement = colocate_with is None
+        if colocate_with is not None:
+            if colocate_with.world_size != world_size:
+                raise ValueError(f"{name} group: {world_size} ranks cannot share the {colocate_with.world_size} bundles of {colocate_with.name}")
+            self.placement = colocate_with.placement
+        else:
+            reserve = bundle or {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+            self.placement = placement_group([dict(reserve)] * world_size, strategy=placement)
+            ready, _ = ray.wait([self.placement.ready()], timeout=start_wait)
+            if not ready:
+                ray.util.remove_placement_group(self.placement)
+                wanted = ", ".join(f"{v:g} {k}" for k, v in reserve.items())
+                raise CollectiveTimeout(f"{self.during}: {name} group: {world_size} ranks of {wanted} could not be placed ({placement}) "
+                                        f"within {start_wait:g} s: the cluster has not the free resources")
         in_bundle = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r) for r in range(world_size)]
-        remote = ray.remote(num_cpus=num_cpus, runtime_env={"env_vars": env})(cls)
+        remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env})(cls)
 
         def spawn() -> None:
             meeting = ray.remote(_rendezvous).options(scheduling_strategy=in_bundle[0], num_cpus=0)
@@ -859,7 +873,54 @@ class WorkerGroup:
 
         for w in self.workers:
             ray.kill(w)
-        ray.util.remove_placement_group(self.placement)
+        if self.owns_placement:  # a colocated group's bundles go with the group that reserved them
+            ray.util.remove_placement_group(self.placement)
+
+
+def ranks_take_gpus(device: str) -> bool:
+    """Whether the trainer's ranks reserve GPUs: ``trainer.device=cuda``, or ``auto`` on a Ray
+    cluster that has GPUs (asked of the cluster: the driver's own node may have none)."""
+    import ray
+
+    if device == "cpu":
+        return False
+    return device == "cuda" or ray.cluster_resources().get("GPU", 0) > 0
+
+
+# CPU each rank of the reference and critic groups reserves: they compute between the actor's
+# phases, never beside it, so they take a token share of the node's cores
+_SIDE_CPUS = 0.01
+
+
+def group_resources(*, gpus: bool, actor_cpus: float, actor_ranks: int, reference: bool,
+                    critic_ranks: int | None) -> dict[str, dict[str, Any]]:
+    """``WorkerGroup`` resource arguments for the actor, reference and critic groups (those that
+    exist; ``critic_ranks`` None: no critic). The reference's rank r, and the critic's when it has
+    as many ranks as the actor, run in the actor's bundle r (``colocate``: the caller passes
+    ``colocate_with=<actor group>``): on GPUs each bundle is one device, which they share by
+    fractions, as verl colocates its roles; a critic of another size reserves its own devices."""
+    colocated = (["reference"] if reference else []) + (["critic"] if critic_ranks == actor_ranks else [])
+    share = 1.0 / (1 + len(colocated)) if gpus else 0.0
+    plan = {"actor": {"num_cpus": actor_cpus, "num_gpus": share,
+                      "bundle": {"CPU": actor_cpus + _SIDE_CPUS * len(colocated), **({"GPU": 1.0} if gpus else {})}}}
+    for name in colocated:
+        plan[name] = {"num_cpus": _SIDE_CPUS, "num_gpus": share, "colocate": True}
+    if critic_ranks is not None and "critic" not in colocated:
+        plan["critic"] = {"num_cpus": _SIDE_CPUS, "num_gpus": 1.0 if gpus else 0.0, "colocate": False}
+    return plan
+
+
+def plan_groups(cfg: Any, actor_cpus: float) -> dict[str, dict[str, Any]]:
+    """``group_resources`` for a training config's groups (its device, ranks, reference, critic)."""
+    return group_resources(gpus=ranks_take_gpus(cfg.trainer.device), actor_cpus=actor_cpus, actor_ranks=cfg.actor.world_size,
+                           reference=cfg.use_reference, critic_ranks=cfg.critic.world_size if cfg.critic.enable else None)
+
+
+def placed(plan: dict[str, dict[str, Any]], name: str, actor: "WorkerGroup | None" = None) -> dict[str, Any]:
+    """``WorkerGroup`` keyword arguments of group ``name`` of a ``group_resources`` plan (the
+    colocated ones in ``actor``'s bundles); none for a group the plan leaves out (in-process)."""
+    entry = dict(plan.get(name, {}))
+    return {**entry, "colocate_with": actor} if entry.pop("colocate", False) else entry
 
 
 _PORT_ATTEMPTS = 3  # a group's start when another process took rank 0's port: rare, and never twice in a row
@@ -883,23 +944,31 @@ def worker_env(threads: int) -> dict[str, str]:
     return {**keep, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": quiet}
 
 
-def init_local_ray() -> bool:
+def init_local_ray(ship_code: str = "auto") -> bool:
     """Start Ray for this job unless it is already up; returns whether it was started here.
 
     Without ``RAY_ADDRESS`` this is a private cluster for this job, started with token
     authentication off (``RAY_AUTH_MODE=disabled``, unless the environment says otherwise):
     with Ray 2.60's default our own worker processes were refused and the job hung. The address
     is ``local`` (a new cluster) rather than Ray's default lookup, which would find the cluster
-    file a killed Ray session left in ``$TMPDIR/ray`` and try to join that dead cluster."""
+    file a killed Ray session left in ``$TMPDIR/ray`` and try to join that dead cluster.
+
+    ``ship_code`` (``trainer.ship_code``): whether the job's runtime environment carries agentrl
+    and the driver's plugins to every node (``shipping.py``); ``auto`` does when joining."""
     import ray
+
+    from agentrl.trainer.shipping import job_runtime_env, should_ship
 
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):  # an existing cluster: its resources and auth are its own
-        ray.init(log_to_driver=True, logging_level="ERROR")
-        return True
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True,
-             logging_level="ERROR")
+    joining = bool(os.environ.get("RAY_ADDRESS"))
+    with tempfile.TemporaryDirectory(prefix="agentrl-ship-") as staging:  # uploaded by ray.init, then not needed
+        runtime_env = job_runtime_env(Path(staging)) if should_ship(ship_code, joining) else None
+        if joining:  # an existing cluster: its resources and auth are its own
+            ray.init(log_to_driver=True, logging_level="ERROR", runtime_env=runtime_env)
+            return True
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=True,
+                 logging_level="ERROR", runtime_env=runtime_env)
     return True
 
