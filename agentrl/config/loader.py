@@ -182,6 +182,18 @@ def _check_overlong_buffer(cfg: TrainConfig) -> list[tuple[str, str]]:
     return []
 
 
+def _check_workers(cfg: TrainConfig) -> list[tuple[str, str]]:
+    if cfg.trainer.workers != "local":
+        return []
+    several = [f"{role}.world_size = {ranks}" for role, ranks in
+               (("actor", cfg.actor.world_size), ("critic", cfg.critic.world_size if cfg.critic.enable else 1)) if ranks > 1]
+    if several:
+        return [("trainer.workers", f"local runs one rank per group in the driver's process, but {' and '.join(several)}")]
+    if cfg.engine.placement == "ray":
+        return [("trainer.workers", "local runs without Ray, but engine.placement=ray places the servers with it")]
+    return []
+
+
 def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
     problems = []
     for key, paths in (
@@ -237,7 +249,9 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     return problems
 
 
-CHECKS: tuple[Check, ...] = (_check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_files, _check_plugins)
+CHECKS: tuple[Check, ...] = (
+    _check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_workers, _check_files, _check_plugins,
+)
 
 
 def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainConfig:

@@ -366,6 +366,11 @@ class TrainerConfig(Section):
     # every node (so other nodes need only the third-party libraries): auto does when joining a
     # running cluster (RAY_ADDRESS), not for the private one-machine cluster
     ship_code: Literal["auto", "always", "never"] = "auto"
+    # Where the worker groups run: ray (Ray actors, one process per rank), local (one rank per
+    # group, in the driver's process: no Ray, no second model load), or auto: local when every
+    # group has one rank, no RAY_ADDRESS is set, no server is placed by Ray and
+    # trainer.max_restarts is 0 (a restart needs worker processes to lose), else ray
+    workers: Literal["auto", "ray", "local"] = "auto"
 
     def planned_steps(self, steps_per_epoch: int) -> int:
         """The steps this run takes: total_steps, capped at total_epochs passes over the data."""

@@ -80,6 +80,7 @@ class Trainer:
 
     def _setup(self, cfg: TrainConfig, run_dir: Path, log: MetricsLogger) -> None:
         from agentrl.data.dataset import RowDataset
+        from agentrl.trainer.in_process import InProcessGroup, runs_in_process
         from agentrl.trainer.workers import (
             ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, worker_env,
         )
@@ -101,11 +102,15 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         clock.lap("tokenizer")
 
-        init_local_ray(cfg.trainer.ship_code)
-        from agentrl.trainer.nodes import check_nodes_can_write
+        # one rank per group: the groups in this process (no Ray, the model loaded once); else Ray actors
+        self.in_process = runs_in_process(cfg)
+        Group = InProcessGroup if self.in_process else WorkerGroup
+        if not self.in_process:
+            init_local_ray(cfg.trainer.ship_code)
+            from agentrl.trainer.nodes import check_nodes_can_write
 
-        check_nodes_can_write([self.run.path, self.run.checkpoints])  # before any worker loads a model
-        clock.lap("ray")
+            check_nodes_can_write([self.run.path, self.run.checkpoints])  # before any worker loads a model
+            clock.lap("ray")
         cpus = os.cpu_count() or 2
         env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
@@ -126,8 +131,9 @@ class Trainer:
         self.start_step = 0
         resumed = cfg.trainer.resume is not None and self.run.latest_checkpoint() is not None
         warm_start = not resumed and cfg.sft.enable and (cfg.model.path is None or cfg.sft.train_files)
-        plan = plan_groups(cfg, actor_cpus=cpus / cfg.actor.world_size * 0.5)  # GPUs, and the bundles the groups share
-        self.actor = WorkerGroup(
+        # Ray's resources: GPUs, and the bundles the groups share
+        plan = {} if self.in_process else plan_groups(cfg, actor_cpus=cpus / cfg.actor.world_size * 0.5)
+        self.actor = Group(
             ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
             gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature,
@@ -142,19 +148,22 @@ class Trainer:
         # the other groups load their models while the actor loads its own (no SFT in between)
         self.reference = None
         if cfg.use_reference:
-            self.reference = WorkerGroup(
+            self.reference = Group(
                 ReferenceWorker, world_size=cfg.actor.world_size, env=env, name="reference", **placed(plan, "reference", self.actor),
                 model_path=self.policy_source, temperature=cfg.rollout.temperature, share_prompts=cfg.model.share_prompt_forward,
                 wait=False, **dist,
             )
         self.critic = None
         if cfg.critic.enable:
-            self.critic = WorkerGroup(
+            self.critic = Group(
                 CriticWorker, world_size=cfg.critic.world_size, env=env, name="critic", **placed(plan, "critic", self.actor),
                 model_path=self.policy_source, config=cfg.critic, total_steps=max(1, self.total_steps),
                 share_prompts=cfg.model.share_prompt_forward, wait=False, **dist,
             )
-        starting = [g for g in (self.actor, self.reference, self.critic) if g is not None and g.starting]
+        # the groups built since the last lap (in-process groups are built by the time they exist)
+        lapped = {"actor"} if warm_start else set()
+        starting = [g for g in (self.actor, self.reference, self.critic)
+                    if g is not None and g.name not in lapped and (g.starting or self.in_process)]
         for group in starting:
             group.wait_ready()
         if starting:  # e.g. "actor_reference_workers": the groups that started together
@@ -298,7 +307,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the engine, the worker groups, the servers and Ray; safe after a setup that failed
         part-way (whatever was not created is skipped)."""
-        import ray
+        ray = sys.modules.get("ray")  # an in-process run never imports it
 
         actor = getattr(self, "actor", None)
         try:
@@ -311,7 +320,7 @@ class Trainer:
                 group.kill()
         if self.servers is not None:  # before Ray goes: Ray-placed servers are stopped through their host actors
             self.servers.stop()
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
 
 

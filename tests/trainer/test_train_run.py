@@ -1,4 +1,5 @@
-"""Real runs through Ray on CPU: the run directory, engine/trainer logprob agreement, resume."""
+"""Real runs on CPU (one rank per group: in the driver's process, trainer.workers=auto): the run
+directory, engine/trainer logprob agreement, resume. The same through Ray: test_in_process.py."""
 
 from __future__ import annotations
 
@@ -75,10 +76,10 @@ def test_the_run_reports_where_its_start_up_went(short_run):
     """Each phase before step 1, in metrics.jsonl (step 0), the summary and the report."""
     summary = json.loads((short_run / "summary.json").read_text())
     startup = {k: v for k, v in summary.items() if k.startswith("startup/")}
-    phases = ("imports_and_config", "model", "data", "tokenizer", "ray", "actor_workers", "sft", "reference_workers",
-              "validation_before")
+    phases = ("imports_and_config", "model", "data", "tokenizer", "actor_workers", "sft", "reference_workers",
+              "validation_before")  # no Ray: one rank per group runs in the driver
     assert list(startup) == [f"startup/{p}_s" for p in phases] + ["startup/total_s"]  # in the order they ran
-    assert all(startup[f"startup/{p}_s"] > 0 for p in ("imports_and_config", "ray", "actor_workers", "sft"))
+    assert all(startup[f"startup/{p}_s"] > 0 for p in ("imports_and_config", "actor_workers", "sft"))
     assert startup["startup/total_s"] == pytest.approx(sum(v for k, v in startup.items() if k != "startup/total_s"), abs=0.01)
     # after the process started, train() timed the rest: its wall time holds every phase but the first
     assert startup["startup/total_s"] - startup["startup/imports_and_config_s"] < summary["wall_s"]

@@ -22,7 +22,7 @@ def test_a_setup_that_fails_after_ray_started_shuts_ray_down_and_raises_the_caus
         raise PermissionError("node 10.0.0.9 cannot write the run directory")
 
     monkeypatch.setattr(nodes, "check_nodes_can_write", unwritable)
-    cfg = load_config("train", ["sft.enable=false", f"trainer.runs_root={tmp_path}", "trainer.run_name=run",
+    cfg = load_config("train", ["sft.enable=false", "trainer.workers=ray", f"trainer.runs_root={tmp_path}", "trainer.run_name=run",
                                 "logging.progress=false", "logging.loggers=[jsonl]"])
     run = make_run_dir(cfg)
     log = MetricsLogger(run.path, cfg.logging)

@@ -1,0 +1,90 @@
+"""A one-rank worker group in the driver's own process: the same worker classes and calls as
+``WorkerGroup``, without Ray.
+
+A job whose groups all have one rank needs no process of its own per group: no collective to
+time out, no peer to place, no node to lose. Starting Ray and a worker process that imports
+torch and loads the model again cost about 11 s on the 2-core CPU machine (docs/benchmarks.md),
+several times the training of a short run; in the driver the model loads once and the first step
+starts at once (``trainer.workers``: ``auto`` chooses this path for such jobs).
+
+What stays as with Ray: arguments and results are copies (Ray passes values, and code on either
+side may change what it holds), every call runs under the worker's stack watchdog (a call
+longer than the collective timeout writes its stack to the run directory), and errors begin with
+what the job was doing. What differs: a rank cannot die alone (its errors are the driver's), so
+``trainer.max_restarts`` has nothing to restart.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["InProcessGroup", "runs_in_process"]
+
+
+def runs_in_process(cfg: Any) -> bool:
+    """``trainer.workers`` for a training config: ``auto`` is in-process when every group has
+    one rank, the job joins no cluster (``RAY_ADDRESS``), no server is placed by Ray and no
+    restart is asked for (``trainer.max_restarts``: restarting needs worker processes to lose)."""
+    if cfg.trainer.workers != "auto":
+        return cfg.trainer.workers == "local"
+    one_rank = cfg.actor.world_size == 1 and (not cfg.critic.enable or cfg.critic.world_size == 1)
+    return (one_rank and not os.environ.get("RAY_ADDRESS") and cfg.engine.placement != "ray"
+            and cfg.trainer.max_restarts == 0)
+
+
+class InProcessGroup:
+    """``world_size`` must be 1: the one rank is an instance of ``cls`` in this process."""
+
+    def __init__(self, cls: type, *, world_size: int, env: dict[str, str], name: str,
+                 collective_timeout_s: float | None = None, stacks_dir: str | None = None, **kwargs: Any):
+        if world_size != 1:
+            raise ValueError(f"{name} group: {world_size} ranks cannot run in the driver's process (one rank only)")
+        # Ray's placement arguments mean nothing in one process
+        for key in ("num_cpus", "num_gpus", "bundle", "colocate_with", "placement", "wait"):
+            kwargs.pop(key, None)
+        self.name, self.world_size = name, 1
+        self.during = "start-up"
+        self.stacks_dir = Path(stacks_dir) if stacks_dir else None
+        threads = env.get("OMP_NUM_THREADS")
+        if threads:  # the worker processes' OMP_NUM_THREADS, applied to this process's torch
+            torch.set_num_threads(int(threads))
+        self.worker = cls(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
+                          collective_timeout_s=collective_timeout_s, **kwargs)
+
+    starting = False  # the rank is built when the group is
+
+    def wait_ready(self) -> "InProcessGroup":
+        return self
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = copy.deepcopy((args, kwargs))
+        if self.stacks_dir is None or not hasattr(self.worker, "call"):
+            result = getattr(self.worker, method)(*args, **kwargs)
+        else:
+            stacks = self.stacks_dir / f"{self.name}-rank0-stacks.txt"
+            result = self.worker.call(method, str(stacks), *args, **kwargs)
+        return copy.deepcopy(result)
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [self._call(method, *args, **kwargs)]
+
+    def call_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if len(shards) != 1:
+            raise ValueError(f"{self.name}.{method}: {len(shards)} shards for 1 rank")
+        return [self._call(method, shards[0], *args, **kwargs)]
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._call(method, *args, **kwargs)
+
+    def kill(self) -> None:
+        """Drop the rank and leave no process group behind (a later run in this process makes its own)."""
+        import torch.distributed as dist
+
+        self.worker = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
