@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "trainer": "agentrl_benchmarks.trainer:main",
     "forward": "agentrl_benchmarks.forward:main",
     "lora": "agentrl_benchmarks.lora:main",
+    "scaling": "agentrl_benchmarks.scaling:main",
 }
 
 

@@ -65,7 +65,7 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float
     return sorted(points)
 
 
-def _svg(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
+def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step") -> str:
     w, h, left, right, top, bottom = 460, 240, 46, 12, 26, 30
     points = [p for values in series.values() for p in values]
     xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -87,13 +87,13 @@ def _svg(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
     for y in (y0, (y0 + y1) / 2, y1):
         out.append(f'<text x="{left - 4}" y="{sy(y) + 3:.1f}" font-size="10" text-anchor="end">{y:.3g}</text>')
         out.append(f'<line x1="{left}" y1="{sy(y):.1f}" x2="{w - right}" y2="{sy(y):.1f}" stroke="#eee"/>')
-    out.append(f'<text x="{left}" y="{h - 10}" font-size="10">step {x0:g}</text>')
-    out.append(f'<text x="{w - right}" y="{h - 10}" font-size="10" text-anchor="end">step {x1:g}</text>')
+    out.append(f'<text x="{left}" y="{h - 10}" font-size="10">{html.escape(x_label)} {x0:g}</text>')
+    out.append(f'<text x="{w - right}" y="{h - 10}" font-size="10" text-anchor="end">{html.escape(x_label)} {x1:g}</text>')
     for i, (name, values) in enumerate(series.items()):
         color = COLORS[i % len(COLORS)]
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
         out.append(f'<polyline class="series" data-key="{html.escape(name)}" fill="none" stroke="{color}" stroke-width="2" points="{coords}"/>')
-        out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"><title>{html.escape(name)} step {x:g}: {y:.4g}</title></circle>'
+        out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"><title>{html.escape(name)} {html.escape(x_label)} {x:g}: {y:.4g}</title></circle>'
                    for x, y in values)
         out.append(f'<text x="{w - right - 4}" y="{top + 10 + 12 * i}" font-size="10" text-anchor="end" fill="{color}">{html.escape(name)}</text>')
     out.append("</svg>")

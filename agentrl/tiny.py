@@ -63,6 +63,8 @@ TINY_SIZES: dict[str, dict[str, int]] = {
     "1m": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
     "5m": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024),
     "18m": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1536),
+    # the scaling benchmark's largest (agentrl bench scaling): a GPT-2-small-sized decoder
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=3072),
 }
 
 QWEN2_SPLIT_REGEX = (

@@ -53,7 +53,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl_benchmarks import trainer_calculator as calculator
 from agentrl_benchmarks._scratch import private_ray_temp_dir, scratch_dir
+from agentrl_benchmarks._sft import supervised
 
 __all__ = ["main", "Settings"]
 
@@ -63,12 +65,13 @@ DATA_SOURCE = "bench/seven"
 
 @dataclass(frozen=True)
 class Settings:
+    task: str = "seven"  # seven: one answer, one turn; calculator: arithmetic through the calculator tool, several turns
     model_size: str = "1m"
     answer: str = "short"  # short: "7"; counting: a ~36-token sentence ending in the number
     steps: int = 10
     prompts: int = 8  # prompts per step
     n: int = 8  # samples per prompt
-    max_new_tokens: int = 8
+    max_new_tokens: int = 8  # the response's budget: all its turns (and, calculator, the tool results in it)
     lr: float = 6e-4
     clip_ratio: float = 0.2
     temperature: float = 1.0
@@ -77,6 +80,19 @@ class Settings:
     seed: int = 0
     threads: int = 2
     repeats: int = 3  # runs per side, alternating which side goes first
+    # TRL's generation: generate (transformers' generate, its default) or continuous (transformers'
+    # continuous batching, use_transformers_continuous_batching)
+    trl_generation: str = "generate"
+
+
+CHOICES = {"task": ("seven", "calculator"), "answer": ("short", "counting"), "trl_generation": ("generate", "continuous")}
+# what each task changes of the Settings' defaults (a given option wins)
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "seven": {},
+    # a response of a call, its result and the answer; the quickstart's RL learning rate is 5e-5
+    # with warmup and a KL loss, neither of which is matched here
+    "calculator": {"max_new_tokens": 96, "lr": 1e-4},
+}
 
 
 def _prompt(i: int) -> list[dict[str, str]]:
@@ -122,8 +138,7 @@ def warm_start(model_dir: Path, out: Path, settings: Settings) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.trainer.sft import sft_batches, tokenize_conversations
-    from agentrl.trainer.workers import response_logprobs
+    from agentrl.trainer.sft import tokenize_conversations
 
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -133,21 +148,16 @@ def warm_start(model_dir: Path, out: Path, settings: Settings) -> Path:
     ]
     examples = tokenize_conversations(tokenizer, conversations, tools=None, max_length=256)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for batch in sft_batches(examples, batch_size=16, pad_token_id=tokenizer.pad_token_id, epochs=2, seed=settings.seed):
-        logprobs, _ = response_logprobs(model, batch)
-        loss = -(logprobs * batch.response_mask).sum() / batch.response_mask.sum()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    supervised(model, examples, pad_token_id=tokenizer.pad_token_id, batch_size=16, lr=3e-3, epochs=2, seed=settings.seed)
     _copy_non_weights(model_dir, out)
     model.save_pretrained(out)
     return out
 
 
-def evaluate(model_dir: Path, settings: Settings) -> float:
+def evaluate(model_dir: Path, settings: Settings, work: Path) -> float:
     """Mean reward of sampled answers (T = 1, fixed seeds) on held-out prompts."""
+    if settings.task == "calculator":
+        return calculator.evaluate(model_dir, work, settings)
     from transformers import AutoTokenizer
 
     from agentrl.engines.base import GenerateRequest, SamplingParams
@@ -179,16 +189,19 @@ def agentrl_config(start: Path, train_file: Path, work: Path, settings: Settings
     neither of which the TRL side has."""
     from agentrl.config import load_config
 
+    if settings.task == "calculator":
+        task = calculator.agentrl_overrides(train_file, settings)
+    else:
+        task = ["data.task=null", f"data.train_files=[{train_file}]", "agent.default_loop=single_turn",
+                "reward.default=gsm8k_flexible", f"rollout.max_new_tokens={settings.max_new_tokens}",
+                f"data.max_response_length={settings.max_new_tokens}"]
     overrides = [
-        "trainer=default", "algorithm=grpo", f"model.path={start}", "sft.enable=false", "data.task=null",
-        f"data.train_files=[{train_file}]",
-        "agent.default_loop=single_turn", "reward.default=gsm8k_flexible", f"trainer.total_steps={settings.steps}",
+        "trainer=default", "algorithm=grpo", f"model.path={start}", "sft.enable=false", *task, f"trainer.total_steps={settings.steps}",
         "trainer.test_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.export_hf=true",
         "trainer.save_rollouts=false",
         f"trainer.seed={settings.seed}", f"trainer.threads_per_worker={settings.threads}",
         f"data.train_batch_size={settings.prompts}", f"rollout.n={settings.n}",
         f"actor.ppo_mini_batch_size={settings.prompts}", f"actor.ppo_micro_batch_size_per_gpu={settings.prompts * settings.n}",
-        f"rollout.max_new_tokens={settings.max_new_tokens}", f"data.max_response_length={settings.max_new_tokens}",
         f"rollout.temperature={settings.temperature}", f"actor.optim.lr={settings.lr}", f"actor.clip_ratio={settings.clip_ratio}",
         "actor.optim.grad_clip=1.0", "actor.loss_agg_mode=token-mean", "algorithm.norm_adv_by_std_in_grpo=true",
         "logging.progress=false", "logging.loggers=[jsonl]", f"trainer.runs_root={work}", "trainer.run_name=agentrl",
@@ -205,7 +218,8 @@ def run_agentrl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
     from agentrl.data.io import write_rows
     from agentrl.trainer.run import train
 
-    train_file = write_rows(_rows(0, settings.prompts * settings.steps), work / "train.parquet")
+    rows = calculator.train_rows(settings) if settings.task == "calculator" else _rows(0, settings.prompts * settings.steps)
+    train_file = write_rows(rows, work / "train.parquet")
     cfg = agentrl_config(start, train_file, work, settings)
     started = time.perf_counter()
     result = train(cfg)
@@ -239,6 +253,11 @@ def run_trl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [_reward(t) for t in texts]
 
+    reward, tool_args, task_config = seven, {}, {}
+    if settings.task == "calculator":  # TRL's own tool loop
+        rows, reward, parts = calculator.trl_parts(tokenizer, settings)
+        tool_args, task_config = {"tools": parts["tools"]}, parts["config"]
+
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
@@ -264,11 +283,13 @@ def run_trl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
         temperature=settings.temperature, top_p=1.0, top_k=0, use_cpu=True, bf16=False, fp16=False, logging_steps=1,
         save_strategy="no", report_to="none", seed=settings.seed, disable_tqdm=True, dataloader_num_workers=0,
         gradient_checkpointing=False,  # TRL's default is on; agentrl's is off (model.gradient_checkpointing)
+        # on the CPU generate is TRL's fastest option (docs/benchmarks.md); continuous batching is measurable
+        use_transformers_continuous_batching=settings.trl_generation == "continuous", **task_config,
     )
     timer = StepTimer()
     trainer = GRPOTrainer(
-        model=model, reward_funcs=seven, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-        callbacks=[timer],
+        model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        callbacks=[timer], **tool_args,
     )
     started = time.perf_counter()
     trainer.train()
@@ -340,15 +361,18 @@ def _run_both(settings: Settings, work: Path, *, with_trl: bool) -> dict[str, An
     ...) hold the median over the repeats; ``*_min``, ``*_max`` and ``*_all`` the spread."""
     from agentrl.tiny import tiny_model_dir
 
-    start = warm_start(tiny_model_dir(settings.model_size, seed=settings.seed), work / "start", settings)
-    out: dict[str, Any] = {"settings": asdict(settings), "start_reward": evaluate(start, settings)}
+    if settings.task == "calculator":
+        start = calculator.warm_start(work / "start", settings)
+    else:
+        start = warm_start(tiny_model_dir(settings.model_size, seed=settings.seed), work / "start", settings)
+    out: dict[str, Any] = {"settings": asdict(settings), "start_reward": evaluate(start, settings, work / "eval-start")}
     sides = SIDES if with_trl else SIDES[:1]
     order = _side_order(settings.repeats, sides)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for repeat, side in order:
         print(f"# repeat {repeat + 1}/{settings.repeats}: {side}", file=sys.stderr)
         run = _run_side_process(side, start, work / f"{side}-{repeat}", settings)
-        run["reward"] = evaluate(run["policy"], settings)
+        run["reward"] = evaluate(run["policy"], settings, work / f"eval-{side}-{repeat}")
         runs[side].append(run)
     out["repeats"], out["order"] = settings.repeats, [side for _, side in order]
     out["eval_answers"] = settings.eval_prompts * settings.eval_samples
@@ -398,7 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     defaults = Settings()
     for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        choices = CHOICES.get(name)
+        # a key with a task's own default is None until the task is known
+        default = None if any(name in task for task in TASK_DEFAULTS.values()) else value
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=default, choices=choices)
     parser.add_argument("--skip-trl", action="store_true", help="run agentrl only (TRL not installed)")
     parser.add_argument("--keep", help="keep the work directory here instead of a temporary one")
     # one side's training in a process of its own (what the benchmark runs; not for direct use)
@@ -406,9 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    settings = Settings(**{name: getattr(args, name) for name in asdict(defaults)})
+    given = {name: getattr(args, name) for name in asdict(defaults) if getattr(args, name) is not None}
+    settings = Settings(**{**TASK_DEFAULTS[args.task], **given})
     if settings.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {settings.repeats}")
+    if settings.task == "calculator" and settings.model_size != "1m":
+        parser.error("--task calculator starts from the calculator-skilled 1m base: --model-size must be 1m")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.side:

@@ -161,7 +161,7 @@ def test_model_dir_arg_names_the_tiny_model_like_model_equals_tiny(tmp_path, mon
     assert built == tiny_model_dir("1m") and (built / "config.json").is_file()
     assert built.parent == tmp_path / "cache" / "tiny"
     assert model_dir_arg("tiny:1m") == built
-    with pytest.raises(ValueError, match=r"tiny:2m: the tiny model comes in sizes 1m, 5m, 18m, not '2m'"):
+    with pytest.raises(ValueError, match=r"tiny:2m: the tiny model comes in sizes 1m, 5m, 18m, 100m, not '2m'"):
         model_dir_arg("tiny:2m")
     assert model_dir_arg("models/qwen") == __import__("pathlib").Path("models/qwen")
     monkeypatch.chdir(tmp_path)
@@ -188,4 +188,4 @@ def test_check_template_and_serve_take_tiny_as_their_model(tmp_path, monkeypatch
     assert (tiny_model_dir("1m", cache_root=tmp_path / "cache" / "tiny") / "config.json").is_file()  # built there for it
     bad = subprocess.run([*cli, "serve", "--model", "tiny:9m"], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
-    assert "--model tiny:9m: the tiny model comes in sizes 1m, 5m, 18m, not '9m'" in bad.stderr
+    assert "--model tiny:9m: the tiny model comes in sizes 1m, 5m, 18m, 100m, not '9m'" in bad.stderr

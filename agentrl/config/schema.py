@@ -49,7 +49,7 @@ class Section(BaseModel):
 
 
 class TinyModelConfig(Section):
-    size: Literal["1m", "5m", "18m"] = "1m"
+    size: Literal["1m", "5m", "18m", "100m"] = "1m"
     seed: int = 0
     # "calculator": the tiny model after demonstrations of calculator use on word problems (built
     # once per machine, agentrl/trainer/skilled_base.py), the stand-in for a pretrained instruct model

@@ -84,7 +84,7 @@ def test_repeats_are_summarised_by_median_min_and_max(tmp_path, monkeypatch):
     monkeypatch.setattr(agentrl.tiny, "tiny_model_dir", lambda size, seed: tmp_path / "tiny")
     monkeypatch.setattr(bench, "warm_start", lambda model_dir, out, settings: out)
     monkeypatch.setattr(bench, "_run_side_process", fake_process)
-    monkeypatch.setattr(bench, "evaluate", lambda path, settings: 0.5 if path.name == "start" else rewards[path.parent.name][int(path.name)])
+    monkeypatch.setattr(bench, "evaluate", lambda path, settings, work: 0.5 if path.name == "start" else rewards[path.parent.name][int(path.name)])
     monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(__version__="9.9"))
     out = bench._run_both(bench.Settings(steps=3), tmp_path, with_trl=True)
 
@@ -116,3 +116,42 @@ def test_agentrl_side_has_the_matched_settings_not_the_quickstart_preset(tmp_pat
     assert cfg.rollout.temperature == Settings().temperature and cfg.rollout.n == Settings().n
     assert not cfg.trainer.save_rollouts  # TRL keeps no rollouts: the same work on both sides
 
+
+
+def test_the_calculator_race_gives_both_sides_the_same_tool_turns_and_reward(tmp_path):
+    """The multi-turn race (--task calculator): agentrl's tool loop and TRL's see one tool schema
+    (so one system prompt), one turn limit, one response budget and one reward."""
+    from transformers import AutoTokenizer
+    from transformers.utils import get_json_schema
+
+    from agentrl.data.io import write_rows
+    from agentrl.tiny import shipped_skilled_model
+    from agentrl_benchmarks import trainer_calculator as calculator
+    from agentrl_benchmarks.trainer import TASK_DEFAULTS, Settings, agentrl_config
+    from agentrl_tools.calculator import CalculatorTool
+
+    settings = Settings(**{"task": "calculator", **TASK_DEFAULTS["calculator"], "steps": 2, "prompts": 2})
+    base = shipped_skilled_model("calculator")
+    cfg = agentrl_config(base, write_rows(calculator.train_rows(settings), tmp_path / "train.parquet"), tmp_path, settings)
+    assert (cfg.agent.max_assistant_turns, cfg.rollout.max_new_tokens, cfg.data.max_response_length) == (4, 96, 96)
+    assert cfg.reward.default == "gsm8k" and not cfg.use_reference
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rows, reward, parts = calculator.trl_parts(tokenizer, settings)
+    assert parts["config"] == {"max_tool_calling_iterations": calculator.TOOL_ROUNDS}  # 3 calls, then the 4th turn answers
+    [tool] = parts["tools"]
+    assert get_json_schema(tool) == CalculatorTool.schema()
+    assert tool(expression="48 / 2") == "24" and tool(expression="1/3") == "0.333333"  # the plugin's arithmetic and format
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in calculator.train_rows(settings)]
+    truth = rows[0]["ground_truth"]
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {}}}]}
+    answered = [call, {"role": "tool", "content": truth}, {"role": "assistant", "content": f"#### {truth}"}]
+    assert reward([answered, answered[:2], [{"role": "assistant", "content": f"The answer is {truth}."}]], [truth] * 3) == [1.0, 0.0, 0.0]
+
+
+def test_the_calculator_race_starts_from_the_calculator_base_only():
+    from agentrl_benchmarks.trainer import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--task", "calculator", "--model-size", "18m", "--skip-trl"])
+    assert exited.value.code == 2
