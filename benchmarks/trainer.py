@@ -12,9 +12,11 @@ Matched settings: no KL (TRL's ``beta=0``), GRPO group normalization with the st
 learning rate, gradient clipping at 1.0, fp32, no reference model, and the same work: TRL keeps
 no rollouts, so agentrl's side does not write its rollout store (``trainer.save_rollouts=false``;
 its cost: docs/benchmarks.md). agentrl runs its real
-training path: Ray actors, one actor rank (which trains the module unwrapped, see
-``dist.shard_model``), the built-in engine colocated with the actor, the single-turn agent loop;
-TRL runs in its process with transformers' ``generate``.
+training path: ``agentrl train``'s, with one actor rank, so its groups run in the process
+(``trainer.workers=auto``: no Ray) and the rank trains the module unwrapped (``dist.shard_model``),
+the built-in engine colocated with the actor, the single-turn agent loop (``--task calculator``:
+the tool loop, ``trainer_calculator.py``); TRL runs in its process with transformers'
+``generate`` (``--trl-generation continuous``: its continuous batching).
 
 Each side trains ``--repeats`` times (default 3), each time in a process of its own, the sides
 alternating which goes first (agentrl, TRL, TRL, agentrl, agentrl, TRL, ...) so that the
@@ -23,8 +25,7 @@ machine's drift hits both alike; every run's policy is evaluated. Two times per 
 * step time: the mean wall time of the steps after the first (which pays one-time costs), each
   step being generation + scoring + update (+ agentrl's weight sync);
 * end to end (``e2e_s``): from before the side's process starts to its exit: interpreter
-  start-up, imports, model load, Ray and its actors (agentrl), the training, saving the policy
-  and shutting down. ``outside_train_s`` is the part of it outside the training call.
+  start-up, imports, model load, the training, saving the policy and shutting down. ``outside_train_s`` is the part of it outside the training call.
 
 Prints one JSON object. Per side (``agentrl_*``, ``trl_*``), the median over the repeats of:
 ``step_s``, ``e2e_s``, ``reward`` (held-out evaluation; each also with ``_min``, ``_max`` and
@@ -34,7 +35,7 @@ Prints one JSON object. Per side (``agentrl_*``, ``trl_*``), the median over the
 over agentrl's), ``e2e_ratio`` (the same end to end), ``order``, ``repeats``, ``start_reward``,
 ``eval_answers``, ``trl_version`` and the settings.
 
-    agentrl bench trainer --json [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--skip-trl]
+    agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--skip-trl]
 """
 
 from __future__ import annotations
@@ -334,7 +335,7 @@ def _side_order(repeats: int, sides: tuple[str, ...]) -> list[tuple[int, str]]:
 
 def _run_side_process(side: str, start: Path, work: Path, settings: Settings) -> dict[str, Any]:
     """One side's training as a process of its own, timed from before the interpreter starts
-    to its exit: start-up (imports, model load, Ray and its actors for agentrl) included."""
+    to its exit: start-up (imports, model load) included."""
     argv = [sys.executable, "-m", "agentrl_benchmarks.trainer", "--side", side, "--start", str(start), "--work", str(work)]
     for name, value in asdict(settings).items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
