@@ -31,16 +31,18 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from agentrl.data.row import Row
 from agentrl.errors import DataError
 from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, TrajectorySegment, Turn
+
+if TYPE_CHECKING:  # pyarrow.dataset (and the pandas it imports, ~0.5 s) loads when a store is read
+    import pyarrow.dataset as ds
 
 __all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
            "trajectories_to_table", "shard_name"]
@@ -286,6 +288,8 @@ class RolloutStore:
                     file=str(path), field="agentrl_schema_version",
                 )
         # an explicit schema: columns a version-1 file lacks (writer_id, row) read as null
+        import pyarrow.dataset as ds
+
         return ds.dataset([str(p) for p in paths], schema=SCHEMA, format="parquet")
 
     def read_table(
