@@ -222,7 +222,7 @@ def test_plugins_resolve_inside_a_ray_actor(dist_path):
     import ray
 
     ray.init(
-        num_cpus=1, include_dashboard=False, log_to_driver=False,
+        address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": str(dist_path), "OMP_NUM_THREADS": "1"}},
     )
     try:

@@ -52,7 +52,7 @@ def test_a_worker_that_dies_mid_call_is_named():
 
     from agentrl.trainer.workers import WorkerDied, WorkerGroup
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}  # so workers import this module
         group = WorkerGroup(Sleeper, world_size=2, num_cpus=0.5, env=env, name="actor")

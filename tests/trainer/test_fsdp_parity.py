@@ -47,7 +47,7 @@ def synthetic_batch(vocab: int):
 def run_updates(tiny_model_dir, world_size: int, batch) -> dict[str, torch.Tensor]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         config = ActorConfig(optim=OptimConfig(lr=1e-3), ppo_micro_batch_size_per_gpu=2)
         group = WorkerGroup(

@@ -62,7 +62,7 @@ def test_two_ranks_give_the_gradient_of_one_for_the_sequence_level_aggregations(
 
     batch = batch_of_unequal_rows()
     assert [len(batch.shard(r, 2)) for r in range(2)] == [3, 3]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         one = grad_norms(tiny_model_dir, batch, 1)
         two = grad_norms(tiny_model_dir, batch, 2)
