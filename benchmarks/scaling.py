@@ -161,7 +161,8 @@ def write_plots(out: dict[str, Any], directory: Path) -> list[Path]:
     }
     paths = []
     for name, svg in plots.items():
-        (directory / name).write_text(svg + "\n")
+        # a file of its own (an <img> or a Markdown image) needs the namespace that inline SVG does not
+        (directory / name).write_text(svg.replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1) + "\n")
         paths.append(directory / name)
     return paths
 

@@ -31,7 +31,8 @@ Prints one JSON object. Per side (``agentrl_*``, ``trl_*``), the median over the
 ``step_s``, ``e2e_s``, ``reward`` (held-out evaluation; each also with ``_min``, ``_max`` and
 ``_all``, the repeats in running order), ``first_step_s``, ``tokens_per_s``,
 ``train_reward_last``, ``train_wall_s`` (the training call), ``outside_train_s``; and
-``*_train_rewards`` (the first repeat's, per step). Besides: ``ratio`` (TRL's median step time
+``*_train_rewards`` (the first repeat's, per step); ``agentrl_startup_s``: agentrl's start-up
+phases (``startup/*`` of its summary), each the median over the repeats. Besides: ``ratio`` (TRL's median step time
 over agentrl's), ``e2e_ratio`` (the same end to end), ``order``, ``repeats``, ``start_reward``,
 ``eval_answers``, ``trl_version`` and the settings.
 
@@ -235,6 +236,8 @@ def run_agentrl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
         "train_rewards": [r["reward/mean"] for r in steps],
         "wall_s": wall,
         "policy": result.run_dir / "policy",
+        # where the run's time before its first step went (agentrl train's own breakdown)
+        "startup": {k.removeprefix("startup/").removesuffix("_s"): v for k, v in result.summary.items() if k.startswith("startup/")},
     }
 
 
@@ -389,6 +392,9 @@ def _run_both(settings: Settings, work: Path, *, with_trl: bool) -> dict[str, An
             else:
                 out[f"{side}_{key}"] = statistics.median(values)
         out[f"{side}_train_rewards"] = side_runs[0]["train_rewards"]  # the first repeat's, step by step
+        if "startup" in side_runs[0]:  # agentrl's start-up phases, each the median over the repeats
+            out[f"{side}_startup_s"] = {phase: statistics.median(run["startup"][phase] for run in side_runs)
+                                        for phase in side_runs[0]["startup"]}
     if with_trl:
         import trl
 
@@ -415,6 +421,8 @@ def _rounded(value: Any) -> Any:
         return round(value, 4)
     if isinstance(value, list):
         return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
     return value
 
 

@@ -37,6 +37,7 @@ def test_the_plots_hold_every_point(tmp_path):
     assert sorted(p.name for p in paths) == ["scaling-group-size.svg", "scaling-in-flight.svg", "scaling-model-size.svg",
                                              "scaling-turns.svg"]
     model = (tmp_path / "scaling-model-size.svg").read_text()
+    assert model.startswith("<svg xmlns=\"http://www.w3.org/2000/svg\"")  # renders as an image file
     assert model.count("<polyline") == 2 and model.count("<circle") == 6 and "M params 0.87" in model
     assert (tmp_path / "scaling-group-size.svg").read_text().count("<circle") == 4
     points = re.findall(r'points="([^"]+)"', (tmp_path / "scaling-in-flight.svg").read_text())

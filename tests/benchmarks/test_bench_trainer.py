@@ -50,6 +50,10 @@ def test_bench_trainer_prints_one_json_object_with_both_sides_and_leaves_no_file
     assert out["ratio"] == pytest.approx(out["trl_step_s"] / out["agentrl_step_s"], rel=1e-2)  # the figures are rounded to 4 decimals
     assert out["e2e_ratio"] == pytest.approx(out["trl_e2e_s"] / out["agentrl_e2e_s"], rel=1e-2)
     assert out["trl_version"]
+    # agentrl's start-up phases: one rank, so its groups were built in its process (no Ray phase)
+    startup = out["agentrl_startup_s"]
+    assert "ray" not in startup and startup["actor_workers"] > 0
+    assert startup["total"] == pytest.approx(sum(v for k, v in startup.items() if k != "total"), abs=0.01)
 
 
 def test_the_sides_alternate_which_goes_first():
