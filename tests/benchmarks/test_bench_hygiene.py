@@ -45,11 +45,18 @@ def _run(args: list[str], tmpdir: Path, caches: dict[str, str], timeout: int) ->
 
 def test_engine_quick_smoke_leaves_the_temp_dir_empty(fresh_tmpdir, caches):
     done = _run(
-        ["engine", "--json", "--quick", "--models", "1m", "--concurrency", "2", "--engines", "builtin,hf_static", "--threads", "1"],
+        ["engine", "--json", "--quick", "--models", "1m", "--concurrency", "2", "--engines", "builtin,hf_static,hf_cb", "--threads", "1"],
         fresh_tmpdir, caches, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [row["engine"] for row in json.loads(done.stdout)["results"]] == ["builtin", "hf_static"]
+    report = json.loads(done.stdout)
+    # every engine on the multi-turn sessions, then on the decode-only workload (at the highest concurrency)
+    assert [(row["engine"], row["workload"]) for row in report["results"]] == [
+        (engine, workload) for workload in ("multi_turn", "decode_only") for engine in ("builtin", "hf_static", "hf_cb")]
+    # the same tokens on every engine (no stop token), and a time to first token from each
+    assert len({(row["workload"], row["generated_tokens"]) for row in report["results"]}) == 2
+    assert all(row["ttft_p99_ms"] > 0 for row in report["results"])
+    assert {r["workload"] for r in report["ratios"]} == {"multi_turn", "decode_only"} and all("builtin_over_hf_cb" in r for r in report["ratios"])
     assert sorted(os.listdir(fresh_tmpdir)) == []
 
 
