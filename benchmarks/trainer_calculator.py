@@ -35,9 +35,9 @@ TOOL_ROUNDS = 3  # calls before the answer must come (TRL's max_tool_calling_ite
 EVAL_QUESTIONS = 64
 EVAL_SAMPLES = 4
 WARM_START_DEMOS = 1024
-# the demonstrator's tool use: with 1,024 demonstrations, 0.3 leaves a policy that calls the tool in
-# about half its held-out answers and succeeds in about 5% (0.15, the quickstart's rate over 3,072
-# demonstrations, left 3% tool use and no success after this shorter warm start: nothing for RL to reinforce)
+# the demonstrator's tool use: twice the quickstart's, because this warm start is a third as long
+# and at the quickstart's rate it left a policy that almost never called the tool and never
+# succeeded, nothing for RL to reinforce (the probe's figures: docs/benchmarks.md, the calculator race)
 WARM_START_TOOL_RATE = 0.3
 
 

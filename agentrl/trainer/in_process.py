@@ -3,9 +3,9 @@
 
 A job whose groups all have one rank needs no process of its own per group: no collective to
 time out, no peer to place, no node to lose. Starting Ray and a worker process that imports
-torch and loads the model again cost about 11 s on the 2-core CPU machine (docs/benchmarks.md),
-several times the training of a short run; in the driver the model loads once and the first step
-starts at once (``trainer.workers``: ``auto`` chooses this path for such jobs).
+torch and loads the model again cost more than the training of a short run on a CPU
+(docs/benchmarks.md, the trainer race's end-to-end times); in the driver the model loads once
+and the first step starts at once (``trainer.workers``: ``auto`` chooses this path for such jobs).
 
 What stays as with Ray: arguments and results are copies (Ray passes values, and code on either
 side may change what it holds), every call runs under the worker's stack watchdog (a call
