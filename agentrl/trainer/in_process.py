@@ -9,9 +9,9 @@ and the first step starts at once (``trainer.workers``: ``auto`` chooses this pa
 
 What stays as with Ray: arguments and results are copies (Ray passes values, and code on either
 side may change what it holds), every call runs under the worker's stack watchdog (a call
-longer than the collective timeout writes its stack to the run directory), and errors begin with
-what the job was doing. What differs: a rank cannot die alone (its errors are the driver's), so
-``trainer.max_restarts`` has nothing to restart.
+longer than the collective timeout writes its stack to the run directory), and a worker's error
+reaches the driver as that error. What differs: a rank cannot die alone (its errors are the
+driver's), so ``trainer.max_restarts`` has nothing to restart.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ class InProcessGroup:
         threads = env.get("OMP_NUM_THREADS")
         if threads:  # the worker processes' OMP_NUM_THREADS, applied to this process's torch
             torch.set_num_threads(int(threads))
+        import torch.distributed as dist
+
+        # the first group makes the one-rank process group the others join; a group the caller
+        # had made before (a notebook's, a test's) is theirs to keep
+        self._owns_process_group = not dist.is_initialized()
         self.worker = cls(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
                           collective_timeout_s=collective_timeout_s, **kwargs)
 
@@ -82,9 +87,9 @@ class InProcessGroup:
         return self._call(method, *args, **kwargs)
 
     def kill(self) -> None:
-        """Drop the rank and leave no process group behind (a later run in this process makes its own)."""
+        """Drop the rank and the process group it made (a later run in this process makes its own)."""
         import torch.distributed as dist
 
         self.worker = None
-        if dist.is_initialized():
+        if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

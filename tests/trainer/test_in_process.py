@@ -3,7 +3,7 @@
 
 The equality run is PPO with a critic and a reference (three groups, a checkpoint), through the
 CLI in a process of its own: every metric that is not a time agrees with the Ray run's, the
-checkpoint's tensors too, and the in-process run never imported Ray."""
+checkpoint's tensors too (to fp32 rounding), and the in-process run never imported Ray."""
 
 from __future__ import annotations
 
@@ -56,7 +56,11 @@ def test_in_process_groups_train_as_the_ray_actors_do(tmp_path):
         mine, theirs = _not_timing(local_steps[step]), _not_timing(ray_steps[step])
         assert mine.keys() == theirs.keys()
         for key in mine:
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-7), (step, key)
+            # as the resumed and the disk-synced runs are compared (test_train_run.py): the two
+            # processes' thread teams may differ (a worker starts with its OMP_NUM_THREADS, the
+            # driver sets its count after start), fp32 sums round differently, and Adam carries
+            # that into later steps (a CI run: pg_loss 2.6e-7 apart at step 3)
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (step, key)
     assert local_steps[3]["critic/grad_norm"] > 0 and local_steps[3]["actor/grad_norm"] > 0
     for role in ("actor", "critic"):
         a = load_file(local / "checkpoints" / "step_2" / role / "tensors.safetensors")
