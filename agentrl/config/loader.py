@@ -185,8 +185,7 @@ def _check_overlong_buffer(cfg: TrainConfig) -> list[tuple[str, str]]:
 def _check_workers(cfg: TrainConfig) -> list[tuple[str, str]]:
     if cfg.trainer.workers != "local":
         return []
-    several = [f"{role}.world_size = {ranks}" for role, ranks in
-               (("actor", cfg.actor.world_size), ("critic", cfg.critic.world_size if cfg.critic.enable else 1)) if ranks > 1]
+    several = cfg.groups_of_several_ranks()
     if several:
         return [("trainer.workers", f"local runs one rank per group in the driver's process, but {' and '.join(several)}")]
     if cfg.engine.placement == "ray":

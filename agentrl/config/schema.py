@@ -426,3 +426,9 @@ class TrainConfig(Section):
     @property
     def use_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def groups_of_several_ranks(self) -> list[str]:
+        """The worker groups with more than one rank, as ``role.world_size = N`` (the reference has
+        the actor's): empty when every group can run in one process (``trainer.workers``)."""
+        ranks = (("actor", self.actor.world_size), ("critic", self.critic.world_size if self.critic.enable else 1))
+        return [f"{role}.world_size = {n}" for role, n in ranks if n > 1]

@@ -32,8 +32,7 @@ def runs_in_process(cfg: Any) -> bool:
     restart is asked for (``trainer.max_restarts``: restarting needs worker processes to lose)."""
     if cfg.trainer.workers != "auto":
         return cfg.trainer.workers == "local"
-    one_rank = cfg.actor.world_size == 1 and (not cfg.critic.enable or cfg.critic.world_size == 1)
-    return (one_rank and not os.environ.get("RAY_ADDRESS") and cfg.engine.placement != "ray"
+    return (not cfg.groups_of_several_ranks() and not os.environ.get("RAY_ADDRESS") and cfg.engine.placement != "ray"
             and cfg.trainer.max_restarts == 0)
 
 
@@ -44,8 +43,8 @@ class InProcessGroup:
                  collective_timeout_s: float | None = None, stacks_dir: str | None = None, **kwargs: Any):
         if world_size != 1:
             raise ValueError(f"{name} group: {world_size} ranks cannot run in the driver's process (one rank only)")
-        # Ray's placement arguments mean nothing in one process
-        for key in ("num_cpus", "num_gpus", "bundle", "colocate_with", "placement", "wait"):
+        # WorkerGroup's placement arguments mean nothing in one process
+        for key in ("placement", "wait"):
             kwargs.pop(key, None)
         self.name, self.world_size = name, 1
         self.during = "start-up"
