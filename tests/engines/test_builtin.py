@@ -44,6 +44,18 @@ async def wait_for_steps(engine: BuiltinEngine, steps: int) -> None:
     raise AssertionError(f"engine did not reach {steps} steps")
 
 
+async def submitted_together(engine: BuiltinEngine, requests: list[GenerateRequest]) -> list:
+    """Submit all requests before the worker can take any: a worker thread already running may
+    otherwise start a step between two submissions (a CI run saw the last request of a batch miss
+    the first step). The engine's condition lock is reentrant and every submission runs on this
+    thread, so holding it keeps only the worker thread out until all are queued."""
+    with engine._cv:
+        tasks = [asyncio.create_task(engine.generate(r)) for r in requests]
+        while len(engine._inbox) < len(requests):
+            await asyncio.sleep(0)
+    return await asyncio.gather(*tasks)
+
+
 def test_builtin_engine_satisfies_the_engine_protocol(engine):
     assert isinstance(engine, Engine)
 
@@ -165,7 +177,7 @@ async def test_samples_of_one_prompt_arriving_together_prefill_it_once(engine, r
     other = [200, 201, 202]  # unrelated and short: computed in full
     requests = [GenerateRequest(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, seed=s), rid=f"s{s}") for s in range(6)]
     requests.append(GenerateRequest(other, greedy(4), rid="other"))
-    results = await asyncio.gather(*(engine.generate(r) for r in requests))
+    results = await submitted_together(engine, requests)
     log = list(engine.step_log)
     assert set(log[0].prefill_rids) == {f"s{s}" for s in range(6)} | {"other"}
     assert log[0].prefill_tokens == len(prompt) + 5 + len(other)
@@ -334,7 +346,7 @@ async def test_group_samples_copy_the_prompt_from_their_leader_not_the_head_of_r
         await wait_for_steps(engine, 3)
         prompt = head + list(range(150, 170))
         group = [GenerateRequest(prompt, SamplingParams(max_new_tokens=4, temperature=1.0, seed=s), rid=f"s{s}") for s in range(4)]
-        results = await asyncio.gather(*(engine.generate(r) for r in group))
+        results = await submitted_together(engine, group)
         await asyncio.gather(*background)
     finally:
         engine.close()
@@ -440,13 +452,7 @@ async def test_in_step_copies_chain_through_requests_that_copied_their_own_prefi
         GenerateRequest(prompt, SamplingParams(max_new_tokens=5, temperature=1.0, seed=i), rid=f"{name}{i}")
         for name, prompt in (("a", a), ("b", b)) for i in range(3)
     ]
-    # all six queued before the worker may step: it takes the engine's lock to read its inbox (a
-    # worker thread that woke at the first request took a step with it alone on a loaded machine)
-    with engine._cv:
-        running = [asyncio.ensure_future(engine.generate(r)) for r in requests]
-        while len(engine._inbox) < len(requests):
-            await asyncio.sleep(0)
-    results = await asyncio.gather(*running)
+    results = await submitted_together(engine, requests)
     first = engine.step_log[0]
     assert len(first.prefill_rids) == 6
     assert first.prefill_tokens == len(a) + 1 + 1 + (len(b) - len(head)) + 1 + 1
