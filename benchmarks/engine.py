@@ -443,6 +443,13 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
                 )
                 print(f"# {engine:9s} {size:4s} c={concurrency:<3d} {workload:11s} {tps:8.1f} tok/s  ttft p99 {rows[-1].ttft_p99_ms} ms",
                       file=sys.stderr)
+    anatomy = []
+    if "builtin" in args.engines and args.models:
+        from agentrl.tiny import TINY_SIZES
+
+        biggest = max(args.models, key=lambda size: TINY_SIZES[size]["hidden_size"] * TINY_SIZES[size]["num_hidden_layers"])
+        print(f"# decode step anatomy: {biggest} at {decode_at} rows", file=sys.stderr)
+        anatomy = decode_step_anatomy(build_model(biggest), gflops, rows=decode_at)
     return {
         "benchmark": "engine",
         "machine": {
@@ -465,8 +472,81 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
         "results": [{k: v for k, v in asdict(r).items() if k != "extra"} | {"extra": r.extra} for r in rows],
         "ratios": _ratios(rows),
         "floors": _floors(rows),
+        "decode_step_anatomy": anatomy,
         "skipped": skipped,
     }
+
+
+def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple[int, ...] = (128, 384), repeats: int = 15) -> list[dict]:
+    """Where one decode step of ``rows`` requests goes, at each mean context length: the whole
+    forward of the engine's fast path, its linear layers alone (the engine's oneDNN path and
+    torch's default GEMM), its attention alone, and what the FLOP fraction could reach if the step
+    were nothing but its linears, or its linears and attention (the ceiling the rest of the step
+    is measured against). Minimum of ``repeats`` timings each, the variants alternating."""
+    from agentrl.engines import _packed, _ragged
+    from agentrl.engines.builtin import BuiltinEngine
+
+    params = sum(p.numel() for p in model.parameters())
+    ideal_s = rows * 2 * params / (gflops * 1e9)
+    config = model.config
+    engine = BuiltinEngine(model, max_batch_size=rows, steps_on="event_loop")
+    forward = engine._forward
+    if not isinstance(forward, _packed.PackedDecoderForward):
+        engine.close()
+        return []
+    onednn = forward.linear
+    heads, kv_heads, head_dim = forward.heads, forward.kv_heads, forward.head_dim
+    hidden = torch.randn(rows, config.hidden_size)
+    attended = torch.randn(rows, heads * head_dim)
+    inner = torch.randn(rows, config.intermediate_size)
+    q, k, v = torch.randn(rows, heads, head_dim), torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
+
+    def linears(linear) -> None:
+        for layer in forward.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                linear(hidden, module)
+            linear(attended, attn.o_proj)
+            linear(inner, mlp.down_proj)
+        linear(hidden, forward.lm_head)
+
+    out = []
+    try:
+        for context in contexts:
+            engine._cache.ensure_capacity(context + 1)
+            # contexts spread from a third of ``context`` to twice it less a third: mean ``context``
+            positions = [context // 3 + (i * 4 * context // 3) // rows for i in range(rows)]
+            engine._cache.ensure_capacity(max(positions) + 1)
+            layout = _ragged.build_layout(engine._cache, list(range(rows)), positions, (), engine.device)
+            ids = torch.randint(0, config.vocab_size, (rows,))
+            position_t = torch.tensor(positions)
+            parts = {
+                "step": lambda: forward(ids, position_t, layout, None),
+                "linears_onednn": lambda: linears(onednn),
+                "linears_torch_default": lambda: linears(_packed.plain_linear),
+                "attention": lambda: [_ragged.attend(i, q, k, v, layout, forward.scaling) for i in range(len(forward.layers))],
+            }
+            best = {name: float("inf") for name in parts}
+            with torch.inference_mode():
+                for repeat in range(repeats):
+                    for name in (parts if repeat % 2 == 0 else reversed(list(parts))):
+                        started = time.perf_counter()
+                        parts[name]()
+                        best[name] = min(best[name], time.perf_counter() - started)
+            ms = {f"{name}_ms": round(t * 1e3, 2) for name, t in best.items()}
+            out.append({
+                "rows": rows,
+                "mean_context": context,
+                **ms,
+                "ideal_ms": round(ideal_s * 1e3, 2),
+                "step_flop_fraction": round(ideal_s / best["step"], 4),
+                "linears_only_flop_fraction": round(ideal_s / best["linears_onednn"], 4),
+                "linears_and_attention_flop_fraction": round(ideal_s / (best["linears_onednn"] + best["attention"]), 4),
+                "onednn_over_torch_default_linears": round(best["linears_torch_default"] / best["linears_onednn"], 2),
+            })
+    finally:
+        engine.close()
+    return out
 
 
 def _ratios(rows: list[Row]) -> list[dict]:

@@ -14,7 +14,9 @@ prefill and every decode token; the LM head is skipped for the others).
   precomputed mask mapping: transformers' own forward with ``ragged_attention`` plugged into its
   attention interface.
 
-Parameters are read at every call, so in-place weight updates need nothing else.
+Parameters are read at every call, except that on CPU in fp32 the fast path multiplies by a
+oneDNN copy of each weight (``OneDNNLinear``): whoever changes the weights calls
+``weights_changed()`` (the engine does on every update).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch.nn.functional as F
 
 from agentrl.engines import _ragged
 
-__all__ = ["make_forward", "fast_decoder_supported", "PackedDecoderForward", "ModuleForward", "rms_norm", "rotate_half"]
+__all__ = [
+    "make_forward", "fast_decoder_supported", "PackedDecoderForward", "ModuleForward", "OneDNNLinear", "rms_norm", "rotate_half",
+]
 
 _FAST_TYPES = {"qwen2", "qwen3", "llama"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn", "longrope"}  # inv_freq does not depend on the sequence
@@ -61,6 +65,9 @@ class ModuleForward:
         layer_types = getattr(model.config, "layer_types", None)
         self.mask_mapping = {kind: None for kind in layer_types} if layer_types else None
 
+    def weights_changed(self) -> None:
+        """Nothing held: the module tree reads its parameters at each call."""
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, layout, rows: torch.Tensor | None) -> torch.Tensor:
         hidden = self.decoder(
             input_ids=ids[None],
@@ -92,6 +99,13 @@ class PackedDecoderForward:
             positions = torch.arange(max_len, device=self.embed.weight.device)[None]
             cos, sin = base.rotary_emb(self.embed.weight[:1], positions)
         self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
+        weight = self.embed.weight
+        self.linear = OneDNNLinear() if OneDNNLinear.serves(weight) else plain_linear
+
+    def weights_changed(self) -> None:
+        """The parameters were updated in place: forget the oneDNN copies of the old ones."""
+        if isinstance(self.linear, OneDNNLinear):
+            self.linear.forget()
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, layout, rows: torch.Tensor | None) -> torch.Tensor:
         total = ids.shape[0]
@@ -99,26 +113,74 @@ class PackedDecoderForward:
         sin = self.sin[positions][:, None, :]
         hidden = F.embedding(ids, self.embed.weight)  # [T, hidden]
         width = hidden.shape[-1]
+        linear = self.linear
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = rms_norm(hidden, layer.input_layernorm, width, self.eps)
-            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(total, self.heads, self.head_dim)
-            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(total, self.kv_heads, self.head_dim)
-            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(total, self.kv_heads, self.head_dim)
+            q = linear(x, attn.q_proj).view(total, self.heads, self.head_dim)
+            k = linear(x, attn.k_proj).view(total, self.kv_heads, self.head_dim)
+            v = linear(x, attn.v_proj).view(total, self.kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
                 q = rms_norm(q, attn.q_norm, self.head_dim, self.eps)
                 k = rms_norm(k, attn.k_norm, self.head_dim, self.eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attended = _ragged.attend(index, q, k, v, layout, self.scaling)  # [T, heads, head_dim]
-            hidden = hidden + F.linear(attended.view(total, -1), attn.o_proj.weight, attn.o_proj.bias)
+            hidden = hidden + linear(attended.view(total, -1), attn.o_proj)
             x = rms_norm(hidden, layer.post_attention_layernorm, width, self.eps)
-            gate = F.linear(x, mlp.gate_proj.weight)
-            hidden = hidden + F.linear(F.silu(gate).mul_(F.linear(x, mlp.up_proj.weight)), mlp.down_proj.weight)
+            gate = linear(x, mlp.gate_proj)
+            hidden = hidden + linear(F.silu(gate).mul_(linear(x, mlp.up_proj)), mlp.down_proj)
         if rows is not None:
             hidden = hidden[rows]
         hidden = rms_norm(hidden, self.norm, width, self.eps)
-        return F.linear(hidden, self.lm_head.weight).float()  # [n, vocab]
+        return linear(hidden, self.lm_head).float()  # [n, vocab]
+
+
+class OneDNNLinear:
+    """``F.linear`` through oneDNN with a oneDNN copy of each weight, for CPU fp32.
+
+    Why: a decode step multiplies a few dozen rows by every weight, and on this kind of CPU torch's
+    default (MKL) GEMM at such shapes reached about two thirds of the throughput oneDNN reaches
+    with its own copy of the weight (figures in docs/benchmarks.md). The copy is made on first use
+    and again after ``forget`` (the engine calls it on every weight update, including a shared
+    module's ``weights_changed``: torch's fused AdamW changes parameters without moving their
+    version counters), or when a parameter visibly changed (another tensor, another storage, a
+    moved version counter). Costs one extra copy of the weights in memory.
+    From a few hundred rows on (long prefills) the two were measured level, so those keep MKL.
+    """
+
+    MKL_FROM_ROWS = 256
+
+    def __init__(self) -> None:
+        # per linear module: (the weight copied, its version, its storage, the oneDNN copy)
+        self._copies: dict[torch.nn.Module, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+
+    @staticmethod
+    def serves(weight: torch.Tensor) -> bool:
+        return (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and type(weight.data) is torch.Tensor  # not a DTensor or another subclass
+            and torch.backends.mkldnn.is_available()
+        )
+
+    def forget(self) -> None:
+        """Drop every copy: the weights changed (the next call copies them again)."""
+        self._copies.clear()
+
+    def __call__(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+        weight = module.weight
+        if x.shape[0] >= self.MKL_FROM_ROWS:
+            return F.linear(x, weight, module.bias)
+        held = self._copies.get(module)
+        if held is None or held[0] is not weight or held[1] != weight._version or held[2] != weight.data_ptr():
+            held = (weight, weight._version, weight.data_ptr(), weight.detach().to_mkldnn())
+            self._copies[module] = held
+        return torch.ops.mkldnn._linear_pointwise(x, held[3], module.bias, "none", [], "")
+
+
+def plain_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, width: int, eps: float) -> torch.Tensor:

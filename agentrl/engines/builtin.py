@@ -582,6 +582,7 @@ class BuiltinEngine:
             self._finish(seq, FinishReason.ABORT)
 
     def _apply_update(self, update: _WeightUpdate) -> None:
+        self._forward.weights_changed()  # before the copy: a failed copy may have written some
         try:
             if update.state_dict is not None:
                 copy_weights_into(self.model, update.state_dict, strict=update.strict)

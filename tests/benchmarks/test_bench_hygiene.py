@@ -57,6 +57,12 @@ def test_engine_quick_smoke_leaves_the_temp_dir_empty(fresh_tmpdir, caches):
     assert len({(row["workload"], row["generated_tokens"]) for row in report["results"]}) == 2
     assert all(row["ttft_p99_ms"] > 0 for row in report["results"])
     assert {r["workload"] for r in report["ratios"]} == {"multi_turn", "decode_only"} and all("builtin_over_hf_cb" in r for r in report["ratios"])
+    # the decode step taken apart at the decode-only workload's rows, at two context lengths
+    anatomy = report["decode_step_anatomy"]
+    assert [(a["rows"], a["mean_context"]) for a in anatomy] == [(2, 128), (2, 384)]
+    for part in anatomy:
+        assert part["linears_and_attention_flop_fraction"] < part["linears_only_flop_fraction"]
+        assert 0 < part["step_flop_fraction"] < part["linears_only_flop_fraction"]
     assert sorted(os.listdir(fresh_tmpdir)) == []
 
 
