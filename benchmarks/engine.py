@@ -133,6 +133,30 @@ def build_model(size: str):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir(size=size), dtype=torch.float32).eval()
 
 
+def _row(engine: str, workload: str, params: int, concurrency: int, gflops: float,
+         generated: int, wall: float, requests: int, ttfts: list[float], extra: dict) -> Row:
+    tps = generated / wall
+    if "prefill_tokens" in extra:
+        # the prompt tokens computed (not reused) cost the same 2 x params FLOPs each: issue
+        # #24's floor counts them with the generated ones
+        computed = generated + extra["prefill_tokens"]
+        extra["all_tokens_flop_fraction"] = round(computed / wall * 2 * params / (gflops * 1e9), 4)
+    p99 = _p99(ttfts)
+    return Row(
+        engine=engine,
+        workload=workload,
+        model_params=params,
+        concurrency=concurrency,
+        tokens_per_s=round(tps, 1),
+        ttft_p99_ms=None if p99 is None else round(p99, 1),
+        flop_limit_fraction=round(tps * 2 * params / (gflops * 1e9), 4),
+        generated_tokens=generated,
+        requests=requests,
+        wall_s=round(wall, 2),
+        extra=extra,
+    )
+
+
 def _p99(values: list[float]) -> float | None:
     if not values:
         return None
@@ -405,6 +429,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
             count = sessions_for(concurrency, args.quick)
             make = make_sessions if workload == "multi_turn" else decode_only_sessions
             sessions = make(count, quick=args.quick, seed=args.seed, vocab=model.config.vocab_size)
+            engines = []
             for engine in args.engines:
                 if engine == "sglang" and (sglang_reason or workload != "multi_turn"):
                     continue
@@ -414,35 +439,25 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
                 if engine == "sglang" and model_dir is None:
                     model_dir = work / f"model-{size}"
                     model.save_pretrained(model_dir)
-                runner = {"builtin": lambda: run_builtin(model, sessions, concurrency),
-                          "hf_static": lambda: run_hf_static(model, sessions, concurrency),
-                          "hf_cb": lambda: run_hf_cb(model, sessions, concurrency),
-                          "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size, work / f"sglang-{size}-c{concurrency}")}[engine]  # fmt: skip
-                generated, wall, requests, ttfts, extra = runner()
-                tps = generated / wall
-                if "prefill_tokens" in extra:
-                    # Diagnostic: the prompt tokens computed (not reused) cost the same 2 x params
-                    # FLOPs each but are not generated tokens; counting them shows where the
-                    # arithmetic went.
-                    computed = generated + extra["prefill_tokens"]
-                    extra["all_tokens_flop_fraction"] = round(computed / wall * 2 * params / (gflops * 1e9), 4)
-                rows.append(
-                    Row(
-                        engine=engine,
-                        workload=workload,
-                        model_params=params,
-                        concurrency=concurrency,
-                        tokens_per_s=round(tps, 1),
-                        ttft_p99_ms=None if _p99(ttfts) is None else round(_p99(ttfts), 1),
-                        flop_limit_fraction=round(tps * 2 * params / (gflops * 1e9), 4),
-                        generated_tokens=generated,
-                        requests=requests,
-                        wall_s=round(wall, 2),
-                        extra=extra,
-                    )
-                )
-                print(f"# {engine:9s} {size:4s} c={concurrency:<3d} {workload:11s} {tps:8.1f} tok/s  ttft p99 {rows[-1].ttft_p99_ms} ms",
-                      file=sys.stderr)
+                engines.append(engine)
+            runs: dict[str, list[Row]] = {engine: [] for engine in engines}
+            # each engine ``repeats`` times, the order reversed every other round, so that a slow
+            # spell of a shared machine does not land on one engine only; the median run is kept
+            for repeat in range(args.repeats):
+                for engine in engines if repeat % 2 == 0 else reversed(engines):
+                    runner = {"builtin": lambda: run_builtin(model, sessions, concurrency),
+                              "hf_static": lambda: run_hf_static(model, sessions, concurrency),
+                              "hf_cb": lambda: run_hf_cb(model, sessions, concurrency),
+                              "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size, work / f"sglang-{size}-c{concurrency}")}[engine]  # fmt: skip
+                    run = _row(engine, workload, params, concurrency, gflops, *runner())
+                    runs[engine].append(run)
+                    print(f"# {engine:9s} {size:4s} c={concurrency:<3d} {workload:11s} {run.tokens_per_s:8.1f} tok/s  "
+                          f"ttft p99 {run.ttft_p99_ms} ms", file=sys.stderr)
+            for engine in engines:
+                ordered = sorted(runs[engine], key=lambda r: r.tokens_per_s)
+                median = ordered[len(ordered) // 2]
+                median.extra["tokens_per_s_all"] = [r.tokens_per_s for r in runs[engine]]
+                rows.append(median)
     anatomy = []
     if "builtin" in args.engines and args.models:
         from agentrl.tiny import TINY_SIZES
@@ -468,6 +483,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
             "sampling": "temperature 1.0, no stop tokens",
             "decode_only": f"at concurrency {decode_at}: one turn of {64 if args.quick else 128} tokens after an 8-token prompt",
             "seed": args.seed,
+            "repeats": args.repeats,
         },
         "results": [{k: v for k, v in asdict(r).items() if k != "extra"} | {"extra": r.extra} for r in rows],
         "ratios": _ratios(rows),
@@ -599,7 +615,12 @@ def main(argv: list[str]) -> int:
                         help="comma-separated: builtin, hf_static, hf_cb (transformers' continuous batching), sglang")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: OMP_NUM_THREADS)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each engine per workload, alternating order; the median is reported (default 3, --quick 1)")
     args = parser.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.concurrency = [int(c) for c in (args.concurrency or ("1,16,64" if args.quick else "1,16,64,256")).split(",")]
