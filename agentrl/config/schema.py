@@ -335,7 +335,8 @@ class TrainerConfig(Section):
     val_before_train: bool = True
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # torch threads of each worker process; null: the machine's cores / actor.world_size
+    # torch threads of each worker process; null: OMP_NUM_THREADS where the environment sets it,
+    # else the machine's cores / actor.world_size
     threads_per_worker: int | None = Field(None, ge=1)
     runs_root: str = "runs"
     run_name: str | None = None  # null: a timestamp

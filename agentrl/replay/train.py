@@ -62,8 +62,6 @@ def train_from_store(
     of ``split`` in ``steps``, ``epochs`` times, on Ray worker groups as ``agentrl train`` does.
     Writes ``config.yaml``, ``metrics.jsonl``, ``policy/`` (when ``trainer.export_hf``) and
     ``summary.json`` into the run directory ``out_dir``; returns the summary."""
-    import os
-
     import ray
     from transformers import AutoTokenizer
 
@@ -71,7 +69,7 @@ def train_from_store(
     from agentrl.trainer.skilled_base import ensure_model
     from agentrl.trainer.logging import MetricsLogger
     from agentrl.trainer.workers import (
-        ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, worker_env,
+        ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, threads_per_worker, worker_env,
     )
 
     where = TrajectoryFilter(split=split, steps=steps)
@@ -83,8 +81,7 @@ def train_from_store(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     started_ray = init_local_ray(cfg.trainer.ship_code)
-    cpus = os.cpu_count() or 2
-    env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
+    env = worker_env(threads=threads_per_worker(cfg))
     dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
                 stacks_dir=str(out_dir))
     plan = plan_groups(cfg, actor_cpus=0.01)  # GPUs, and the bundles the groups share

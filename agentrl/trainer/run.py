@@ -82,7 +82,7 @@ class Trainer:
         from agentrl.data.dataset import RowDataset
         from agentrl.trainer.in_process import InProcessGroup, runs_in_process
         from agentrl.trainer.workers import (
-            ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, worker_env,
+            ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, threads_per_worker, worker_env,
         )
 
         self.cfg, self.run, self.log = cfg, RunDir(run_dir), log
@@ -112,7 +112,7 @@ class Trainer:
             check_nodes_can_write([self.run.path, self.run.checkpoints])  # before any worker loads a model
             clock.lap("ray")
         cpus = os.cpu_count() or 2
-        env = worker_env(threads=cfg.trainer.threads_per_worker or max(1, cpus // cfg.actor.world_size))
+        env = worker_env(threads=threads_per_worker(cfg))
         dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
                     stacks_dir=str(run_dir), placement=cfg.trainer.placement)
         from agentrl.agent.setup import RolloutSetup

@@ -183,7 +183,7 @@ def run_sft_on_actor(
 def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
-    from agentrl.trainer.workers import ActorWorker, WorkerGroup, init_local_ray, worker_env
+    from agentrl.trainer.workers import ActorWorker, WorkerGroup, init_local_ray, threads_per_worker, worker_env
 
     cfg = load_config("sft", argv)
     started = time.perf_counter()
@@ -193,14 +193,12 @@ def cli_main(argv: list[str]) -> int:
     model_path = str(resolve_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    import os
-
     import ray
 
     init_local_ray(cfg.trainer.ship_code)
     try:
         actor = WorkerGroup(
-            ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.5, env=worker_env(max(1, (os.cpu_count() or 2) // cfg.actor.world_size)),
+            ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.5, env=worker_env(threads_per_worker(cfg)),
             name="actor", model_path=model_path, config=cfg.actor, total_steps=1, rollout_setup=None,
             share_prompts=cfg.model.share_prompt_forward, device=cfg.trainer.device, seed=cfg.trainer.seed,
         )

@@ -935,6 +935,21 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+def threads_per_worker(cfg: Any) -> int:
+    """Torch threads of each training worker: ``trainer.threads_per_worker``; else
+    ``OMP_NUM_THREADS`` where this process's environment sets it (whoever started the job bounded
+    its threads: two jobs sharing a machine, a test suite on one worker per core); else the
+    machine's cores shared by the actor's ranks. Why the bound matters: two jobs whose threads
+    together exceed the cores each ran several times slower than the two of them with one thread
+    each, as each job's OpenMP threads spin while waiting (docs/benchmarks.md)."""
+    if cfg.trainer.threads_per_worker:
+        return cfg.trainer.threads_per_worker
+    bound = os.environ.get("OMP_NUM_THREADS", "")
+    if bound.isdigit() and int(bound) >= 1:
+        return int(bound)
+    return max(1, (os.cpu_count() or 2) // cfg.actor.world_size)
+
+
 def worker_env(threads: int) -> dict[str, str]:
     # RAY_AUTH_MODE must match the cluster's: workers take the driver's (see init_local_ray)
     keep = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "AGENTRL_CACHE", "HF_HOME", "RAY_AUTH_MODE")}
