@@ -59,14 +59,14 @@ def train_from_store(
     epochs: int = 1,
 ) -> dict[str, Any]:
     """Train the configured policy (``model.path``, else the tiny model) on every stored step
-    of ``split`` in ``steps``, ``epochs`` times, on Ray worker groups as ``agentrl train`` does.
+    of ``split`` in ``steps``, ``epochs`` times, on worker groups as ``agentrl train`` does (in this process for one rank each).
     Writes ``config.yaml``, ``metrics.jsonl``, ``policy/`` (when ``trainer.export_hf``) and
     ``summary.json`` into the run directory ``out_dir``; returns the summary."""
-    import ray
     from transformers import AutoTokenizer
 
     from agentrl.data.rollout_store import TrajectoryFilter
     from agentrl.trainer.skilled_base import ensure_model
+    from agentrl.trainer.in_process import InProcessGroup, runs_in_process
     from agentrl.trainer.logging import MetricsLogger
     from agentrl.trainer.workers import (
         ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, threads_per_worker, worker_env,
@@ -80,21 +80,24 @@ def train_from_store(
     model_path = str(ensure_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    started_ray = init_local_ray(cfg.trainer.ship_code)
+    # one rank per group: the groups in this process, as agentrl train does (trainer.workers)
+    in_process = runs_in_process(cfg)
+    started_ray = False if in_process else init_local_ray(cfg.trainer.ship_code)
+    Group = InProcessGroup if in_process else WorkerGroup
     env = worker_env(threads=threads_per_worker(cfg))
     dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
                 stacks_dir=str(out_dir))
-    plan = plan_groups(cfg, actor_cpus=0.01)  # GPUs, and the bundles the groups share
-    actor = WorkerGroup(ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
+    plan = {} if in_process else plan_groups(cfg, actor_cpus=0.01)  # GPUs, and the bundles the groups share
+    actor = Group(ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
                         model_path=model_path, config=cfg.actor, total_steps=total, temperature=cfg.rollout.temperature,
                         share_prompts=cfg.model.share_prompt_forward, **dist)
     groups = Groups(actor=actor)
     if cfg.use_reference:
-        groups.reference = WorkerGroup(ReferenceWorker, world_size=cfg.actor.world_size, env=env, name="reference", **placed(plan, "reference", actor),
+        groups.reference = Group(ReferenceWorker, world_size=cfg.actor.world_size, env=env, name="reference", **placed(plan, "reference", actor),
                                        model_path=model_path, temperature=cfg.rollout.temperature,
                                        share_prompts=cfg.model.share_prompt_forward, **dist)
     if cfg.critic.enable:
-        groups.critic = WorkerGroup(CriticWorker, world_size=cfg.critic.world_size, env=env, name="critic", **placed(plan, "critic", actor),
+        groups.critic = Group(CriticWorker, world_size=cfg.critic.world_size, env=env, name="critic", **placed(plan, "critic", actor),
                                     model_path=model_path, config=cfg.critic, total_steps=total,
                                     share_prompts=cfg.model.share_prompt_forward, **dist)
     kl = cfg.algorithm.kl_ctrl
@@ -123,6 +126,8 @@ def train_from_store(
             if group is not None:
                 group.kill()
         if started_ray:
+            import ray
+
             ray.shutdown()
     summary = {"store": str(store.root), "split": split, "source_steps": stored_steps, "updates": done, "max_ratio": max_ratio,
                "model": model_path, **{k: last[k] for k in ("logprob_mismatch/mean", "replay/ratio_mean", "replay/truncated_fraction")}}

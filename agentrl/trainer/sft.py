@@ -183,6 +183,7 @@ def run_sft_on_actor(
 def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
+    from agentrl.trainer.in_process import InProcessGroup, runs_in_process
     from agentrl.trainer.workers import ActorWorker, WorkerGroup, init_local_ray, threads_per_worker, worker_env
 
     cfg = load_config("sft", argv)
@@ -193,12 +194,14 @@ def cli_main(argv: list[str]) -> int:
     model_path = str(resolve_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    import ray
-
-    init_local_ray(cfg.trainer.ship_code)
+    # one rank: the actor in this process, as agentrl train does (trainer.workers); else Ray actors
+    in_process = runs_in_process(cfg)
+    started_ray = False if in_process else init_local_ray(cfg.trainer.ship_code)
+    Group, resources = (InProcessGroup, {}) if in_process else (WorkerGroup, {"num_cpus": 0.5})
+    actor = None
     try:
-        actor = WorkerGroup(
-            ActorWorker, world_size=cfg.actor.world_size, num_cpus=0.5, env=worker_env(threads_per_worker(cfg)),
+        actor = Group(
+            ActorWorker, world_size=cfg.actor.world_size, env=worker_env(threads_per_worker(cfg)), **resources,
             name="actor", model_path=model_path, config=cfg.actor, total_steps=1, rollout_setup=None,
             share_prompts=cfg.model.share_prompt_forward, device=cfg.trainer.device, seed=cfg.trainer.seed,
         )
@@ -207,7 +210,12 @@ def cli_main(argv: list[str]) -> int:
         actor.call_all("export_hf", str(run.policy))
     finally:
         log.close()
-        ray.shutdown()
+        if actor is not None:
+            actor.kill()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
     summary = {"final_loss": metrics.get("sft/loss"), "steps": int(metrics.get("sft/step", 0)), "wall_s": round(time.perf_counter() - started, 1)}
     run.write_summary(summary)
     print(json.dumps(summary, indent=2))

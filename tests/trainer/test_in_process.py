@@ -70,6 +70,24 @@ def test_in_process_groups_train_as_the_ray_actors_do(tmp_path):
             torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
 
 
+@pytest.mark.timeout(400)
+def test_sft_runs_in_process_and_fits_as_the_ray_actor_does(tmp_path):
+    """``agentrl sft`` with one rank: no Ray, and the same fit as on a Ray actor."""
+    out = {}
+    for name, extra in (("local", []), ("ray", ["trainer.workers=ray"])):
+        done = subprocess.run([sys.executable, "-c", LAUNCHER, "sft", "sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4",
+                               "sft.micro_batch_size=4", "trainer.save_freq=0", "logging.progress=false", *extra,
+                               f"trainer.runs_root={tmp_path}", f"trainer.run_name={name}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[name] = json.loads((tmp_path / name / "summary.json").read_text()), done.stdout
+        assert (tmp_path / name / "policy" / "config.json").is_file()
+    (local, local_stdout), (ray, ray_stdout) = out["local"], out["ray"]
+    assert "ray imported: False" in local_stdout and "ray imported: True" in ray_stdout
+    assert local["steps"] == ray["steps"] == 2
+    assert local["final_loss"] == pytest.approx(ray["final_loss"], rel=1e-4, abs=1e-6)
+
+
 def test_which_jobs_run_in_process(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert runs_in_process(load_config("train"))
