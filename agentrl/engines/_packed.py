@@ -140,8 +140,8 @@ class OneDNNLinear:
     """``F.linear`` through oneDNN with a oneDNN copy of each weight, for CPU fp32.
 
     Why: a decode step multiplies a few dozen rows by every weight, and on this kind of CPU torch's
-    default (MKL) GEMM at such shapes reached about two thirds of the throughput oneDNN reaches
-    with its own copy of the weight (figures in docs/benchmarks.md). The copy is made on first use
+    default (MKL) GEMM was measured slower at such shapes than oneDNN with its own copy of the
+    weight (figures in docs/benchmarks.md). The copy is made on first use
     and again after ``forget`` (the engine calls it on every weight update, including a shared
     module's ``weights_changed``: torch's fused AdamW changes parameters without moving their
     version counters), or when a parameter visibly changed (another tensor, another storage, a
