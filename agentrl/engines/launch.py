@@ -19,6 +19,10 @@ required by them on every endpoint but ``/health``: ``agentrl serve`` reads it f
 visible in the process list of this machine). ``servers.api_key`` is what clients pass
 (``SGLangEngine(servers.urls, api_key=servers.api_key)``). A server's output is copied to its log
 file with the key replaced by ``<api-key>`` (SGLang prints its arguments at start-up).
+
+Each server gets a temporary directory of its own as ``TMPDIR`` (unless its spec sets one),
+removed when it is stopped: SGLang names its inter-process sockets with temporary files it never
+removes, so every server start used to leave four sockets and files in the machine's ``/tmp``.
 """
 
 from __future__ import annotations
@@ -64,10 +68,12 @@ class ServerSpec:
 class ServerProcess:
     """One running server (its whole process group)."""
 
-    def __init__(self, spec: ServerSpec, process: subprocess.Popen, log_path: Path, log_copier: threading.Thread | None = None):
+    def __init__(self, spec: ServerSpec, process: subprocess.Popen, log_path: Path, log_copier: threading.Thread | None = None,
+                 temp_dir: Path | None = None):
         self.spec, self.process, self.log_path = spec, process, log_path
         self.url = spec.url
         self._log_copier = log_copier
+        self.temp_dir = temp_dir  # the server's TMPDIR, made for it: removed once it is stopped
 
     @property
     def api_key(self) -> str | None:
@@ -121,6 +127,9 @@ class ServerProcess:
         self._signal(signal.SIGKILL)  # children the leader left behind
         self.process.wait()
         self._drain_log()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
 
     def _drain_log(self) -> None:
         """Wait (briefly) until the output copier has written everything the process printed."""
@@ -178,14 +187,23 @@ def launch_servers(specs: Sequence[ServerSpec], *, ready_timeout_s: float = 600.
             env.pop(API_KEY_ENV, None)  # this process's own key is not the server's
             if spec.api_key:
                 env[API_KEY_ENV] = spec.api_key
-            process = subprocess.Popen(
-                spec.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            # short (Unix socket paths are capped at 107 bytes), beside this process's temp files
+            temp_dir = None if "TMPDIR" in spec.env else Path(tempfile.mkdtemp(prefix="agentrl-srv-"))
+            if temp_dir is not None:
+                env["TMPDIR"] = str(temp_dir)
+            try:
+                process = subprocess.Popen(
+                    spec.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except BaseException:
+                if temp_dir is not None:
+                    shutil.rmtree(temp_dir, ignore_errors=True)
+                raise
             copier = threading.Thread(target=_copy_redacted, args=(process.stdout, log_path, spec.api_key), daemon=True,
                                       name=f"log-{spec.port}")
             copier.start()
-            started.append(ServerProcess(spec, process, log_path, copier))
+            started.append(ServerProcess(spec, process, log_path, copier, temp_dir))
         deadline = time.monotonic() + ready_timeout_s
         for server in started:
             server.wait_ready(max(1.0, deadline - time.monotonic()))

@@ -169,14 +169,20 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Healthy).serve_forever()
 """
 
 
-def test_servers_launched_without_a_log_dir_keep_their_logs_in_a_temp_dir_that_stop_removes(tmp_path, monkeypatch):
+# as SGLang names its inter-process sockets: a temporary file it never removes
+LEAKY_SERVER = "import tempfile; print('socket at', tempfile.NamedTemporaryFile(delete=False).name, flush=True)\n" + HEALTHY_SERVER
+
+
+def test_servers_launched_without_a_log_dir_keep_their_logs_and_temp_files_in_temp_dirs_that_stop_removes(tmp_path, monkeypatch):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     port = free_port()
-    launched = launch_servers([ServerSpec([sys.executable, "-c", HEALTHY_SERVER, str(port)], port=port)], ready_timeout_s=30)
+    launched = launch_servers([ServerSpec([sys.executable, "-c", LEAKY_SERVER, str(port)], port=port)], ready_timeout_s=30)
     [log_dir] = tmp_path.glob("agentrl-servers-*")
-    assert (log_dir / f"server-{port}.log").is_file()
+    log = (log_dir / f"server-{port}.log").read_text()
+    [server_tmp] = tmp_path.glob("agentrl-srv-*")  # the server's own TMPDIR
+    assert f"socket at {server_tmp}/" in log
     launched.stop()
     assert list(tmp_path.iterdir()) == []
 
