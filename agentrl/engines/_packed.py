@@ -99,8 +99,7 @@ class PackedDecoderForward:
             positions = torch.arange(max_len, device=self.embed.weight.device)[None]
             cos, sin = base.rotary_emb(self.embed.weight[:1], positions)
         self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
-        weight = self.embed.weight
-        self.linear = OneDNNLinear() if OneDNNLinear.serves(weight) else plain_linear
+        self.linear = OneDNNLinear() if OneDNNLinear.serves(self.embed.weight) else plain_linear
 
     def weights_changed(self) -> None:
         """The parameters were updated in place: forget the oneDNN copies of the old ones."""
@@ -141,12 +140,12 @@ class OneDNNLinear:
 
     Why: a decode step multiplies a few dozen rows by every weight, and on this kind of CPU torch's
     default (MKL) GEMM was measured slower at such shapes than oneDNN with its own copy of the
-    weight (figures in docs/benchmarks.md). The copy is made on first use
-    and again after ``forget`` (the engine calls it on every weight update, including a shared
-    module's ``weights_changed``: torch's fused AdamW changes parameters without moving their
-    version counters), or when a parameter visibly changed (another tensor, another storage, a
-    moved version counter). Costs one extra copy of the weights in memory.
-    From a few hundred rows on (long prefills) the two were measured level, so those keep MKL.
+    weight (figures in docs/benchmarks.md); from a few hundred rows on (long prefills) the two were
+    level, so those keep MKL. The copy is made on first use and again after ``forget`` (the engine
+    calls it on every weight update, a shared module's ``weights_changed`` included: torch's fused
+    AdamW changes parameters without moving their version counters), or when a parameter visibly
+    changed (another tensor, another storage, a moved version counter). Costs one extra copy of
+    the weights in memory.
     """
 
     MKL_FROM_ROWS = 256
