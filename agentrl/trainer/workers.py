@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from agentrl.agent.setup import RolloutSetup
-from agentrl.config.schema import ActorConfig, CriticConfig, LoraConfig, OptimConfig
+from agentrl.config.schema import ActorConfig, CriticConfig, LoraConfig, OptimConfig, TrainConfig
 from agentrl.errors import WorkerDied
 from agentrl.trainer import algorithms as algo
 from agentrl.errors import CheckpointError
@@ -935,7 +935,7 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def threads_per_worker(cfg: Any) -> int:
+def threads_per_worker(cfg: TrainConfig) -> int:
     """Torch threads of each training worker: ``trainer.threads_per_worker``; else
     ``OMP_NUM_THREADS`` where this process's environment sets it (whoever started the job bounded
     its threads: two jobs sharing a machine, a test suite on one worker per core); else the
