@@ -140,17 +140,17 @@ class OneDNNLinear:
 
     Why: a decode step multiplies a few dozen rows by every weight, and on this kind of CPU torch's
     default (MKL) GEMM was measured slower at such shapes than oneDNN with its own copy of the
-    weight (figures in docs/benchmarks.md); from a few hundred rows on (long prefills) the two were
-    level, so those keep MKL. The copy is made on first use and again after ``forget`` (the engine
+    weight (figures in docs/benchmarks.md). Not everywhere: a oneDNN call costs some 10 µs more, so
+    small weights (the 1M model's, the 18M model's key and value projections) were faster through
+    MKL, and from a few hundred rows on (long prefills) the two were level; those keep MKL. The copy is made on first use and again after ``forget`` (the engine
     calls it on every weight update, a shared module's ``weights_changed`` included: torch's fused
     AdamW changes parameters without moving their version counters), or when a parameter visibly
     changed (another tensor, another storage, a moved version counter). Costs one extra copy of
     the weights in memory.
     """
 
-    MKL_FROM_ROWS = 256
-
-    def __init__(self) -> None:
+    def __init__(self, *, min_weight_elements: int = 1 << 17, max_rows: int = 255) -> None:
+        self.min_weight_elements, self.max_rows = min_weight_elements, max_rows
         # per linear module: (the weight copied, its version, its storage, the oneDNN copy)
         self._copies: dict[torch.nn.Module, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
 
@@ -169,7 +169,7 @@ class OneDNNLinear:
 
     def __call__(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
         weight = module.weight
-        if x.shape[0] >= self.MKL_FROM_ROWS:
+        if x.shape[0] > self.max_rows or weight.numel() < self.min_weight_elements:
             return F.linear(x, weight, module.bias)
         held = self._copies.get(module)
         if held is None or held[0] is not weight or held[1] != weight._version or held[2] != weight.data_ptr():

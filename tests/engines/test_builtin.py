@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from agentrl.engines._packed import OneDNNLinear
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
 from agentrl.errors import EngineUnavailable
@@ -18,10 +19,14 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
 
 
-@pytest.fixture(params=["thread", "event_loop"])
+@pytest.fixture(params=["thread", "event_loop", "onednn"])
 def engine(model_dir, request):
-    """Every behaviour holds wherever the steps run: a background thread or the caller's loop."""
-    engine = BuiltinEngine(model_dir, max_batch_size=8, seed=0, steps_on=request.param)
+    """Every behaviour holds wherever the steps run (a background thread or the caller's loop) and
+    with every linear layer through oneDNN copies of the weights (which the engine only uses for
+    weights far larger than this test model's)."""
+    engine = BuiltinEngine(model_dir, max_batch_size=8, seed=0, steps_on="thread" if request.param == "onednn" else request.param)
+    if request.param == "onednn":
+        engine._forward.linear = OneDNNLinear(min_weight_elements=0)
     yield engine
     engine.close()
 
@@ -412,16 +417,25 @@ def test_an_event_loop_that_closes_with_work_left_hands_it_to_a_thread(model_dir
     assert results[0].finish_reason is FinishReason.LENGTH
 
 
-async def test_a_shared_module_changed_in_place_serves_the_new_weights_after_weights_changed(model_dir):
+@pytest.mark.parametrize("step", ["in_place", "fused_adamw"])
+async def test_a_shared_module_changed_in_place_serves_the_new_weights_after_weights_changed(model_dir, step):
     """A colocated trainer hands its own module to the engine: nothing is copied at a sync, the
-    next request sees the changed parameters, and prefixes cached under the old ones are gone."""
+    next request sees the changed parameters, and prefixes cached under the old ones are gone.
+    The layers go through oneDNN copies of the weights, which must follow: torch's fused AdamW
+    (the trainer's optimizer) changes parameters without moving their version counters."""
     model = load_reference(model_dir)
     engine = BuiltinEngine(model, max_batch_size=4, seed=0, steps_on="event_loop")
+    engine._forward.linear = OneDNNLinear(min_weight_elements=0)
     try:
         before = await engine.generate(GenerateRequest(PROMPT, greedy(8)))
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.neg_()  # the owner's optimizer step, in place
+        if step == "in_place":
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.neg_()  # the owner's optimizer step, in place
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+            model(torch.tensor([PROMPT])).logits.logsumexp(-1).sum().backward()
+            optimizer.step()
         changed = load_reference(model_dir)
         changed.load_state_dict(model.state_dict())
         running = asyncio.ensure_future(engine.generate(GenerateRequest(PROMPT, greedy(200))))

@@ -220,7 +220,7 @@ def test_onednn_linear_follows_in_place_and_replaced_weights():
     from agentrl.engines._packed import OneDNNLinear
 
     torch.manual_seed(0)
-    linear = OneDNNLinear()
+    linear = OneDNNLinear(min_weight_elements=0)  # the test's layer is small
     layer = torch.nn.Linear(16, 8)
     x = torch.randn(5, 16)
 
@@ -241,6 +241,7 @@ def test_onednn_linear_follows_in_place_and_replaced_weights():
     assert not torch.allclose(linear(x, layer), expected(x), atol=1e-3)
     linear.forget()  # ... so the engine forgets its copies on every weight update
     assert torch.allclose(linear(x, layer), expected(x), atol=1e-6)
-    many = torch.randn(OneDNNLinear.MKL_FROM_ROWS, 16)
+    many = torch.randn(linear.max_rows + 1, 16)
     assert torch.equal(linear(many, layer), expected(many))  # long prefills keep torch's GEMM
+    assert torch.equal(OneDNNLinear()(x, layer), expected(x))  # and so do small weights
     assert not OneDNNLinear.serves(layer.weight.to(torch.bfloat16))
