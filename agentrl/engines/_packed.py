@@ -140,13 +140,13 @@ class OneDNNLinear:
 
     Why: a decode step multiplies a few dozen rows by every weight, and on this kind of CPU torch's
     default (MKL) GEMM was measured slower at such shapes than oneDNN with its own copy of the
-    weight (figures in docs/benchmarks.md). Not everywhere: a oneDNN call costs some 10 µs more, so
-    small weights (the 1M model's, the 18M model's key and value projections) were faster through
-    MKL, and from a few hundred rows on (long prefills) the two were level; those keep MKL. The copy is made on first use and again after ``forget`` (the engine
-    calls it on every weight update, a shared module's ``weights_changed`` included: torch's fused
-    AdamW changes parameters without moving their version counters), or when a parameter visibly
-    changed (another tensor, another storage, a moved version counter). Costs one extra copy of
-    the weights in memory.
+    weight (figures in docs/benchmarks.md). Not everywhere: a oneDNN call has a larger fixed cost,
+    so small weights (the 1M model's, the 18M model's key and value projections) were faster
+    through MKL, and from a few hundred rows on (long prefills) the two were level; those keep MKL.
+    The copy is made on first use and again after ``forget`` (the engine calls it on every weight
+    update, a shared module's ``weights_changed`` included: torch's fused AdamW changes parameters
+    without moving their version counters), or when a parameter visibly changed (another tensor,
+    another storage, a moved version counter). Costs one extra copy of the weights in memory.
     """
 
     def __init__(self, *, min_weight_elements: int = 1 << 17, max_rows: int = 255) -> None:
