@@ -420,9 +420,12 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
         skipped["sglang"] = sglang_reason
     # the decode-only workload runs at the floors' concurrency only (64, or the highest asked)
     decode_at = 64 if 64 in args.concurrency else max(args.concurrency)
+    largest = None  # (params, size, model): the decode step anatomy's model
     for size in args.models:
         model = build_model(size)
         params = sum(p.numel() for p in model.parameters())
+        if largest is None or params > largest[0]:
+            largest = (params, size, model)
         model_dir = None
         plan = [(c, "multi_turn") for c in args.concurrency] + [(decode_at, "decode_only")]
         for concurrency, workload in plan:
@@ -459,12 +462,10 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
                 median.extra["tokens_per_s_all"] = [r.tokens_per_s for r in runs[engine]]
                 rows.append(median)
     anatomy = []
-    if "builtin" in args.engines and args.models:
-        from agentrl.tiny import TINY_SIZES
-
-        biggest = max(args.models, key=lambda size: TINY_SIZES[size]["hidden_size"] * TINY_SIZES[size]["num_hidden_layers"])
-        print(f"# decode step anatomy: {biggest} at {decode_at} rows", file=sys.stderr)
-        anatomy = decode_step_anatomy(build_model(biggest), gflops, rows=decode_at)
+    if "builtin" in args.engines and largest is not None:
+        _, size, model = largest
+        print(f"# decode step anatomy: {size} at {decode_at} rows", file=sys.stderr)
+        anatomy = decode_step_anatomy(model, gflops, rows=decode_at)
     return {
         "benchmark": "engine",
         "machine": {
@@ -529,7 +530,6 @@ def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple
     out = []
     try:
         for context in contexts:
-            engine._cache.ensure_capacity(context + 1)
             # contexts spread from a third of ``context`` to twice it less a third: mean ``context``
             positions = [context // 3 + (i * 4 * context // 3) // rows for i in range(rows)]
             engine._cache.ensure_capacity(max(positions) + 1)
