@@ -507,7 +507,7 @@ def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple
     ideal_s = rows * 2 * params / (gflops * 1e9)
     config = model.config
     engine = BuiltinEngine(model, max_batch_size=rows, steps_on="event_loop")
-    forward = engine._forward
+    forward = engine._scheduler.forward
     if not isinstance(forward, _packed.PackedDecoderForward):
         engine.close()
         return []
@@ -532,8 +532,8 @@ def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple
         for context in contexts:
             # contexts spread from a third of ``context`` to twice it less a third: mean ``context``
             positions = [context // 3 + (i * 4 * context // 3) // rows for i in range(rows)]
-            engine._cache.ensure_capacity(max(positions) + 1)
-            layout = _ragged.build_layout(engine._cache, list(range(rows)), positions, (), engine.device)
+            engine._scheduler.cache.ensure_capacity(max(positions) + 1)
+            layout = _ragged.build_layout(engine._scheduler.cache, list(range(rows)), positions, (), engine.device)
             ids = torch.randint(0, config.vocab_size, (rows,))
             position_t = torch.tensor(positions)
             parts = {

@@ -176,7 +176,7 @@ def part_engine(config, args, device, dtype, state) -> dict:
     build_s = time.perf_counter() - t0
     state["engine"] = engine
     figures = engine_throughput(engine, args, device)
-    return {"engine_build_s": round(build_s, 3), "forward": type(engine._forward).__name__,
+    return {"engine_build_s": round(build_s, 3), "forward": type(engine._scheduler.forward).__name__,
             "max_batch_size": engine.max_batch_size, "max_prefill_tokens": engine.max_prefill_tokens,
             "kv_cache_bytes": engine.stats().kv_cache_bytes, **figures}
 

@@ -81,7 +81,7 @@ MUTATIONS = [
              "return algo.loss_denominator(mask, mode) / max(global_denominator, 1.0) * world_size",
              "return 1.0 * world_size",
              ("tests/trainer/test_gradient_scale.py",)),
-    Mutation("weight_update_dropped", "weight sync", "agentrl/engines/builtin.py",
+    Mutation("weight_update_dropped", "weight sync", "agentrl/engines/_scheduler.py",
              "                copy_weights_into(self.model, update.state_dict, strict=update.strict)\n",
              "                pass\n",
              ("tests/engines/test_builtin.py::test_state_dict_update_changes_outputs_to_the_new_weights",)),

@@ -36,7 +36,7 @@ def engine_samples(model_dir, prompts, temperature: float, *, max_new_tokens: in
 
     async def run():
         async with BuiltinEngine(model_dir, max_batch_size=8) as engine:
-            assert isinstance(engine._forward, engine_packed.ModuleForward) == module_path
+            assert isinstance(engine._scheduler.forward, engine_packed.ModuleForward) == module_path
             requests = [GenerateRequest(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=i))
                         for i, p in enumerate(prompts)]
             return await asyncio.gather(*(engine.generate(r) for r in requests))

@@ -12,7 +12,7 @@ tensor. A request owns one slot for its lifetime and writes each token's K/V in 
 is copied from step to step. Decode attention reads the slot range ``[:span]`` as a view, with a
 mask for each row's length (free slots inside the range are masked rows whose output is
 discarded). A finished request's slot keeps its K/V, so the next turn of the same conversation can
-reuse the shared prefix (see ``builtin.py``). The capacity grows by doubling when a request needs
+reuse the shared prefix (see ``_prefix_cache.py``). The capacity grows by doubling when a request needs
 more positions, which is the only time the cache is copied.
 
 A model called without a ``StepLayout`` (e.g. a plain ``model(input_ids)`` elsewhere in the

@@ -26,7 +26,7 @@ def engine(model_dir, request):
     weights far larger than this test model's)."""
     engine = BuiltinEngine(model_dir, max_batch_size=8, seed=0, steps_on="thread" if request.param == "onednn" else request.param)
     if request.param == "onednn":
-        engine._forward.linear = OneDNNLinear(min_weight_elements=0)
+        engine._scheduler.forward.linear = OneDNNLinear(min_weight_elements=0)
     yield engine
     engine.close()
 
@@ -367,8 +367,8 @@ async def test_event_loop_steps_run_on_the_callers_thread_and_match_the_threaded
     threaded = BuiltinEngine(model_dir, max_batch_size=8, seed=0)
     inline = BuiltinEngine(model_dir, max_batch_size=8, seed=0, steps_on="event_loop")
     forward_threads = []
-    forward = inline._forward
-    inline._forward = lambda *args: forward_threads.append(threading.get_ident()) or forward(*args)
+    forward = inline._scheduler.forward
+    inline._scheduler.forward = lambda *args: forward_threads.append(threading.get_ident()) or forward(*args)
     requests = [GenerateRequest(PROMPT[: 4 + i], SamplingParams(max_new_tokens=9, temperature=1.0, seed=i)) for i in range(5)]
     try:
         assert not inline.worker_running  # nothing runs before the first call
@@ -425,7 +425,7 @@ async def test_a_shared_module_changed_in_place_serves_the_new_weights_after_wei
     (the trainer's optimizer) changes parameters without moving their version counters."""
     model = load_reference(model_dir)
     engine = BuiltinEngine(model, max_batch_size=4, seed=0, steps_on="event_loop")
-    engine._forward.linear = OneDNNLinear(min_weight_elements=0)
+    engine._scheduler.forward.linear = OneDNNLinear(min_weight_elements=0)
     try:
         before = await engine.generate(GenerateRequest(PROMPT, greedy(8)))
         if step == "in_place":

@@ -91,7 +91,7 @@ async def test_module_forward_fallback_matches_the_fast_path(model_dir):
     outputs = []
     for forward in (PackedDecoderForward, ModuleForward):
         engine = BuiltinEngine(model_dir)
-        engine._forward = forward(engine.model, engine.max_seq_len) if forward is PackedDecoderForward else forward(engine.model)
+        engine._scheduler.forward = forward(engine.model, engine.max_seq_len) if forward is PackedDecoderForward else forward(engine.model)
         try:
             outputs.append(await engine.generate(request))
         finally:
