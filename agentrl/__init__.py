@@ -16,6 +16,7 @@ from agentrl.agent.tool import Tool, ToolResult
 from agentrl.agent.tool_parsers import ParsedCall, ParsedTurn, ToolParser
 from agentrl.config.loader import load_config
 from agentrl.config.schema import TrainConfig
+from agentrl.data.io import write_rows
 from agentrl.data.row import Row
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.errors import (
@@ -72,6 +73,8 @@ __all__ = [
     # configuration
     "TrainConfig",
     "load_config",
+    # data: a plugin's own data source
+    "write_rows",
     # errors
     "AgentrlError",
     "ConfigError",

@@ -127,3 +127,24 @@ def test_every_exception_agentrl_raises_is_an_agentrl_error():
                     if name not in INTERNAL_EXCEPTIONS:
                         outside.append(f"{module.__name__}.{name}")
     assert not outside, f"exceptions outside AgentrlError: {outside}"
+
+
+def test_write_rows_is_public_and_writes_rows_the_dataset_reads_back(tmp_path):
+    """A plugin package writes its data source's rows with the public writer (docs/plugins.md);
+    importing it costs no pyarrow until it is called."""
+    import agentrl.data
+    from agentrl.data.dataset import parse_row, validate_files
+    from agentrl.data.io import iter_raw_rows
+
+    assert "write_rows" in agentrl.__all__ and agentrl.write_rows is agentrl.data.write_rows
+    assert "write_rows" in agentrl.data.__all__
+    row = {"data_source": "shout/words", "prompt": [{"role": "user", "content": "Say hi loudly."}],
+           "reward_model": {"ground_truth": "HI"}, "extra_info": {"index": 0, "tools_kwargs": {"shout": {"create_kwargs": {"n": 1}}}}}
+    path = agentrl.write_rows([row], tmp_path / "rows.parquet")
+    assert validate_files([str(path)]) == []
+    ((index, raw),) = iter_raw_rows(path)
+    read = parse_row(raw, file=str(path), index=index)
+    assert read.extra_info.tools_kwargs["shout"].create_kwargs == {"n": 1}
+    code = "import sys, agentrl; print('pyarrow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]

@@ -197,7 +197,7 @@ class RowDataset:
                     raise DataError(
                         f"row group {g} holds {group.num_rows} rows ({group.total_byte_size / 2**20:.0f} MiB decoded), more than "
                         f"the row cache's {cache_bytes / 2**20:.0f} MiB; rows are read a row group at a time, so rewrite the file "
-                        "with smaller row groups (agentrl.data.io.write_rows or pyarrow.parquet.write_table(..., row_group_size=1024))",
+                        "with smaller row groups (agentrl.write_rows or pyarrow.parquet.write_table(..., row_group_size=1024))",
                         file=path,
                     )
                 starts.append(starts[-1] + group.num_rows)

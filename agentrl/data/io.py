@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any, Iterator
 
 from agentrl.errors import DataError
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 __all__ = ["JSON_FIELDS", "ROW_GROUP_SIZE", "write_rows", "iter_raw_rows", "decode_row", "count_rows", "open_parquet"]
 
@@ -109,7 +109,12 @@ def decode_row(row: dict[str, Any]) -> dict[str, Any]:
 def write_rows(rows: list[dict[str, Any]], path: str | Path, *, row_group_size: int = ROW_GROUP_SIZE) -> Path:
     """Write rows to parquet atomically (a temporary file, fsynced, renamed into place).
 
-    Every top-level key of any row becomes a column (rows without it hold null there)."""
+    Every top-level key of any row becomes a column (rows without it hold null there). Public
+    as ``agentrl.write_rows``: the writer for a plugin's own data source. pyarrow is imported
+    here, not at module level, so that ``import agentrl`` stays cheap."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     encoded = [_encode(r) for r in rows]
@@ -131,8 +136,11 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path, *, row_group_size: 
     return path
 
 
-def open_parquet(path: str | Path) -> pq.ParquetFile:
+def open_parquet(path: str | Path) -> "pq.ParquetFile":
     """Open a parquet file, or raise a DataError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         return pq.ParquetFile(path)
     except FileNotFoundError:
@@ -144,7 +152,7 @@ def open_parquet(path: str | Path) -> pq.ParquetFile:
 
 
 def count_rows(path: str | Path) -> int:
-    return open_parquet(path).metadata.num_rows
+    return int(open_parquet(path).metadata.num_rows)
 
 
 def iter_raw_rows(path: str | Path, *, batch_size: int = 1024, columns: list[str] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:

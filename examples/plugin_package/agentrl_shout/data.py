@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from agentrl.data.io import write_rows
+from agentrl import write_rows
 
 WORDS = ["hello", "agent", "tokens", "reward", "policy", "engine", "tool", "turn"]
 
