@@ -10,6 +10,7 @@ quickstart's ``report.html`` both use :func:`render_report`.
 from __future__ import annotations
 
 import html
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -65,37 +66,59 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float
     return sorted(points)
 
 
+def _nice_ticks(lo: float, hi: float, *, integers: bool = False, count: int = 6) -> list[float]:
+    """About ``count`` round values (1, 2, 2.5 or 5 times a power of ten apart) covering [lo, hi]."""
+    if hi <= lo:
+        hi = lo + 1
+    raw = (hi - lo) / (count - 1)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in ((1, 2, 5, 10) if integers else (1, 2, 2.5, 5, 10)) if m * magnitude >= raw)
+    if integers:
+        step = max(step, 1.0)
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [round(k * step, 12) for k in range(first, last + 1)]
+
+
 def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step") -> str:
-    w, h, left, right, top, bottom = 460, 240, 46, 12, 26, 30
+    """A line plot: labelled ticks along both axes, the legend below the axes (never over the lines)."""
+    w, left, right, top, plot_h = 480, 52, 14, 24, 170
     points = [p for values in series.values() for p in values]
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys + [0.0]), max(ys + [0.0])
-    x1 = x1 if x1 > x0 else x0 + 1
-    y1 = y1 if y1 > y0 else y0 + 1
+    x_ticks = _nice_ticks(min(xs), max(xs), integers=all(x == int(x) for x in xs))
+    y_ticks = _nice_ticks(min(ys + [0.0]), max(ys + [0.0]))
+    x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
+    bottom_axis = top + plot_h
+    legend_top = bottom_axis + 40
+    h = legend_top + 14 * len(series) + 4
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * (w - left - right)
 
     def sy(y: float) -> float:
-        return h - bottom - (y - y0) / (y1 - y0) * (h - top - bottom)
+        return bottom_axis - (y - y0) / (y1 - y0) * plot_h
 
     out = [f'<svg class="plot" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="{html.escape(title)}">',
            f'<text x="{left}" y="15" font-size="13" font-weight="bold">{html.escape(title)}</text>',
-           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="#999"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#999"/>']
-    for y in (y0, (y0 + y1) / 2, y1):
-        out.append(f'<text x="{left - 4}" y="{sy(y) + 3:.1f}" font-size="10" text-anchor="end">{y:.3g}</text>')
+           f'<rect class="area" x="{left}" y="{top}" width="{w - left - right}" height="{plot_h}" fill="none"/>']
+    for y in y_ticks:
         out.append(f'<line x1="{left}" y1="{sy(y):.1f}" x2="{w - right}" y2="{sy(y):.1f}" stroke="#eee"/>')
-    out.append(f'<text x="{left}" y="{h - 10}" font-size="10">{html.escape(x_label)} {x0:g}</text>')
-    out.append(f'<text x="{w - right}" y="{h - 10}" font-size="10" text-anchor="end">{html.escape(x_label)} {x1:g}</text>')
+        out.append(f'<text class="tick y" x="{left - 5}" y="{sy(y) + 3:.1f}" font-size="10" text-anchor="end">{y:g}</text>')
+    for x in x_ticks:
+        out.append(f'<line x1="{sx(x):.1f}" y1="{bottom_axis}" x2="{sx(x):.1f}" y2="{bottom_axis + 4}" stroke="#999"/>')
+        out.append(f'<text class="tick x" x="{sx(x):.1f}" y="{bottom_axis + 15}" font-size="10" text-anchor="middle">{x:g}</text>')
+    out.append(f'<line x1="{left}" y1="{bottom_axis}" x2="{w - right}" y2="{bottom_axis}" stroke="#999"/>')
+    out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom_axis}" stroke="#999"/>')
+    out.append(f'<text class="axis-label" x="{(left + w - right) / 2:.1f}" y="{bottom_axis + 29}" font-size="11" '
+               f'text-anchor="middle">{html.escape(x_label)}</text>')
     for i, (name, values) in enumerate(series.items()):
         color = COLORS[i % len(COLORS)]
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
         out.append(f'<polyline class="series" data-key="{html.escape(name)}" fill="none" stroke="{color}" stroke-width="2" points="{coords}"/>')
         out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"><title>{html.escape(name)} {html.escape(x_label)} {x:g}: {y:.4g}</title></circle>'
                    for x, y in values)
-        out.append(f'<text x="{w - right - 4}" y="{top + 10 + 12 * i}" font-size="10" text-anchor="end" fill="{color}">{html.escape(name)}</text>')
+        row = legend_top + 14 * i
+        out.append(f'<g class="legend-entry"><line x1="{left}" y1="{row - 4}" x2="{left + 18}" y2="{row - 4}" stroke="{color}" stroke-width="2"/>'
+                   f'<text x="{left + 24}" y="{row}" font-size="11" fill="{color}">{html.escape(name)}</text></g>')
     out.append("</svg>")
     return "".join(out)
 
@@ -172,6 +195,54 @@ def _glue(t: Trajectory, start: int, end: int, decode: Decode | None) -> str:
 # ----------------------------------------------------------------------------- the page
 
 
+HEADLINE = (("held-out success", "heldout_success"), ("held-out tool use", "heldout_tool_use"))
+
+
+def _share(value: Any) -> str:
+    return f"{100 * value:.1f}%" if isinstance(value, (int, float)) else "—"
+
+
+def _change(before: Any, after: Any) -> str:
+    if not (isinstance(before, (int, float)) and isinstance(after, (int, float))):
+        return ""
+    return f"{100 * (after - before):+.1f} points"
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{seconds:g} s"
+
+
+def _headline(summary: dict[str, Any]) -> str:
+    """What the run came for: held-out success and tool use before and after training (per data
+    source when there are several), then the command and its wall time."""
+    rows = [(label, summary.get(f"{key}_before"), summary.get(f"{key}_after")) for label, key in HEADLINE
+            if f"{key}_before" in summary or f"{key}_after" in summary]
+    before_by, after_by = summary.get("heldout_by_source_before") or {}, summary.get("heldout_by_source_after") or {}
+    rows += [(f"held-out success · {source}", before_by.get(source), after_by.get(source))
+             for source in sorted(set(before_by) | set(after_by))]
+    run = []
+    if summary.get("command"):
+        run.append(f"<code>{html.escape(str(summary['command']))}</code>")
+    if isinstance(summary.get("wall_s"), (int, float)):
+        run.append(f"wall time {_duration(summary['wall_s'])}")
+    run += [f"{html.escape(str(summary[k]))} {label}" for k, label in (("steps", "steps"), ("algorithm", "advantages"))
+            if summary.get(k) is not None]
+    if not rows and not run:
+        return ""
+    cells = "".join(f'<tr><th scope="row">{html.escape(label)}</th><td>{_share(before)}</td><td class="after">{_share(after)}</td>'
+                    f"<td>{_change(before, after)}</td></tr>" for label, before, after in rows)
+    table = (f'<table class="headline"><tr><th></th><th>before training</th><th>after training</th><th>change</th></tr>{cells}</table>'
+             if rows else "")
+    return f'<section class="result">{table}<p class="run">{" · ".join(run)}</p></section>'
+
+
+def _summary_table(summary: dict[str, Any]) -> str:
+    cells = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v) if isinstance(v, (dict, list)) else str(v))}</td></tr>"
+                    for k, v in summary.items())
+    return f'<h2>Run summary (summary.json)</h2><table class="summary">{cells}</table>'
+
+
 def render_report(
     metrics_rows: Sequence[dict[str, Any]],
     trajectories: Sequence[Trajectory],
@@ -180,13 +251,13 @@ def render_report(
     decode: Decode | None = None,
     summary: dict[str, Any] | None = None,
 ) -> str:
-    """The report page. ``metrics_rows`` are dicts with a ``step`` (as in ``metrics.jsonl``);
+    """The report page: the headline from ``summary`` (held-out success and tool use before and
+    after, the command and its wall time), the plots over steps, the whole summary, then sample
+    trajectories. ``metrics_rows`` are dicts with a ``step`` (as in ``metrics.jsonl``);
     ``decode(ids) -> str`` renders tokens as text (without it, token ids are shown)."""
     plots = _plots(metrics_rows)
-    summary_html = ""
-    if summary:
-        cells = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>" for k, v in summary.items())
-        summary_html = f'<table class="summary">{cells}</table>'
+    headline = _headline(summary or {})
+    summary_html = _summary_table(summary) if summary else ""
     plots_html = "".join(f'<div class="plotbox">{svg}</div>' for svg in plots) or "<p>No metrics over steps.</p>"
     samples = "".join(_trajectory_html(t, decode) for t in trajectories) or "<p>No trajectories.</p>"
     return f"""<!doctype html>
@@ -200,9 +271,12 @@ body {{ font-family: sans-serif; margin: 24px; color: #222; }}
 .t.s {{ background: #fff; }} .t.m {{ background: #e2e2e2; color: #555; }} .t:hover {{ outline: 1px solid #d62728; }}
 .err {{ color: #d62728; }} .calls {{ font-size: 13px; margin: 2px 0; }} .summary td {{ padding: 2px 10px; border-bottom: 1px solid #ddd; }}
 .legend span {{ padding: 0 6px; border: 1px solid #ccc; }}
+.headline {{ border-collapse: collapse; font-size: 16px; }} .headline th, .headline td {{ padding: 4px 14px; text-align: right; border-bottom: 1px solid #ddd; }}
+.headline th[scope=row] {{ text-align: left; }} .headline td.after {{ font-weight: bold; }} .run {{ color: #444; }}
 </style></head><body>
-<h1>{html.escape(title)}</h1>{summary_html}
+<h1>{html.escape(title)}</h1>{headline}
 <h2>Over steps</h2><div class="plots">{plots_html}</div>
+{summary_html}
 <h2>Sample trajectories</h2>
 <p class="legend"><span class="t s">sampled (trained on)</span> <span class="t m">observed (masked: prompt, tool results, user turns, template)</span>
  hover a token for its id and logprob</p>

@@ -67,3 +67,38 @@ def test_report_shows_each_calls_tool_metrics(scripted_store):
     t.tool_calls[0].metrics = {"wall_s": 0.25, "exit_code": 0.0}
     page = render_report([], [t], "r")
     assert " · exit_code 0 · wall_s 0.25 → " in page
+
+
+def test_the_headline_comes_first_with_held_out_success_and_tool_use_before_and_after_and_the_raw_summary_after_the_plots():
+    summary = {"algorithm": "grpo", "run_dir": "runs/x", "command": "agentrl train data=arith_retry", "heldout_success_before": 0.125,
+               "heldout_tool_use_before": 0.0, "startup/tokenizer_s": 0.4, "heldout_success_after": 0.6875, "heldout_tool_use_after": None,
+               "heldout_by_source_before": {"agentrl/arith": 0.25}, "heldout_by_source_after": {"agentrl/arith": 0.75},
+               "steps": 20, "wall_s": 187.3}
+    page = render_report(metric_rows(), [], "run", summary=summary)
+    body = page[page.index("<body>"):]
+    assert body.index("<h1>run</h1>") < body.index('<section class="result">') < body.index("<h2>Over steps</h2>") \
+        < body.index("<h2>Run summary (summary.json)</h2>") < body.index("<h2>Sample trajectories</h2>")
+    rows = re.findall(r'<tr><th scope="row">([^<]*)</th><td>([^<]*)</td><td class="after">([^<]*)</td><td>([^<]*)</td></tr>', body)
+    assert rows == [("held-out success", "12.5%", "68.8%", "+56.2 points"), ("held-out tool use", "0.0%", "—", ""),
+                    ("held-out success · agentrl/arith", "25.0%", "75.0%", "+50.0 points")]
+    assert '<p class="run"><code>agentrl train data=arith_retry</code> · wall time 3 min 7 s · 20 steps · grpo advantages</p>' in body
+    raw = body[body.index("<h2>Run summary"):]
+    assert "<td>startup/tokenizer_s</td><td>0.4</td>" in raw and '<td>{&quot;agentrl/arith&quot;: 0.25}</td>' in raw
+    # a report without a run's summary (agentrl replay report) has no headline
+    assert 'class="result"' not in render_report(metric_rows(), [], "run")
+
+
+def test_plots_label_the_x_axis_along_its_length_and_keep_the_legend_below_the_axes():
+    rows = [{"step": s, "reward/mean": s / 20, "val/reward/mean": 0.5} for s in range(1, 21)]
+    page = render_report(rows, [], "r")
+    svg = page[page.index('aria-label="reward (mean)"'):]
+    svg = svg[:svg.index("</svg>")]
+    assert re.findall(r'<text class="tick x"[^>]*>([^<]*)</text>', svg) == ["0", "5", "10", "15", "20"]
+    assert re.findall(r'<text class="tick y"[^>]*>([^<]*)</text>', svg) == ["0", "0.2", "0.4", "0.6", "0.8", "1"]
+    area = re.search(r'<rect class="area" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)"', svg)
+    bottom = float(area[2]) + float(area[4])
+    legend = re.findall(r'<g class="legend-entry">.*?<text x="[\d.]+" y="([\d.]+)"[^>]*>([^<]*)</text></g>', svg)
+    assert [name for _, name in legend] == ["reward/mean", "val/reward/mean"]
+    assert all(float(y) > bottom + 20 for y, _ in legend)  # below the tick labels and the axis label
+    ys = [float(p.split(",")[1]) for p in re.search(r'data-key="reward/mean"[^>]*points="([^"]*)"', svg)[1].split()]
+    assert max(ys) <= bottom and min(ys) >= float(area[2])
