@@ -43,6 +43,13 @@ from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, Tr
 
 __all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd", "TrajectoryFinish", "ask_interaction"]
 
+def trajectory_instance_id(group_id: str, sample_index: int) -> str:
+    """The instance id a trajectory's tools and interaction get: ``{group_id}#{sample_index}``,
+    derived from the trajectory's identity alone (no per-process part), so it is the same in
+    every process and every run over the same data, and a tool may seed from it."""
+    return f"{group_id}#{sample_index}"
+
+
 # compute_score(data_source, solution, ground_truth, extra_info) -> float | {"score": float, ...}
 RewardFn = Callable[[str, str, Any, dict[str, Any]], Any]
 
@@ -291,9 +298,10 @@ class AgentLoop:
         sample_index: int = 0,
         seed: int | None = None,
     ) -> Trajectory:
-        # the group id holds the row's position in the batch: two rows may share a row id (verl files
-        # index each split from 0), and their tool and interaction instances must not collide
-        instance_id = f"{group_id}#{sample_index}@{id(ctx)}"
+        # the trajectory's identity, the same in every process: the group id holds the purpose,
+        # step and row's position in the batch (two rows may share a row id: verl files index each
+        # split from 0), so no two trajectories of a run collide, and a tool can seed from it
+        instance_id = trajectory_instance_id(group_id, sample_index)
         extra = row.extra_info
         tools = ctx.toolbox.session(instance_id, extra.tools_kwargs)
         interaction = (

@@ -5,6 +5,9 @@ Lifecycle, enforced by the agent layer:
 * ``__init__(**config)`` once per worker process (never per sample): load resources here.
 * per trajectory: ``create`` once, ``execute`` for each call, ``calc_reward`` at the end, and
   ``release`` ALWAYS - after errors and cancellation too.
+* ``instance_id`` names the trajectory: its group id and sample index
+  (``{purpose}{step}/{position}:{row id}#{sample}`` in training), the same in every process, so
+  a tool may seed its per-trajectory randomness from it.
 
 Arguments are validated against ``parameters`` (JSON Schema, OpenAI function format) before
 ``execute`` sees them, so ``execute`` can trust their shape.

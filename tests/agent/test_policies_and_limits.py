@@ -331,3 +331,24 @@ def test_row_plugin_check_names_each_unknown_plugin_and_its_field():
     fields = [field for field, _ in check_row_plugins(row)]
     assert fields == ["agent_name", "extra_info.tools_kwargs.telescope", "extra_info.interaction_kwargs.name"]
     assert check_row_plugins(row)[1][1].startswith("unknown tool 'telescope' (known: ")
+
+
+class RecordingTool(SlowTool):
+    name = "recording"
+
+    async def execute(self, instance_id, arguments, **kwargs):
+        return ToolResult("ok")
+
+
+def test_tool_instance_ids_are_the_trajectorys_identity_the_same_in_every_context(tiny_tokenizer, make_ctx):
+    # two workers' contexts (both alive, as in two processes) running the same rows give each
+    # trajectory the same instance id: a tool can seed from it
+    rows = [("r0", make_row(tools_kwargs={"recording": {}})), ("r1", make_row(tools_kwargs={"recording": {}}))]
+    seen = []
+    runners = []
+    for _ in range(2):
+        tool = RecordingTool()
+        runners.append(_runner(tiny_tokenizer, make_ctx, tool, lambda *a: call_of("recording")))
+        asyncio.run(runners[-1].run(rows, n=2, group_prefix="train3/"))
+        seen.append(sorted(tool.created))
+    assert seen[0] == seen[1] == ["train3/0:r0#0", "train3/0:r0#1", "train3/1:r1#0", "train3/1:r1#1"]
