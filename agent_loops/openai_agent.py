@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 from typing import Any
 
 from agentrl.agent.loop import AgentLoop, LoopContext
@@ -27,6 +28,43 @@ from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry, discover
 from agentrl.rewards import score_to_float
 from agentrl.trajectory import Trajectory, TrajectoryBuilder, TrajectoryFinish, TrajectorySegment
+
+
+def classify_exception(exc: BaseException, session: EndpointSession) -> tuple[TrajectoryFinish, str]:
+    """How an episode whose program raised ``exc`` ended, and the error text.
+
+    A limit or the engine that ended the trajectory gives its own finish reason; the endpoint's
+    own failure, a request it refused, and a call that failed in transport (no connection, a
+    timeout, a 5xx) are ``loop_error``, infrastructure, out of the loss; any other exception is
+    the program giving up on what the model wrote: ``program_error``, a scored episode."""
+    own = f"{type(exc).__name__}: {exc}"
+    if session.finish is not None:
+        return session.finish, session.error or own
+    if session.crashed is not None:
+        return TrajectoryFinish.LOOP_ERROR, f"the endpoint failed: {session.crashed} (the program then raised {own})"
+    if session.refused is not None:
+        return TrajectoryFinish.LOOP_ERROR, f"the endpoint refused a request: {session.refused} (the program then raised {own})"
+    if _in_transport(exc):
+        return TrajectoryFinish.LOOP_ERROR, own
+    return TrajectoryFinish.PROGRAM_ERROR, own
+
+
+def _in_transport(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is a failure to reach the endpoint."""
+    import httpx
+
+    openai = sys.modules.get("openai")  # imported by the program when it uses the client
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionError, TimeoutError, asyncio.TimeoutError, httpx.TransportError)):
+            return True
+        if openai is not None and (isinstance(current, openai.APIConnectionError) or (
+                isinstance(current, openai.APIStatusError) and current.status_code >= 500)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def find_program(row: Row, registry: PluginRegistry) -> Any:
@@ -65,9 +103,8 @@ class OpenAIAgentLoop(AgentLoop):
             finish = session.finish or TrajectoryFinish.STOP
         except asyncio.TimeoutError:
             finish = TrajectoryFinish.TRAJECTORY_TIMEOUT
-        except Exception as exc:  # the program failed: a limit's refusal, or its own error
-            finish = session.finish or TrajectoryFinish.LOOP_ERROR
-            error = session.error or f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a limit's refusal, a failure of the infrastructure, or the program's own
+            finish, error = classify_exception(exc, session)
         finally:
             server.close_session(base_url)
         if finish is TrajectoryFinish.STOP and session.calls and session.calls[-1].finish_reason == "length":
@@ -88,7 +125,9 @@ class OpenAIAgentLoop(AgentLoop):
         else:  # the program made no call
             builder, messages = TrajectoryBuilder(ctx.renderer.prompt_ids(row.messages())), row.messages()
         info: dict[str, Any] = {}
-        if answer.reward is not None:
+        if finish is TrajectoryFinish.PROGRAM_ERROR:
+            reward = ctx.limits.program_error_reward  # no answer to judge: the episode's outcome is the failure
+        elif answer.reward is not None:
             reward = float(answer.reward)
         else:
             reward = 0.0
@@ -97,6 +136,8 @@ class OpenAIAgentLoop(AgentLoop):
                 reward, info = score_to_float(fn(row.data_source, answer.final_answer, row.ground_truth, row.extra_info.model_dump()))
         if error:
             info["error"] = error
+        if finish is TrajectoryFinish.PROGRAM_ERROR and error:
+            info["exception_type"] = error.split(":", 1)[0]
         earlier = [TrajectorySegment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask,
                                      s.builder.logprobs, s.builder.turns) for s in session.segments[:-1]]
         metrics = {
@@ -106,7 +147,10 @@ class OpenAIAgentLoop(AgentLoop):
             "gen_time_s": session.gen_time, "segment_splits": float(session.segment_splits),
             "segment_earlier_tokens": float(sum(sum(s.response_mask) for s in earlier)),
             **{f"program/{k}": float(v) for k, v in answer.metrics.items()},
+            **{f"tool_errors/{kind}": float(n) for kind, n in session.tool_errors.items()},
         }
+        if finish is TrajectoryFinish.PROGRAM_ERROR:
+            metrics[f"program_errors/{info.get('exception_type', 'Exception')}"] = 1.0
         if session.weight_versions:
             metrics.update(weight_version_min=float(min(session.weight_versions)),
                            weight_version_max=float(max(session.weight_versions)))
@@ -116,4 +160,7 @@ class OpenAIAgentLoop(AgentLoop):
             response_mask=builder.response_mask, logprobs=builder.logprobs, turns=builder.turns, messages=messages,
             finish_reason=finish, reward=reward, reward_info=info, metrics=metrics, policy_version=ctx.policy_version,
             ground_truth=row.ground_truth, earlier_segments=earlier,
+            # the malformed calls of the last segment (their turn indexes are its turns'); the
+            # earlier segments' are counted in tool_errors/*
+            tool_calls=[c for seg, c in session.malformed_calls if seg == len(session.segments) - 1],
         )

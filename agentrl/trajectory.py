@@ -49,7 +49,13 @@ class TrajectoryFinish(str, Enum):
     * ``engine_error``: the engine failed a request after its retries; error in ``reward_info``.
     * ``abort``: the engine aborted a request (e.g. the server went away or was asked to stop).
     * ``loop_error``: the loop itself raised; the trajectory is empty, the error is in
-      ``reward_info``, and the trainer drops it (``RolloutRunner``).
+      ``reward_info``, and the trainer drops it (``RolloutRunner``). For an agent program
+      (``openai_agent``): the endpoint crashed or refused a request, or the program's call failed
+      in transport (connection, timeout, a 5xx).
+    * ``program_error``: an agent program raised while the endpoint and the engine were healthy
+      (a framework that gave up on the model's output): a scored episode, rewarded
+      ``agent.program_error_reward`` and kept in the loss; the exception's type is in
+      ``reward_info["exception_type"]`` and counted in ``program_errors/<type>``.
     """
 
     STOP = "stop"
@@ -64,6 +70,7 @@ class TrajectoryFinish(str, Enum):
     ENGINE_ERROR = "engine_error"
     ABORT = "abort"
     LOOP_ERROR = "loop_error"
+    PROGRAM_ERROR = "program_error"
 
     def __str__(self) -> str:  # the value, in f-strings and metric names too (as enum.StrEnum)
         return self.value

@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -40,19 +42,61 @@ from starlette.routing import Route
 
 from agentrl.agent.setup import Limits
 from agentrl.agent.render import ChatRenderer
-from agentrl.agent.tool_parsers import ToolParser
+from agentrl.agent.tool_parsers import ParsedCall, ToolParser
+from agentrl.agent.tools_runtime import schema_problem
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, SamplingParams
+from agentrl.engines.stops import cut_at_stop
 from agentrl.errors import EngineError
-from agentrl.trajectory import TrajectoryBuilder, TrajectoryFinish, TurnRole
+from agentrl.trajectory import ToolCallRecord, TrajectoryBuilder, TrajectoryFinish, Turn, TurnRole
 
 __all__ = ["OpenAIEndpoint", "EndpointSession", "Segment", "CallRecord", "RequestRefused", "endpoint"]
 
 MODEL_NAME = "agentrl-policy"
-_SAMPLING_KEYS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed"}
-_ACCEPTED_KEYS = _SAMPLING_KEYS | {
-    "model", "messages", "tools", "tool_choice", "stream", "stream_options", "parallel_tool_calls", "user",
-    "metadata", "store", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
-}
+log = logging.getLogger(__name__)
+
+# What the endpoint does with each request field (docs/openai_endpoint.md lists them all): the
+# sampling parameters the trainer owns are the run's whatever a request asks (the sampled policy
+# must be the rollout's; a request asking otherwise is logged once per parameter and process);
+# these are the neutral values of the ones the rollout never applies.
+_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "logit_bias": {}, "response_format": {"type": "text"}}
+# n > 1, logprobs and a forced tool_choice are refused with a 400 naming the field (no answer
+# would be what was asked); every other field, known or not, is ignored as OpenAI-compatible
+# servers ignore what they do not know.
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """A chat-completions request as the endpoint serves it."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    parse_calls: bool  # tool_choice is not 'none'
+    stop: tuple[str, ...]
+    include_stop: bool  # vLLM's include_stop_str_in_output: keep the stop string in the content
+    max_tokens: int | None
+
+
+_logged_overrides: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_overrides(body: dict[str, Any], sampling: SamplingParams, seeded: bool) -> None:
+    """One line per trainer-owned parameter a request asked to set otherwise, the first time in
+    this process: the parameter, what was asked and the value used."""
+    used: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                            "seed": "the run's, per call" if seeded else None, **_NEUTRAL}
+    for key, value in used.items():
+        asked = body.get(key)
+        if asked is None or asked == value or key in _logged_overrides:
+            continue
+        with _logged_lock:
+            if key in _logged_overrides:
+                continue
+            _logged_overrides.add(key)
+        shown = "none" if value is None else f"{value!r}" + (" (not applied)" if key in _NEUTRAL else "")
+        log.warning("OpenAI endpoint: a request asked %s=%r; the rollout's is used instead: %s=%s "
+                    "(said once per process)", key, asked, key, shown)
 
 
 def _as_rendered(tool: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +160,10 @@ class EndpointSession:
     tool_calls_returned: int = 0  # calls parsed from the answers (what the policy asked to run)
     finish: TrajectoryFinish | None = None  # set when a limit or the engine ended the trajectory
     error: str | None = None
+    malformed_calls: list[tuple[int, ToolCallRecord]] = field(default_factory=list)  # (segment, call) answered as text
+    tool_errors: Counter[str] = field(default_factory=Counter)  # malformed calls by kind
+    refused: str | None = None  # the first request refused with a 4xx that did not end the trajectory
+    crashed: str | None = None  # the endpoint's own failure serving a request (answered 500)
     weight_versions: list[int] = field(default_factory=list)
     gen_time: float = 0.0
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -132,17 +180,18 @@ class EndpointSession:
     async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.finish is not None:
             raise RequestRefused(f"this trajectory has ended ({self.finish.value})", finish=self.finish)
-        messages, tools, parse_calls, stop_ids, max_tokens = self._read(body)
+        ask = self._read(body)
         self.check_turn(None)  # before an observation that no turn would read
-        segment, merged = self._extend_or_split(messages, tools)
+        segment, merged = self._extend_or_split(ask.messages, ask.tools)
         left = self.check_turn(segment, 1) + 1  # the tokens this answer may sample
-        stops = tuple(dict.fromkeys((*(self.sampling.stop_token_ids or (self.renderer.eos_id,)), *stop_ids)))
+        stops = tuple(self.sampling.stop_token_ids or (self.renderer.eos_id,))
         n = len(self.calls)
         sampling = SamplingParams(
-            max_new_tokens=min(self.limits.max_new_tokens, left, max_tokens or left),
+            max_new_tokens=min(self.limits.max_new_tokens, left, ask.max_tokens or left),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
-            stop_token_ids=stops, seed=None if self.seed is None else self.seed + 7919 * n,
+            stop_token_ids=stops, stop=ask.stop, seed=None if self.seed is None else self.seed + 7919 * n,
         )
+        _log_overrides(body, self.sampling, self.seed is not None)
         prompt = segment.builder.all_ids
         start = time.perf_counter()
         try:
@@ -157,23 +206,18 @@ class EndpointSession:
             self._end(TrajectoryFinish.ABORT, status=503)
         self.weight_versions.append(result.weight_version)
         self.assistant_turns += 1
-        segment.builder.append_sampled(result.output_ids, result.logprobs)
+        turn = segment.builder.append_sampled(result.output_ids, result.logprobs)
         self.calls.append(CallRecord(len(self.segments) - 1, prompt, list(result.output_ids), list(result.logprobs),
                                      result.finish_reason.value, merged))
         ids = result.output_ids
         segment.stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] in stops
         text = self.renderer.decode(ids[:-1] if segment.stopped_on_eos else ids)
-        parsed = self.parser.parse(text) if parse_calls else None
-        content = parsed.content if parsed is not None else text
-        calls = [c for c in parsed.calls if c.name is not None] if parsed is not None else []
-        tool_calls = [{
-            "id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": c.name, "arguments": json.dumps(c.arguments or {}, ensure_ascii=False)},
-        } for c in calls]
-        answer: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
-        if tool_calls:
-            answer["tool_calls"] = tool_calls
-            self.tool_calls_returned += len(tool_calls)
+        text, _ = cut_at_stop(text, ask.stop, keep=ask.include_stop)  # the stop string's text is never sent
+        answer, malformed = self._answer(text, ask)
+        if malformed:
+            self._record_malformed(malformed, len(segment.builder.turns) - 1, turn)
+        tool_calls = answer.get("tool_calls") or []
+        self.tool_calls_returned += len(tool_calls) + len(malformed)
         segment.messages.append(normalize_message(answer, where="response"))
         finish = "length" if result.finish_reason is FinishReason.LENGTH else "tool_calls" if tool_calls else "stop"
         return {
@@ -182,6 +226,51 @@ class EndpointSession:
             "choices": [{"index": 0, "message": answer, "finish_reason": finish, "logprobs": None}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
         }
+
+    def _answer(self, text: str, ask: _Ask) -> tuple[dict[str, Any], list[ParsedCall]]:
+        """The assistant message for ``text``, and the calls in it that could not be understood.
+
+        As vLLM and SGLang answer: when every call parses, names one of the request's tools and
+        has arguments its schema accepts, the calls come back as ``tool_calls`` (content: the text
+        before them); otherwise the whole text comes back as content, with no ``tool_calls``,
+        never with arguments of the endpoint's making."""
+        parsed = self.parser.parse(text) if ask.parse_calls else None
+        if parsed is None or not parsed.calls:
+            return {"role": "assistant", "content": parsed.content if parsed is not None else text}, []
+        schemas = {t["function"].get("name"): t["function"].get("parameters")
+                   for t in ask.tools or [] if isinstance(t.get("function"), dict)}
+        malformed = []
+        for call in parsed.calls:
+            if call.error is None and call.name not in schemas:
+                call.error, call.detail = "unknown_tool", f"unknown tool {call.name!r} (available: {', '.join(map(str, schemas)) or 'none'})"
+            elif call.error is None:
+                problem = schema_problem(str(call.name), schemas[call.name], call.arguments or {})
+                if problem is not None:
+                    call.error, call.detail = "invalid_arguments", problem
+            if call.error is not None:
+                malformed.append(call)
+        if malformed:
+            return {"role": "assistant", "content": text}, malformed
+        tool_calls = [{
+            "id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments or {}, ensure_ascii=False)},
+        } for c in parsed.calls]
+        return {"role": "assistant", "content": parsed.content or None, "tool_calls": tool_calls}, []
+
+    def _record_malformed(self, calls: list[ParsedCall], turn_index: int, turn: Turn) -> None:
+        """Keep the calls in the trajectory with their error kind, count them, apply the policy:
+        ``penalize`` adds the penalty to the turn's reward, ``end`` ends the trajectory after this
+        answer (``malformed_tool_call``; a further request is refused), ``feedback`` leaves the
+        answer as the program's to read."""
+        for call in calls:
+            self.tool_errors[call.error or "bad_json"] += 1
+            self.malformed_calls.append((len(self.segments) - 1, ToolCallRecord(
+                turn=turn_index, name=call.name, arguments=call.arguments, raw=call.raw, result="", error=call.error)))
+        policy = self.limits.malformed_call_policy
+        if policy == "penalize":
+            turn.reward = (turn.reward or 0.0) + self.limits.malformed_call_penalty
+        elif policy == "end":
+            self.finish = TrajectoryFinish.MALFORMED_TOOL_CALL
 
     def tokens_left(self, segment: Segment) -> int:
         """What ``max_response_tokens`` leaves in this segment."""
@@ -204,12 +293,9 @@ class EndpointSession:
         self.finish = finish
         raise RequestRefused(f"the trajectory ended: {finish.value}", status=status, finish=finish)
 
-    def _read(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool, list[int], int | None]:
-        unknown = sorted(set(body) - _ACCEPTED_KEYS)
-        if unknown:
-            raise RequestRefused(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
-        for key in ("logprobs", "frequency_penalty", "presence_penalty"):
-            if body.get(key):  # accepted when off; the sampled policy must be the rollout's
+    def _read(self, body: dict[str, Any]) -> _Ask:
+        for key in ("logprobs", "top_logprobs"):
+            if body.get(key):  # accepted when off: only the sampled tokens' own logprobs exist here
                 raise RequestRefused(f"{key}={body[key]!r}: not supported (leave it unset)", param=key)
         n = body.get("n")
         if n not in (None, 1):
@@ -228,18 +314,21 @@ class EndpointSession:
             raise RequestRefused(f"tool_choice={choice!r}: only 'auto' and 'none' are supported "
                                  "(generation is not constrained)", param="tool_choice")
         stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        stop_ids: list[int] = []
-        for s in stops:
-            ids = self.renderer.encode(s) if isinstance(s, str) else []
-            if len(ids) != 1:
-                raise RequestRefused(f"stop={s!r}: only stop strings that are one token of the vocabulary are "
-                                     "supported (the engine stops on token ids)", param="stop")
-            stop_ids.append(ids[0])
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if not all(isinstance(s, str) for s in stops):
+            raise RequestRefused(f"stop={stop!r}: a string or a list of strings is required", param="stop")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise RequestRefused(f"max_tokens={max_tokens!r}: a positive integer is required", param="max_tokens")
-        return messages, tools, choice != "none", stop_ids, max_tokens
+        if max_tokens is not None and max_tokens > self.limits.max_new_tokens and "max_tokens" not in _logged_overrides:
+            with _logged_lock:
+                first = "max_tokens" not in _logged_overrides
+                _logged_overrides.add("max_tokens")
+            if first:
+                log.warning("OpenAI endpoint: a request asked max_tokens=%d; at most rollout.max_new_tokens=%d are "
+                            "sampled (said once per process)", max_tokens, self.limits.max_new_tokens)
+        return _Ask(messages, tools, choice != "none", tuple(s for s in stops if s),
+                    bool(body.get("include_stop_str_in_output")), max_tokens)
 
     def _extend_or_split(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[Segment, bool]:
         """The segment this request continues (observation tokens appended, masked), or a new one."""
@@ -411,10 +500,18 @@ class OpenAIEndpoint:
         try:
             response = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except RequestRefused as exc:
+            if exc.finish is None and session.refused is None:
+                session.refused = str(exc)
             return _error(str(exc), exc.status, exc.param)
         except asyncio.TimeoutError:
             future.cancel()
+            session.crashed = session.crashed or f"the rollout engine did not answer within {timeout} s"
             return _error(f"the rollout engine did not answer within the trajectory timeout ({timeout} s)", 504)
+        except Exception as exc:  # the endpoint's own failure: infrastructure, never the program's
+            session.crashed = session.crashed or f"{type(exc).__name__}: {exc}"
+            log.error("OpenAI endpoint: serving a request failed", exc_info=exc)
+            return JSONResponse({"error": {"message": f"the endpoint failed: {type(exc).__name__}: {exc}",
+                                           "type": "server_error", "param": None, "code": None}}, status_code=500)
         if body.get("stream"):
             include = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(_sse(response, include), media_type="text/event-stream")

@@ -8,7 +8,8 @@ Plugin authors test multi-turn loops, tools and interactions without a model::
     })
 
 Each trajectory (``GenerateRequest.session_id`` = ``"<row_id>#<sample>"``) walks through its
-row's list. An entry is text (encoded with the tokenizer, then the chat template's end-of-turn
+row's list. Stop token ids and stop strings (``SamplingParams.stop``, checked on the decoded
+text after every token, as ``agentrl.engines.stops`` describes) end an answer. An entry is text (encoded with the tokenizer, then the chat template's end-of-turn
 token appended - as an engine that stopped at end-of-turn returns it) or a list of token
 ids (returned as is). A callable script ``script(row_id, call_index, request) -> str | list[int]``
 may replace the dict. Every request is kept in ``engine.requests`` (``record_requests=False``
@@ -25,6 +26,7 @@ from collections import defaultdict
 from typing import Any, Callable, Mapping, Sequence
 
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
+from agentrl.engines.stops import StopStrings
 from agentrl.errors import EngineError
 
 __all__ = ["ScriptedEngine"]
@@ -78,9 +80,15 @@ class ScriptedEngine:
                 ids = list(answer)
         limit = request.sampling.max_new_tokens
         stops = set(request.sampling.stop_token_ids)
-        cut = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
+        strings = StopStrings(request.sampling.stop, lambda t: self.tokenizer.decode(t, skip_special_tokens=False))
+        cut, matched_stop = None, None
+        for i, t in enumerate(ids):  # as an engine checks: after every sampled token
+            matched_stop = t if t in stops else strings.completed(ids[: i + 1]) if strings else None
+            if matched_stop is not None:
+                cut = i + 1
+                break
         if cut is not None and cut <= limit:
-            out, reason, matched = ids[:cut], FinishReason.STOP, ids[cut - 1]
+            out, reason, matched = ids[:cut], FinishReason.STOP, matched_stop
         elif len(ids) > limit:
             out, reason, matched = ids[:limit], FinishReason.LENGTH, None
         else:

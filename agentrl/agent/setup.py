@@ -35,6 +35,7 @@ class Limits:
     trajectory_timeout_s: float
     malformed_call_policy: Literal["feedback", "penalize", "end"]
     malformed_call_penalty: float
+    program_error_reward: float  # openai_agent: an episode whose program raised
 
     @classmethod
     def from_config(cls, agent: AgentConfig, rollout: RolloutConfig, *, max_response_tokens: int) -> "Limits":
@@ -47,6 +48,7 @@ class Limits:
             trajectory_timeout_s=agent.trajectory_timeout_s,
             malformed_call_policy=agent.malformed_call_policy,
             malformed_call_penalty=agent.malformed_call_penalty,
+            program_error_reward=agent.program_error_reward,
         )
 
 

@@ -13,6 +13,7 @@ the end and releases every instance ALWAYS - after errors and after cancellation
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -44,6 +45,26 @@ def _first_problem(validator: Any, name: str, arguments: dict[str, Any]) -> str 
     return f"invalid arguments for {name}: {where}: {err.message}"
 
 
+def schema_problem(name: str, parameters: Any, arguments: dict[str, Any]) -> str | None:
+    """None when ``arguments`` match a tool schema given as data (an OpenAI request's
+    ``tools[].function.parameters``), else what is wrong; a schema that is not valid JSON Schema
+    judges nothing (None)."""
+    if not isinstance(parameters, dict):
+        return None
+    key = json.dumps(parameters, sort_keys=True, default=str)
+    validator = _SCHEMA_VALIDATORS.get(key)
+    if validator is None:
+        try:
+            jsonschema.Draft202012Validator.check_schema(parameters)
+        except jsonschema.SchemaError:
+            return None
+        if len(_SCHEMA_VALIDATORS) > 1024:  # schemas a long run's programs send: a bounded cache
+            _SCHEMA_VALIDATORS.clear()
+        validator = _SCHEMA_VALIDATORS[key] = jsonschema.Draft202012Validator(parameters)
+    return _first_problem(validator, name, arguments)
+
+
+_SCHEMA_VALIDATORS: dict[str, Any] = {}
 _VALIDATORS: dict[type, Any] = {}
 
 

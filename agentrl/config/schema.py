@@ -143,6 +143,9 @@ class AgentConfig(Section):
     trajectory_timeout_s: float = Field(600.0, gt=0)
     malformed_call_policy: Literal["feedback", "penalize", "end"] = "feedback"
     malformed_call_penalty: float = -0.1
+    # the reward of an agent program's episode that ended in its own exception (openai_agent:
+    # finish reason program_error, kept in the loss; docs/openai_endpoint.md)
+    program_error_reward: float = 0.0
     # Per-tool constructor kwargs, by tool name: {calculator: {...}}.
     tool_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
     interaction_config: dict[str, dict[str, Any]] = Field(default_factory=dict)

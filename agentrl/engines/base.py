@@ -27,6 +27,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k filter (SGLang's convention)
     stop_token_ids: tuple[int, ...] = ()
+    # stop strings of any length: generation ends at the token whose decoding completes one
+    # (that token is kept in output_ids, as for stop tokens; see ``agentrl.engines.stops``)
+    stop: tuple[str, ...] = ()
     seed: int | None = None  # per-request seed; None draws from the engine's generator
 
     def __post_init__(self) -> None:
@@ -38,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
@@ -45,7 +50,7 @@ class SamplingParams:
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # a stop token was sampled (it is included in output_ids)
+    STOP = "stop"  # a stop token was sampled, or a stop string completed (the token is included in output_ids)
     LENGTH = "length"  # max_new_tokens reached
     ABORT = "abort"  # aborted by the caller or the server
 
@@ -63,7 +68,7 @@ class GenerateResult:
     output_ids: list[int]
     logprobs: list[float]  # log-probability of each sampled token under the sampling policy's weights
     finish_reason: FinishReason
-    matched_stop: int | None = None  # the stop token id that ended generation, if any
+    matched_stop: int | str | None = None  # the stop token id, or the stop string, that ended generation
     prompt_tokens: int = 0
     weight_version: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V the engine reused from an earlier request (prefix cache)

@@ -10,8 +10,9 @@ Failures surface as ``agentrl.errors`` types:
     httpx.TransportError, 5xx (after retries) -> EngineUnavailable
     4xx, a malformed answer, other httpx errors -> EngineError
 
-Stop semantics are SGLang's: generation ends at ``stop_token_ids`` *and* at the model's EOS
-token(s) (the server's ``ignore_eos`` would disable both, so it is always sent as false).
+Stop semantics are SGLang's: generation ends at ``stop_token_ids``, at a ``stop`` string (the
+token completing it is kept in ``output_ids``; ``matched`` is then the string) *and* at the
+model's EOS token(s) (the server's ``ignore_eos`` would disable both, so it is always sent as false).
 
 ``SGLangEngine`` (the ``Engine`` protocol) spreads requests over several servers: each request
 goes to the healthy server with the fewest outstanding requests, except that a trajectory
@@ -73,6 +74,7 @@ def generate_payload(request: GenerateRequest) -> dict[str, Any]:
             "min_new_tokens": 0,
             "n": 1,
             "stop_token_ids": list(sampling.stop_token_ids),
+            "stop": list(sampling.stop),  # strings: SGLang ends at the token completing one and keeps it (no_stop_trim)
             "ignore_eos": False,
             "skip_special_tokens": False,
             "no_stop_trim": True,
@@ -105,7 +107,7 @@ def parse_generate_response(body: Any, *, fallback_version: int = 0) -> Generate
     reasons = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
     if kind not in reasons:
         raise EngineError(f"/generate returned an unknown finish_reason {finish!r}")
-    matched = finish.get("matched") if kind == "stop" and isinstance(finish.get("matched"), int) else None
+    matched = finish.get("matched") if kind == "stop" and isinstance(finish.get("matched"), (int, str)) else None
     version = str(meta.get("weight_version", ""))
     return GenerateResult(
         output_ids=output_ids,

@@ -293,7 +293,7 @@ def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> 
     for t in trajectories:
         m[f"{prefix}finish/{t.finish_reason}"] = m.get(f"{prefix}finish/{t.finish_reason}", 0.0) + 1.0 / n
         for key, value in t.metrics.items():
-            if key.startswith("tool_errors/"):
+            if key.startswith(("tool_errors/", "program_errors/")):  # counts: malformed calls by kind, program exceptions by type
                 m[f"{prefix}{key}"] = m.get(f"{prefix}{key}", 0.0) + value
     m.update(tool_call_metrics(trajectories, prefix))
     # what interactions (interaction/<key>, summed over the trajectory's turns) and custom loops
@@ -326,8 +326,8 @@ def tool_call_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> d
     sums: dict[tuple[str, str], list[float]] = {}
     for t in trajectories:
         for c in t.tool_calls:
-            if c.name is None:  # unparsed calls are counted in tool_errors/*
-                continue
+            if c.name is None or c.error in ("bad_json", "unknown_tool"):  # counted in tool_errors/*, not per name:
+                continue  # a misspelled name must not become a metric key of its own
             calls[c.name] = calls.get(c.name, 0) + 1
             for key, value in c.metrics.items():
                 acc = sums.setdefault((c.name, key), [0.0, 0.0])

@@ -60,7 +60,7 @@ def test_the_setup_carries_each_command_line_value_to_limits_sampling_tools_and_
     cfg = load_config("train", [
         "agent.max_assistant_turns=3", "agent.max_user_turns=2", "data.max_response_length=300", "rollout.max_new_tokens=40",
         "agent.max_tool_response_tokens=17", "agent.trajectory_timeout_s=9.5", "agent.malformed_call_policy=end",
-        "agent.malformed_call_penalty=-0.5", "rollout.temperature=0.7", "rollout.val_temperature=0.1", "rollout.top_p=0.9",
+        "agent.malformed_call_penalty=-0.5", "agent.program_error_reward=-0.25", "rollout.temperature=0.7", "rollout.val_temperature=0.1", "rollout.top_p=0.9",
         "rollout.top_k=5", "rollout.max_concurrency=7", "engine.max_batch_size=3", "trainer.seed=11", "engine.weight_sync=disk",
         "agent.default_loop=react", "agent.tool_parser=react", "agent.max_parallel_calls=2", "agent.tool_timeout_s=4",
         "plugins.prefer.tools.calculator=agentrl",
@@ -68,7 +68,7 @@ def test_the_setup_carries_each_command_line_value_to_limits_sampling_tools_and_
     setup = RolloutSetup.from_config(cfg, weights_dir="/w")
     assert setup.limits == Limits(
         max_assistant_turns=3, max_user_turns=2, max_response_tokens=300, max_new_tokens=40, max_tool_response_tokens=17,
-        trajectory_timeout_s=9.5, malformed_call_policy="end", malformed_call_penalty=-0.5,
+        trajectory_timeout_s=9.5, malformed_call_policy="end", malformed_call_penalty=-0.5, program_error_reward=-0.25,
     )  # fmt: skip
     assert setup.sampling == SamplingParams(temperature=0.7, top_p=0.9, top_k=5)
     assert setup.val_sampling == SamplingParams(temperature=0.1, top_p=0.9, top_k=5)

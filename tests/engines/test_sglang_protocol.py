@@ -52,7 +52,7 @@ def transport(handler) -> httpx.MockTransport:
 async def test_every_sampling_parameter_is_sent_explicitly():
     fake = FakeServers({"a": lambda req, body: httpx.Response(200, json=answer([4, 9], [-0.5, -1.5], {"type": "stop", "matched": 9}))})
     client = SGLangClient("http://a", transport=transport(fake))
-    request = GenerateRequest([1, 2], SamplingParams(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=20, stop_token_ids=(9,), seed=5), rid="x")
+    request = GenerateRequest([1, 2], SamplingParams(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=20, stop_token_ids=(9,), stop=("\n\n\n", "END"), seed=5), rid="x")
     result = await client.generate(request)
     [(_, path, body)] = fake.calls
     assert path == "/generate"
@@ -61,7 +61,7 @@ async def test_every_sampling_parameter_is_sent_explicitly():
         "sampling_params": {
             "max_new_tokens": 7, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.0,
             "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_new_tokens": 0,
-            "n": 1, "stop_token_ids": [9], "ignore_eos": False, "skip_special_tokens": False,
+            "n": 1, "stop_token_ids": [9], "stop": ["\n\n\n", "END"], "ignore_eos": False, "skip_special_tokens": False,
             "no_stop_trim": True, "sampling_seed": 5,
         },
         "return_logprob": True,
@@ -80,6 +80,11 @@ async def test_every_sampling_parameter_is_sent_explicitly():
 def test_finish_reasons_map_to_the_enum(finish, reason):
     result = parse_generate_response(answer([4, 5], [-1.0, -2.0], finish))
     assert result.finish_reason is reason and result.matched_stop is None
+
+
+def test_a_stop_string_match_comes_back_as_the_string():
+    result = parse_generate_response(answer([4, 5], [-1.0, -2.0], {"type": "stop", "matched": "END"}))
+    assert (result.output_ids, result.finish_reason, result.matched_stop) == ([4, 5], FinishReason.STOP, "END")
 
 
 def test_a_non_numeric_weight_version_falls_back_to_the_engines_own():
