@@ -43,16 +43,19 @@ SUBPACKAGES = ["agentrl", "agentrl.agent", "agentrl.engines", "agentrl.replay", 
 ENGINE_IMPLEMENTATIONS = {"BuiltinEngine", "SGLangEngine"}
 
 
-def test_every_class_the_readme_names_resolves_and_is_exported():
+def test_every_class_the_readme_and_the_docs_name_resolves_and_is_exported():
     import importlib
     import re
 
-    readme = (REPO / "README.md").read_text()
-    references = set(re.findall(r"\b(agentrl(?:\.[a-z_]+)*)\.([A-Z]\w*)", readme))
-    assert ("agentrl", "AgentLoop") in references  # the scan finds what the plugin section shows
-    for module, name in sorted(references):
-        assert hasattr(importlib.import_module(module), name), f"README names {module}.{name}, which does not exist"
-        assert name in agentrl.__all__ or name in ENGINE_IMPLEMENTATIONS, f"README shows {name}, not in agentrl.__all__"
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    for page in pages:
+        references = set(re.findall(r"\b(agentrl(?:\.[a-z_]+)*)\.([A-Z][a-z]\w*)", page.read_text()))
+        if page.name == "README.md":
+            assert ("agentrl", "AgentLoop") in references  # the scan finds what the plugin tour shows
+        where = page.relative_to(REPO)
+        for module, name in sorted(references):
+            assert hasattr(importlib.import_module(module), name), f"{where} names {module}.{name}, which does not exist"
+            assert name in agentrl.__all__ or name in ENGINE_IMPLEMENTATIONS, f"{where} shows {name}, not in agentrl.__all__"
 
 
 def test_public_exports_are_plain_imports_that_a_type_checker_sees():

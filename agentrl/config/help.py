@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from agentrl.config import schema
 from agentrl.config.loader import compose, config_dir, validate_config
 
-__all__ = ["schema_docs", "config_keys", "command_help", "resolved_config_yaml", "config_command_main"]
+__all__ = ["schema_docs", "config_keys", "key_rows", "command_groups", "command_help", "resolved_config_yaml", "config_command_main"]
 
 
 def schema_docs() -> dict[str, str]:
@@ -100,11 +100,23 @@ def _lookup(values: dict[str, Any], key: str) -> Any:
     return values
 
 
+def key_rows(values: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, repr of its value in ``values``, the schema's doc line) for every key,
+    in schema order: the rows of ``--help`` and of the docs' configuration reference."""
+    docs = schema_docs()
+    return [(key, _type_name(ann), repr(_lookup(values, key)), docs.get(f"{owner.__name__}.{name}", ""))
+            for key, owner, name, ann in config_keys()]
+
+
+def command_groups(command: str) -> dict[str, tuple[list[str], str | None]]:
+    """{group: (options, ``agentrl <command>``'s default option)}: the folders of ``configs/``."""
+    return _groups(command)
+
+
 def command_help(command: str, overrides: list[str], summary: str) -> str:
     """The help text of ``agentrl <command>``, defaults as composed with ``overrides``."""
     cfg = validate_config(compose(command, overrides), check_files=False)
     values = cfg.model_dump()
-    docs = schema_docs()
     out = [
         f"usage: agentrl {command} [GROUP=OPTION ...] [KEY=VALUE ...] [--cfg job] [--help]",
         "",
@@ -120,8 +132,7 @@ def command_help(command: str, overrides: list[str], summary: str) -> str:
     for group, (options, default) in groups.items():
         out.append(f"  {group:<{width}}  " + "  ".join(o + ("*" if o == default else "") for o in options))
     out += ["", "keys (KEY  TYPE  = DEFAULT  doc):"]
-    rows = [(key, _type_name(ann), repr(_lookup(values, key)), docs.get(f"{owner.__name__}.{name}", ""))
-            for key, owner, name, ann in config_keys()]
+    rows = key_rows(values)
     w_key, w_type = max(len(r[0]) for r in rows), min(max(len(r[1]) for r in rows), 28)
     section = None
     for key, type_name, default, doc in rows:

@@ -27,7 +27,7 @@ _REASON = unavailable_reason()
 pytestmark = [pytest.mark.sglang, pytest.mark.ray, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 # Same weights, same fp32 math: SGLang's sampled-token logprobs against the trainer's recomputation
-# (measured: at most 4.8e-7 at every step of the README's managed run).
+# (measured: at most 4.8e-7 at every step of docs/engines.md's managed run).
 MISMATCH_TOLERANCE = 1e-5
 
 
