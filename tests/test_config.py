@@ -207,3 +207,34 @@ def test_gae_on_its_own_turns_the_critic_on_and_gae_without_a_critic_is_refused(
     assert load_config("train", ["algorithm=dapo"], check_files=False).critic.enable is False
     problems = problems_of(["algorithm.adv_estimator=gae", "critic.enable=false"])
     assert problems["critic.enable"].startswith("is false, but algorithm.adv_estimator=gae needs the critic's values")
+
+
+def test_a_command_that_trains_nothing_is_not_refused_for_trainings_batch_relations(tmp_path):
+    # agentrl rollout engine=sglang data.train_batch_size=8: the actor's mini-batch (16) is not its business
+    overrides = ["engine=sglang", "data.train_batch_size=8", "algorithm.adv_estimator=gae", "critic.enable=false",
+                 f"trainer.resume={tmp_path}/run",
+                 f"sft.train_files=[{tmp_path}/sft.parquet]"]
+    cfg = load_config("rollout", overrides, training=False)
+    assert cfg.data.train_batch_size == 8 and cfg.actor.ppo_mini_batch_size == 16
+    with pytest.raises(ConfigError) as info:
+        load_config("rollout", overrides)  # the same config for a command that trains
+    problems = dict(info.value.problems)
+    assert problems["actor.ppo_mini_batch_size"] == "is 16, larger than data.train_batch_size = 8"
+    assert problems["critic.enable"].startswith("is false, but algorithm.adv_estimator=gae needs the critic's values")
+    assert problems["trainer.resume"] == f"run directory not found: {tmp_path}/run"
+    assert problems["sft.train_files.0"] == f"file not found: {tmp_path}/sft.parquet"
+    # what a rollout does use is still checked
+    with pytest.raises(ConfigError) as info:
+        load_config("rollout", overrides + ["rollout.max_new_tokens=4096", "data.max_response_length=64",
+                                            f"data.train_files=[{tmp_path}/rows.parquet]"], training=False)
+    assert set(dict(info.value.problems)) == {"rollout.max_new_tokens", "data.train_files.0"}
+
+
+def test_rollouts_cfg_job_shows_a_config_that_training_would_refuse():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "engine=sglang", "data.train_batch_size=8", "--cfg", "job"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "train_batch_size: 8" in done.stdout

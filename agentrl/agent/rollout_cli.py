@@ -40,7 +40,7 @@ def cli_main(argv: list[str]) -> int:
     from agentrl.rundir import make_run_dir
     from agentrl.tiny import resolve_model
 
-    cfg = load_config("rollout", argv)
+    cfg = load_config("rollout", argv, training=False)  # trains nothing: training's batch relations are not checked
     check_engine_config(cfg, training=False)
     run = make_run_dir(cfg)
     run.write_config(cfg)  # replay finds the tokenizer and loops here

@@ -115,7 +115,7 @@ def command_groups(command: str) -> dict[str, tuple[list[str], str | None]]:
 
 def command_help(command: str, overrides: list[str], summary: str) -> str:
     """The help text of ``agentrl <command>``, defaults as composed with ``overrides``."""
-    cfg = validate_config(compose(command, overrides), check_files=False)
+    cfg = validate_config(compose(command, overrides), check_files=False, training=command != "rollout")
     values = cfg.model_dump()
     out = [
         f"usage: agentrl {command} [GROUP=OPTION ...] [KEY=VALUE ...] [--cfg job] [--help]",
@@ -149,7 +149,7 @@ def resolved_config_yaml(command: str, overrides: list[str]) -> str:
 
     from omegaconf import OmegaConf
 
-    cfg = validate_config(compose(command, overrides), check_files=False)
+    cfg = validate_config(compose(command, overrides), check_files=False, training=command != "rollout")
     return OmegaConf.to_yaml(OmegaConf.create(json.loads(cfg.model_dump_json())))
 
 

@@ -193,12 +193,12 @@ def _check_workers(cfg: TrainConfig) -> list[tuple[str, str]]:
     return []
 
 
-def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
+def _check_files(cfg: TrainConfig, *, training: bool = True) -> list[tuple[str, str]]:
     problems = []
     for key, paths in (
         ("data.train_files", cfg.data.train_files),
         ("data.val_files", cfg.data.val_files),
-        ("sft.train_files", cfg.sft.train_files),
+        ("sft.train_files", cfg.sft.train_files if training else []),
     ):
         for i, path in enumerate(paths):
             if not Path(path).is_file():
@@ -214,7 +214,7 @@ def _check_files(cfg: TrainConfig) -> list[tuple[str, str]]:
                 read(path, key)
             except ConfigError as exc:  # verl's YAML: every problem, named with its entry and field
                 problems += exc.problems
-    if cfg.trainer.resume not in (None, "auto") and not Path(cfg.trainer.resume).is_dir():
+    if training and cfg.trainer.resume not in (None, "auto") and not Path(cfg.trainer.resume).is_dir():
         problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
     if not cfg.data.train_files and cfg.data.task is None:
         problems.append(("data.train_files", "empty, and data.task is null: give training files or a built-in task"))
@@ -251,10 +251,28 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
 CHECKS: tuple[Check, ...] = (
     _check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_workers, _check_files, _check_plugins,
 )
+# what only a command that trains uses: its batch relations, the critic, the reward shaping of
+# the trainer and its workers (a rollout with data.train_batch_size=8 is not refused for the
+# actor's mini-batch of 16)
+TRAINING_CHECKS = frozenset({_check_batch_sizes, _check_critic, _check_overlong_buffer, _check_workers})
 
 
-def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainConfig:
-    """Validate a composed config; raise ``ConfigError`` with every problem found."""
+def _problems(cfg: TrainConfig, *, check_files: bool, training: bool) -> list[tuple[str, str]]:
+    problems = []
+    for check in CHECKS:
+        if check is _check_files:
+            problems += _check_files(cfg, training=training) if check_files else []
+        elif training or check not in TRAINING_CHECKS:
+            problems += check(cfg)
+    return problems
+
+
+def validate_config(raw: dict[str, Any], *, check_files: bool = True, training: bool = True) -> TrainConfig:
+    """Validate a composed config; raise ``ConfigError`` with every problem found.
+
+    ``training=False`` (``agentrl rollout``, ``replay rescore`` ..., commands that train nothing):
+    the checks of what only training uses are left out (``TRAINING_CHECKS``, the SFT files and
+    ``trainer.resume``); every field is still validated by the schema."""
     try:
         cfg = TrainConfig.model_validate(raw)
     except ValidationError as exc:
@@ -263,9 +281,9 @@ def validate_config(raw: dict[str, Any], *, check_files: bool = True) -> TrainCo
         # in the valid sections are reported in the same pass.
         partial = _partial(raw, exc)
         if partial is not None:
-            problems += [p for check in CHECKS if check_files or check is not _check_files for p in check(partial)]
+            problems += _problems(partial, check_files=check_files, training=training)
         raise ConfigError(_dedupe(problems)) from None
-    problems = [p for check in CHECKS if check_files or check is not _check_files for p in check(cfg)]
+    problems = _problems(cfg, check_files=check_files, training=training)
     if problems:
         raise ConfigError(_dedupe(problems))
     return cfg
@@ -293,6 +311,9 @@ def _dedupe(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(problems))
 
 
-def load_config(config_name: str = "train", overrides: Iterable[str] = (), *, check_files: bool = True) -> TrainConfig:
-    """Compose and validate in one call: what every CLI entry point does first."""
-    return validate_config(compose(config_name, overrides), check_files=check_files)
+def load_config(
+    config_name: str = "train", overrides: Iterable[str] = (), *, check_files: bool = True, training: bool = True
+) -> TrainConfig:
+    """Compose and validate in one call: what every CLI entry point does first (``training``: see
+    ``validate_config``)."""
+    return validate_config(compose(config_name, overrides), check_files=check_files, training=training)

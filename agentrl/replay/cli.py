@@ -91,20 +91,22 @@ def _run_config_path(store: RolloutStore) -> Path | None:
 
 
 def _config_from(store: RolloutStore, config: str | None, overrides: Sequence[str], preset: str):
-    """The run's config (``config.yaml`` beside the store, or ``config``) with overrides, else the preset."""
+    """The run's config (``config.yaml`` beside the store, or ``config``) with overrides, else the
+    preset; for commands that train nothing (rerun, the tokenizer of show), so training's checks
+    are left out."""
     from agentrl.config import load_config
     from agentrl.config.loader import validate_config
 
     path = Path(config) if config else _run_config_path(store)
     if path is None:
-        return load_config(preset, overrides, check_files=False)
+        return load_config(preset, overrides, check_files=False, training=False)
     from omegaconf import OmegaConf
 
     bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~"))]
     if bad:
         raise ConfigError([(o, f"with a run's config ({path}) overrides must be key=value") for o in bad])
     raw = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
-    return validate_config(OmegaConf.to_container(raw, resolve=True), check_files=False)
+    return validate_config(OmegaConf.to_container(raw, resolve=True), check_files=False, training=False)
 
 
 def _tokenizer(store: RolloutStore, explicit: str | None, *, required: bool, cfg=None):

@@ -25,6 +25,7 @@ def test_trajectories_round_trip_exactly_through_the_store(run_rows, tmp_path):
 def test_rollout_command_writes_the_rollouts(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "agentrl.cli", "rollout", "data.task_train_size=6", "rollout.n=2", "rollout.max_new_tokens=8",
+         "data.train_batch_size=4",  # below the actor's mini-batch: a rollout trains nothing, so it is not refused
          f"trainer.runs_root={tmp_path}", "trainer.run_name=r", "logging.progress=false"],
         capture_output=True, text=True, timeout=300,
     )
