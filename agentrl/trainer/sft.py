@@ -1,7 +1,7 @@
 """``agentrl sft``: multi-turn supervised fine-tuning, loss on assistant tokens only.
 
 Conversations are rendered with the model's chat template (with the tools block of the tools
-the agent will use, so SFT and RL see the same prompt); the template's assistant mask
+the agent will use, so SFT and RL see the same prompt: ``tool_schemas``); the template's assistant mask
 (``{% generation %}``) selects the trained tokens: assistant content, tool calls and the
 end-of-turn token; never the system prompt, user turns or tool results. Training runs on the
 same FSDP2 actor workers as RL. The quickstart uses the same code for its warm start.
@@ -35,12 +35,67 @@ from agentrl.trainer.step import Group, shards
 __all__ = ["tokenize_conversations", "shared_prefix_length", "sft_batches", "run_sft_on_actor", "cli_main"]
 
 
-def tool_schemas(cfg: TrainConfig) -> list[dict[str, Any]]:
+def called_tools(conversations: Sequence[list[dict[str, Any]]]) -> dict[str, int]:
+    """{tool name: index of the first conversation calling it}, in order of first call: the
+    names of the assistant messages' ``tool_calls`` (OpenAI format)."""
+    called: dict[str, int] = {}
+    for index, messages in enumerate(conversations):
+        for message in messages:
+            for call in message.get("tool_calls") or () if isinstance(message, dict) else ():
+                function = call.get("function") if isinstance(call, dict) else None
+                name = function.get("name") if isinstance(function, dict) else None
+                if isinstance(name, str):
+                    called.setdefault(name, index)
+    return called
+
+
+def tool_schemas(cfg: TrainConfig, conversations: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]] | None:
+    """The tools block SFT renders every demonstration with: RL's tools for rows that name none
+    (``agent.tool_config_path``'s and ``agent.tool_config``'s) when some are configured, else the
+    tools the demonstrations call themselves; None when there are none. A demonstration calling a
+    tool that the configured tools leave out, or that no tool config or plugin defines, is a
+    DataError naming its file, row and the tool."""
+    from agentrl.config.verl_files import read_tool_config
     from agentrl.plugins import PluginRegistry
 
+    specs = {s.name: s for s in (read_tool_config(cfg.agent.tool_config_path) if cfg.agent.tool_config_path else [])}
+    configured = list(dict.fromkeys([*specs, *cfg.agent.tool_config]))
+    called = called_tools(conversations)
     registry = PluginRegistry(cfg.plugins.prefer)
-    names = list(cfg.agent.tool_config) or ["calculator"]
-    return [registry.load("tools", name).schema() for name in names]
+    for name, index in called.items():
+        if configured and name not in configured:
+            raise DataError(f"the demonstration calls tool {name!r}, which the configured tools ({', '.join(configured)}) "
+                            "leave out of the tools block: add it to agent.tool_config (or agent.tool_config_path)",
+                            **_where(cfg, index))
+        if name not in specs and name not in registry.accepted_names("tools"):
+            raise DataError(f"the demonstration calls tool {name!r}, which no installed tool plugin provides and "
+                            "agent.tool_config_path does not define: its schema is needed for the tools block",
+                            **_where(cfg, index))
+    schemas = []
+    for name in configured or list(called):
+        spec = specs.get(name)
+        if spec is None:
+            schemas.append(registry.load("tools", name).schema())
+        elif spec.schema is not None:
+            schemas.append(spec.schema)
+        else:  # the YAML names no schema: the tool class's own
+            from agentrl.agent.verl_yaml import build_tool
+
+            schemas.append(build_tool(spec, registry).schema())
+    return schemas or None
+
+
+def _where(cfg: TrainConfig, index: int) -> dict[str, Any]:
+    """The file and row of conversation ``index`` (``sft.train_files`` in order), or the
+    generated demonstration's number."""
+    from agentrl.data.io import count_rows
+
+    for path in cfg.sft.train_files:
+        rows = count_rows(path)
+        if index < rows:
+            return {"file": path, "row": index, "field": "messages"}
+        index -= rows
+    return {"row": index, "field": "messages"}
 
 
 def tokenize_conversations(
@@ -141,7 +196,7 @@ def run_sft_on_actor(
     from tqdm.auto import tqdm
 
     train, heldout = _conversations(cfg)
-    tools = tool_schemas(cfg)
+    tools = tool_schemas(cfg, [*train, *heldout])
     examples = tokenize_conversations(tokenizer, train, tools=tools, max_length=cfg.sft.max_length)
     batches = sft_batches(examples, batch_size=cfg.sft.batch_size, pad_token_id=pad_id, epochs=cfg.sft.epochs, seed=cfg.trainer.seed)
     if not batches:

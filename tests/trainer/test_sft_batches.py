@@ -27,9 +27,9 @@ def test_sft_loss_and_gradients_equal_those_of_rows_starting_at_their_first_toke
 
     cfg = load_config("train", [f"model.path={tiny_model_dir}"])
     conversations = sft_conversations("arith", 6, seed=3, tool_rate=0.5)
-    examples = tokenize_conversations(tiny_tokenizer, conversations, tools=tool_schemas(cfg), max_length=512)
+    examples = tokenize_conversations(tiny_tokenizer, conversations, tools=tool_schemas(cfg, conversations), max_length=512)
     k = shared_prefix_length(examples)
-    system_and_tools = tiny_tokenizer.apply_chat_template(conversations[0][:1], tools=tool_schemas(cfg))
+    system_and_tools = tiny_tokenizer.apply_chat_template(conversations[0][:1], tools=tool_schemas(cfg, conversations))
     assert k >= len(system_and_tools) - 2 and k < min(len(ids) for ids, _ in examples)
     shared = sft_batches(examples, batch_size=6, pad_token_id=tiny_tokenizer.pad_token_id, epochs=1, seed=0)[0]
     assert shared.prompt_length == k
