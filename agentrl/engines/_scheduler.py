@@ -5,9 +5,10 @@ It holds the requests that wait and run, admits waiting ones while there are fre
 step: one forward over the packed tokens (one decode token per running request followed by the
 prompts of the admitted ones, see ``_ragged.py``: no padding, K/V written in place), then one
 token sampled per request with its own temperature / top-p / top-k and its own seeded
-``torch.Generator`` (``sampling.py``); a request stops on a stop token (kept in the output, like
-SGLang), on ``max_new_tokens`` or when the context reaches ``max_seq_len``. Aborts and weight
-updates are applied between steps. Which slot a request takes, and the prefix it reuses there,
+``torch.Generator`` (``sampling.py``); a request stops on a stop token or on the token that
+completes one of its stop strings (kept in the output, like SGLang; ``stops.py``), on
+``max_new_tokens`` or when the context reaches ``max_seq_len``. Aborts and weight updates are
+applied between steps. Which slot a request takes, and the prefix it reuses there,
 ``_prefix_cache.py`` decides.
 
 Logprobs follow SGLang (see ``sampling.py``): ``log_softmax(logits / temperature)`` of the sampled
@@ -29,6 +30,7 @@ from agentrl.engines import _ragged
 from agentrl.engines._prefix_cache import Slots, longest_shared, resolve_copy
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.engines.sampling import sample_next_tokens
+from agentrl.engines.stops import StopStrings
 from agentrl.engines.weights import copy_weights_into, read_checkpoint
 from agentrl.errors import EngineError
 
@@ -57,6 +59,7 @@ class Sequence:
     stop_ids: frozenset[int]
     generator: torch.Generator
     resolve: Callable[[GenerateResult | BaseException], None]
+    stop_strings: StopStrings | None = None  # the request's stop strings over the model's tokenizer
     slot: int = -1
     cached: int = 0  # tokens whose K/V are in the slot
     reused: int = 0  # prompt tokens whose K/V came from another slot (not computed for this request)
@@ -180,6 +183,7 @@ class Scheduler:
                 self.finish(seq, error=EngineError(f"generation failed for request {seq.rid}: {exc}"))
             return
         finished: list[tuple[Sequence, GenerateResult]] = []
+        matched: int | str | None
         for seq, token, logprob in zip(stepping, tokens, logprobs):
             seq.cached = len(seq.tokens)
             seq.prefilled = True
@@ -192,6 +196,8 @@ class Scheduler:
                 reason, matched = FinishReason.LENGTH, None
             elif token in seq.stop_ids:
                 reason, matched = FinishReason.STOP, token
+            elif seq.stop_strings is not None and (hit := seq.stop_strings.completed(seq.output_ids)) is not None:
+                reason, matched = FinishReason.STOP, hit
             else:
                 continue
             self._release(seq)
@@ -251,7 +257,7 @@ class Scheduler:
         seq: Sequence,
         reason: FinishReason | None = None,
         *,
-        matched: int | None = None,
+        matched: int | str | None = None,
         error: BaseException | None = None,
     ) -> None:
         self._release(seq, keep=error is None)
@@ -262,7 +268,7 @@ class Scheduler:
         # Retain the slot's K/V for a later request sharing the prefix (not after a failed step).
         self.slots.release(seq.slot, seq.tokens[: seq.cached] if keep and seq.prefilled else [])
 
-    def result(self, seq: Sequence, reason: FinishReason, matched: int | None = None) -> GenerateResult:
+    def result(self, seq: Sequence, reason: FinishReason, matched: int | str | None = None) -> GenerateResult:
         return GenerateResult(
             output_ids=list(seq.output_ids),
             logprobs=list(seq.logprobs),

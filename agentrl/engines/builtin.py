@@ -11,8 +11,9 @@ How a step works (callers only ``await`` futures; the steps run on a background 
 3. run one forward over the packed tokens: one decode token per running request followed by the
    prompts of the admitted ones (see ``_ragged.py``: no padding, K/V written in place);
 4. sample one token per request with its own temperature / top-p / top-k and its own seeded
-   ``torch.Generator`` (``sampling.py``), stop on a stop token (kept in the output, like SGLang),
-   on ``max_new_tokens`` or when the context reaches ``max_seq_len``.
+   ``torch.Generator`` (``sampling.py``), stop on a stop token or on the token that completes a
+   stop string (kept in the output, like SGLang; ``stops.py``), on ``max_new_tokens`` or when the
+   context reaches ``max_seq_len``.
 
 Steps 2 to 4 are the scheduler's (``_scheduler.py``); this module is the engine's face (the
 ``Engine`` protocol, the hand-over from callers) and its worker (where the steps run).
@@ -55,7 +56,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -63,7 +64,8 @@ from agentrl.engines import _ragged
 from agentrl.engines._packed import make_forward
 from agentrl.engines._scheduler import Scheduler, Sequence, StepRecord, WeightUpdate
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
-from agentrl.errors import EngineUnavailable
+from agentrl.engines.stops import StopStrings
+from agentrl.errors import EngineError, EngineUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ class BuiltinEngine:
         step_log_size: int | None = 1024,
         idle_exit_s: float = 0.02,
         steps_on: str = "thread",
+        tokenizer: Any = None,
     ):
         if steps_on not in ("thread", "event_loop"):
             raise ValueError(f"steps_on must be 'thread' or 'event_loop', got {steps_on!r}")
@@ -118,6 +121,10 @@ class BuiltinEngine:
         self.device = torch.device(device)
         self.model = _load_model(model, torch_dtype, self.device)
         config = self.model.config
+        # decodes sampled tokens for stop strings (``SamplingParams.stop``); when not given, loaded
+        # from the model's directory at the first request that has stop strings
+        self._tokenizer = tokenizer
+        self._tokenizer_source = str(model) if isinstance(model, (str, Path)) else getattr(config, "_name_or_path", None)
         self.vocab_size: int = config.vocab_size
         self.max_seq_len: int = max_seq_len or config.max_position_embeddings
         self.max_batch_size = max_batch_size
@@ -183,6 +190,7 @@ class BuiltinEngine:
         future: asyncio.Future[GenerateResult] = loop.create_future()
         rid = request.rid or uuid.uuid4().hex
         seed = sampling.seed
+        stop_strings = self._stop_strings(sampling.stop)
         with self._cv:
             if self._closed:
                 raise EngineUnavailable("the built-in engine is closed")
@@ -193,6 +201,7 @@ class BuiltinEngine:
                 request=request,
                 tokens=list(request.input_ids),
                 stop_ids=frozenset(sampling.stop_token_ids),
+                stop_strings=stop_strings,
                 generator=torch.Generator().manual_seed(seed),
                 resolve=_resolver(loop, future),
             )
@@ -203,6 +212,18 @@ class BuiltinEngine:
         except asyncio.CancelledError:
             await self.abort(rid)
             raise
+
+    def _stop_strings(self, stop: tuple[str, ...]) -> StopStrings | None:
+        if not stop:
+            return None
+        if self._tokenizer is None:
+            if not self._tokenizer_source:
+                raise EngineError("stop strings need a tokenizer: pass BuiltinEngine(..., tokenizer=...)")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_source)
+        tokenizer = self._tokenizer
+        return StopStrings(stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
     async def abort(self, rid: str) -> None:
         """Abort a waiting or running request; it returns with finish reason ABORT. Unknown ids are ignored."""

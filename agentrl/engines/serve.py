@@ -67,7 +67,6 @@ _NEUTRAL = {
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
     "n": 1,
-    "stop": None,
     "regex": None,
     "json_schema": None,
     "ebnf": None,
@@ -144,7 +143,7 @@ def _per_request(value: Any, count: int, field: str, kind: type, default: Any) -
 
 
 def _sampling(params: dict, where: str, defaults: dict[str, Any], eos_token_ids: tuple[int, ...]) -> SamplingParams:
-    known = set(_DEFAULTS) | set(_NEUTRAL) | _TEXT_ONLY | {"stop_token_ids", "sampling_seed", "ignore_eos"}
+    known = set(_DEFAULTS) | set(_NEUTRAL) | _TEXT_ONLY | {"stop_token_ids", "stop", "sampling_seed", "ignore_eos"}
     unknown = sorted(set(params) - known)
     if unknown:
         raise BadRequest(f"{where}: unknown parameter(s) {', '.join(unknown)}")
@@ -160,6 +159,10 @@ def _sampling(params: dict, where: str, defaults: dict[str, Any], eos_token_ids:
         raise BadRequest(f"{where}.stop_token_ids must be a list of token ids")
     if not params.get("ignore_eos"):
         stop_ids = [*stop_ids, *(t for t in eos_token_ids if t not in stop_ids)]
+    stop = params.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"{where}.stop must be a string or a list of non-empty strings")
     seed = params.get("sampling_seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise BadRequest(f"{where}.sampling_seed must be an integer")
@@ -170,6 +173,7 @@ def _sampling(params: dict, where: str, defaults: dict[str, Any], eos_token_ids:
             top_p=float(merged["top_p"]),
             top_k=int(merged["top_k"]),
             stop_token_ids=tuple(stop_ids),
+            stop=tuple(stop),
             seed=seed,
         )
     except (TypeError, ValueError) as exc:

@@ -12,7 +12,7 @@ from agentrl.engines._packed import OneDNNLinear
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
 from agentrl.errors import EngineUnavailable
-from enginetest import load_reference, reference_greedy, reference_logprobs
+from enginetest import build_qwen2, load_reference, reference_greedy, reference_logprobs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -474,3 +474,41 @@ async def test_in_step_copies_chain_through_requests_that_copied_their_own_prefi
     for request, result in zip(requests, results):
         expected = reference_logprobs(reference, request.input_ids, result.output_ids, request.sampling.temperature)
         assert result.logprobs == pytest.approx(expected, abs=1e-5), request.rid
+
+
+async def test_stop_strings_end_generation_at_the_token_that_completes_them(tiny_model_dir):
+    """On the tiny model's own vocabulary: a stop string split across two tokens (it starts inside
+    one), and one spanning eight; the output is the free run's tokens up to the one whose decoding
+    first contains the string (found here by decoding every prefix whole), logprobs included."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = BuiltinEngine(tiny_model_dir, max_batch_size=4, seed=0)  # the tokenizer comes from the directory
+    try:
+        prompt = tok.encode("What is 12 * 34?")
+        sampling = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
+        free = await engine.generate(GenerateRequest(prompt, sampling))
+        texts = [tok.decode([t]) for t in free.output_ids]
+        i = next(i for i in range(2, 20) if len(texts[i].strip()) >= 3 and len(texts[i + 1].strip()) >= 3 and "\ufffd" not in texts[i] + texts[i + 1])
+        split = texts[i][-2:] + texts[i + 1][:2]  # ends inside token i + 1, starts inside token i
+        long = tok.decode(free.output_ids[i - 2 : i + 6])  # eight tokens' text
+        for stop in (split, long):
+            k = next(k for k in range(1, 25) if stop in tok.decode(free.output_ids[:k]))
+            assert k == (i + 2 if stop == split else i + 6)  # the completing token, not an earlier match
+            result = await engine.generate(GenerateRequest(prompt, SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, stop=(stop, "never sampled"))))
+            assert result.output_ids == free.output_ids[:k]
+            assert result.logprobs == pytest.approx(free.logprobs[:k], abs=1e-5)  # the second run reuses the cached prompt
+            assert (result.finish_reason, result.matched_stop) == (FinishReason.STOP, stop)
+    finally:
+        engine.close()
+
+
+async def test_stop_strings_without_a_tokenizer_are_refused(model_dir):
+    from agentrl.errors import EngineError
+
+    engine = BuiltinEngine(build_qwen2(seed=0), max_batch_size=2, seed=0)  # a module with no directory behind it
+    try:
+        with pytest.raises(EngineError, match="stop strings need a tokenizer"):
+            await engine.generate(GenerateRequest(PROMPT, greedy(4, stop=("x",))))
+    finally:
+        engine.close()

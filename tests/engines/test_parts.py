@@ -25,7 +25,8 @@ def test_generate_body_becomes_engine_requests_with_eos_added_as_a_stop():
     parsed = parse_generate(
         {
             "input_ids": [[1, 2], [3]],
-            "sampling_params": [{"max_new_tokens": 5, "temperature": 0, "stop_token_ids": [7]}, {"ignore_eos": True, "sampling_seed": 4}],
+            "sampling_params": [{"max_new_tokens": 5, "temperature": 0, "stop_token_ids": [7], "stop": "\n\n"},
+                                {"ignore_eos": True, "sampling_seed": 4, "stop": ["END", "Observation:"]}],
             "rid": ["a", "b"],
             "return_logprob": True,
         },
@@ -33,9 +34,10 @@ def test_generate_body_becomes_engine_requests_with_eos_added_as_a_stop():
         eos_token_ids=(2,),
     )
     first, second = parsed.requests
-    assert (first.input_ids, first.rid, first.sampling) == ([1, 2], "a", SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=(7, 2)))
+    assert (first.input_ids, first.rid, first.sampling) == ([1, 2], "a", SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=(7, 2), stop=("\n\n",)))
     # unset parameters come from the model's generation config, then SGLang's defaults
-    assert second.sampling == SamplingParams(max_new_tokens=128, temperature=0.7, top_p=1.0, top_k=-1, stop_token_ids=(), seed=4)
+    assert second.sampling == SamplingParams(max_new_tokens=128, temperature=0.7, top_p=1.0, top_k=-1, stop_token_ids=(),
+                                             stop=("END", "Observation:"), seed=4)
     assert parsed.batched and parsed.return_logprob == [True, True]
 
 
@@ -51,6 +53,7 @@ def test_generate_body_becomes_engine_requests_with_eos_added_as_a_stop():
         ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid has 1 entries for 2 prompts"),
         ({"input_ids": [1], "stream": True}, "stream=true is not supported"),
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
+        ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "sampling_params.stop must be a string or a list of non-empty strings"),
     ],
 )
 def test_malformed_generate_bodies_are_rejected_naming_the_field(body, message):
