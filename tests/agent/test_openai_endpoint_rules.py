@@ -318,3 +318,38 @@ def test_trainer_owned_sampling_is_overridden_said_once_and_unknown_fields_are_i
     assert "asked frequency_penalty=0.3; the rollout's is used instead: frequency_penalty=0.0 (not applied)" in " ".join(lines)
     assert f"asked max_tokens=100000; at most rollout.max_new_tokens={ctx.limits.max_new_tokens}" in " ".join(lines)
     assert not any("no_such_field" in line for line in lines)
+
+
+def test_a_stop_string_on_the_real_tiny_model_through_the_endpoint(tiny_model_dir, tiny_tokenizer, make_ctx):
+    """The built-in engine with the tiny model behind the endpoint: the same seeded call without a
+    stop string and with one that starts inside one sampled token and ends in the next; the
+    second keeps exactly the first's tokens up to the completing one, its content cut before the
+    string, streamed or not."""
+    from agentrl.engines.builtin import BuiltinEngine
+
+    engine = BuiltinEngine(tiny_model_dir, max_batch_size=4, seed=0)
+    seen = {}
+
+    def program_with(stop, streamed):
+        def program(task):
+            seen[(stop, streamed)] = ask(task, streamed, **({"stop": [stop]} if stop else {}))
+            return ""
+
+        return program
+
+    try:
+        ctx = make_ctx(engine, limits={"max_new_tokens": 24})
+        free = asyncio.run(loop_with(program_with(None, False)).run(row(), ctx, row_id="r0", group_id="g", seed=5))
+        sampled = free.response_ids[: sum(free.response_mask)]
+        texts = [tiny_tokenizer.decode([t]) for t in sampled]
+        i = next(i for i in range(1, len(texts) - 1) if len(texts[i].strip()) >= 2 and len(texts[i + 1].strip()) >= 2
+                 and "\ufffd" not in texts[i] + texts[i + 1])
+        stop = texts[i][-1] + texts[i + 1][:2]
+        k = next(k for k in range(1, len(sampled) + 1) if stop in tiny_tokenizer.decode(sampled[:k]))
+        for streamed in (False, True):
+            t = asyncio.run(loop_with(program_with(stop, streamed)).run(row(), ctx, row_id="r0", group_id="g", seed=5))
+            assert t.response_ids[: sum(t.response_mask)] == sampled[:k] and sum(t.response_mask) == k
+            text = tiny_tokenizer.decode(sampled[:k])
+            assert seen[(stop, streamed)] == (text[: text.index(stop)], None, "stop")
+    finally:
+        engine.close()
