@@ -13,7 +13,7 @@ def supervised(model: Any, examples: Sequence[tuple[list[int], list[int]]], *, p
     import torch
 
     from agentrl.trainer.sft import sft_batches
-    from agentrl.trainer.workers import response_logprobs
+    from agentrl.trainer.prefix import response_logprobs
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas)
     model.train()

@@ -43,7 +43,8 @@ def _one_run(args: argparse.Namespace, rank: int, cache: str) -> dict[str, Any]:
     from agentrl.tiny import tiny_model_dir
     from agentrl.trainer.batch import collate_sequences
     from agentrl.trainer.dist import free_port
-    from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
+    from agentrl.trainer.rank import mini_batch_denominator
+    from agentrl.trainer.workers import ActorWorker
 
     model_dir = tiny_model_dir(args.size, seed=0, cache_root=cache)
     config = ActorConfig(optim=OptimConfig(lr=1e-4), ppo_micro_batch_size_per_gpu=args.batch,

@@ -232,7 +232,8 @@ def grpo_batch(args, vocab: int):
 def part_actor_update(args, device, state) -> dict:
     from agentrl.config.schema import ActorConfig, OptimConfig
     from agentrl.trainer import packed
-    from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
+    from agentrl.trainer.rank import mini_batch_denominator
+    from agentrl.trainer.workers import ActorWorker
 
     config = ActorConfig(optim=OptimConfig(lr=1e-6), ppo_micro_batch_size_per_gpu=args.micro_batch,
                          ppo_mini_batch_size=args.rows // args.group)

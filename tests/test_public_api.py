@@ -88,7 +88,7 @@ def test_the_engine_boundary_types_import_without_torch():
 
 def test_worker_died_and_not_available_are_agentrl_errors():
     from agentrl.cli import NotAvailable as FromCli
-    from agentrl.trainer.workers import WorkerDied
+    from agentrl.errors import WorkerDied
 
     assert WorkerDied is agentrl.WorkerDied and issubclass(WorkerDied, agentrl.AgentrlError)
     assert FromCli is agentrl.NotAvailable and issubclass(FromCli, agentrl.AgentrlError)

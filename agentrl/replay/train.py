@@ -68,9 +68,9 @@ def train_from_store(
     from agentrl.trainer.skilled_base import ensure_model
     from agentrl.trainer.in_process import InProcessGroup, runs_in_process
     from agentrl.trainer.logging import MetricsLogger
-    from agentrl.trainer.workers import (
-        ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, threads_per_worker, worker_env,
-    )
+    from agentrl.trainer.cluster import init_local_ray, placed, plan_groups, threads_per_worker, worker_env
+    from agentrl.trainer.groups import WorkerGroup
+    from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker
 
     where = TrajectoryFilter(split=split, steps=steps)
     stored_steps = sorted(set(store.read_table(["step"], where).column("step").to_pylist()))

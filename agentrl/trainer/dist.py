@@ -113,7 +113,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, param_dtype: torch.
     gather and reduce copies cost about a quarter of an update step on the CPU, and an FSDP2
     module cannot take the trainer's packed forward (``packed.py``), much the faster on a GPU
     too (docs/gpu.md). In bf16 such a rank computes under autocast instead
-    (``_Worker.call``): fp32 parameters, bf16 matrix products. Everything else (state dicts,
+    (``Worker.call``, ``rank.py``): fp32 parameters, bf16 matrix products. Everything else (state dicts,
     optimizer state, ``reshard``) treats both forms alike."""
     if mesh.size() == 1:
         return model

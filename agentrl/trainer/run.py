@@ -81,9 +81,9 @@ class Trainer:
     def _setup(self, cfg: TrainConfig, run_dir: Path, log: MetricsLogger) -> None:
         from agentrl.data.dataset import RowDataset
         from agentrl.trainer.in_process import InProcessGroup, runs_in_process
-        from agentrl.trainer.workers import (
-            ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, init_local_ray, placed, plan_groups, threads_per_worker, worker_env,
-        )
+        from agentrl.trainer.cluster import init_local_ray, placed, plan_groups, threads_per_worker, worker_env
+        from agentrl.trainer.groups import WorkerGroup
+        from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker
 
         self.cfg, self.run, self.log = cfg, RunDir(run_dir), log
         clock = self.startup

@@ -239,7 +239,9 @@ def cli_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from agentrl.trainer.in_process import InProcessGroup, runs_in_process
-    from agentrl.trainer.workers import ActorWorker, WorkerGroup, init_local_ray, threads_per_worker, worker_env
+    from agentrl.trainer.cluster import init_local_ray, threads_per_worker, worker_env
+    from agentrl.trainer.groups import WorkerGroup
+    from agentrl.trainer.workers import ActorWorker
 
     cfg = load_config("sft", argv)
     started = time.perf_counter()

@@ -35,7 +35,7 @@ from agentrl.errors import AgentrlError, DataError
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.balance import balanced_shards
 from agentrl.trainer.batch import TrainBatch, collate
-from agentrl.trainer.workers import mini_batch_denominator
+from agentrl.trainer.rank import mini_batch_denominator
 from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 # the ends that cut a response at a length limit (DAPO's overlong filter drops them)

@@ -4,7 +4,7 @@ checkpoints intact.
 Rank 1 of the actor group is made to sleep in its third `update_on_policy` call (step 3: one
 mini-batch a step, so the update computes the old logprobs in its own forward), so that
 rank 0 waits alone in FSDP2's all-gather: a `sitecustomize` on the job's `PYTHONPATH` (which
-reaches the Ray workers, see `workers.worker_env`) wraps the method wherever agentrl's workers
+reaches the Ray workers, see `cluster.worker_env`) wraps the method wherever agentrl's workers
 module is imported; only rank 1, a worker process, sleeps. With `trainer.collective_timeout_s=15` the run must end within the
 timeout and its grace, naming the step, the group, the call and the rank, with rank 1's stack
 file in the run directory showing the sleep, and the checkpoint of step 2 whole."""

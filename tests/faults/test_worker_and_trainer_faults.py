@@ -50,7 +50,8 @@ class Sleeper:
 def test_a_worker_that_dies_mid_call_is_named():
     import ray
 
-    from agentrl.trainer.workers import WorkerDied, WorkerGroup
+    from agentrl.errors import WorkerDied
+    from agentrl.trainer.groups import WorkerGroup
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -22,7 +22,8 @@ from agentrl.replay.train import replay_step, truncated_importance_weights
 from agentrl.trainer.batch import collate
 from agentrl.trainer.dist import free_port
 from agentrl.trainer.step import Groups, LocalGroup, TrainingStep, compute_advantages
-from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
+from agentrl.trainer.rank import mini_batch_denominator
+from agentrl.trainer.workers import ActorWorker
 
 
 def test_importance_weights_are_the_ratios_truncated_at_max_ratio_on_sampled_tokens():

@@ -16,7 +16,8 @@ from agentrl.config.schema import ActorConfig, OptimConfig, RolloutCorrectionCon
 from agentrl.trainer import algorithms as algo
 from agentrl.trainer.batch import collate_sequences
 from agentrl.trainer.dist import free_port
-from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
+from agentrl.trainer.rank import mini_batch_denominator
+from agentrl.trainer.workers import ActorWorker
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 
-from agentrl.trainer.workers import WorkerGroup, _Worker, worker_env
+from agentrl.trainer.cluster import worker_env
+from agentrl.trainer.groups import WorkerGroup
+from agentrl.trainer.rank import Worker
 
 
 def test_one_rank_joins_even_when_the_given_port_was_taken_meanwhile():
@@ -33,7 +35,7 @@ def test_one_rank_joins_even_when_the_given_port_was_taken_meanwhile():
     assert done.stdout.strip().splitlines()[-1] == "joined 1"
 
 
-class PortTakenOnce(_Worker):
+class PortTakenOnce(Worker):
     """Rank 0 of the first start finds its port taken (it takes it itself, as another process
     would, before joining the group): the real EADDRINUSE of torch's TCPStore."""
 

@@ -15,7 +15,10 @@ import torch
 
 from agentrl.config.schema import ActorConfig, OptimConfig
 from agentrl.trainer.batch import collate
-from agentrl.trainer.workers import ActorWorker, WorkerGroup, mini_batch_denominator, worker_env
+from agentrl.trainer.cluster import worker_env
+from agentrl.trainer.groups import WorkerGroup
+from agentrl.trainer.rank import mini_batch_denominator
+from agentrl.trainer.workers import ActorWorker
 from agentrl.trajectory import Trajectory, Turn
 
 pytestmark = pytest.mark.ray

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from agentrl.trainer.workers import WorkerGroup, group_resources, ranks_take_gpus
+from agentrl.trainer.cluster import group_resources, ranks_take_gpus
+from agentrl.trainer.groups import WorkerGroup
 
 pytestmark = pytest.mark.ray
 

@@ -18,7 +18,10 @@ from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
 from agentrl.trainer.batch import TrainBatch, collate_sequences
 from agentrl.trainer.checkpoint_io import read_state
 from agentrl.trainer.dist import free_port
-from agentrl.trainer.workers import ActorWorker, CriticWorker, WorkerGroup, mini_batch_denominator, worker_env
+from agentrl.trainer.cluster import worker_env
+from agentrl.trainer.groups import WorkerGroup
+from agentrl.trainer.rank import mini_batch_denominator
+from agentrl.trainer.workers import ActorWorker, CriticWorker
 
 pytestmark = pytest.mark.ray
 

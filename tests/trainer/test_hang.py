@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 
-from agentrl.trainer.workers import CollectiveTimeout, ReferenceWorker, WorkerGroup, worker_env
+from agentrl.trainer.cluster import worker_env
+from agentrl.trainer.groups import CollectiveTimeout, WorkerGroup
+from agentrl.trainer.workers import ReferenceWorker
 
 pytestmark = pytest.mark.ray
 
@@ -74,11 +76,11 @@ def test_a_rank_that_never_joins_the_collective_is_an_error_with_its_stack(tiny_
 
 
 def test_the_watchdog_dumps_a_slow_call_and_keeps_the_file_only_when_it_fails(tmp_path):
-    """In-process ``_Worker.call`` with a 0.2 s timeout: faulthandler writes the stack of a call
+    """In-process ``Worker.call`` with a 0.2 s timeout: faulthandler writes the stack of a call
     still running after 0.2 s; the file goes when the call returns, stays when it raises."""
-    from agentrl.trainer.workers import _Worker
+    from agentrl.trainer.rank import Worker
 
-    class Slow(_Worker):
+    class Slow(Worker):
         def __init__(self):  # no process group: only the watchdog is under test
             self.rank, self.collective_timeout_s, self.autocast_dtype = 3, 0.2, None
 

@@ -20,7 +20,7 @@ STALE_ADDRESS = "127.0.0.1:6399"  # nothing listens there: the dead session's GC
 
 STARTS_A_JOB = """
 import ray
-from agentrl.trainer.workers import init_local_ray
+from agentrl.trainer.cluster import init_local_ray
 assert init_local_ray() is True
 print("nodes", len(ray.nodes()), "answer", ray.get(ray.remote(lambda: 41 + 1).remote()))
 ray.shutdown()

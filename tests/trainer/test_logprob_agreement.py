@@ -20,7 +20,7 @@ import pytest
 import torch
 from logprob_checks import as_batch, engine_samples, mismatch, sharpen, trainer_logprobs
 
-from agentrl.trainer.workers import response_logprobs
+from agentrl.trainer.prefix import response_logprobs
 
 PROMPTS = [[5, 17, 99, 3], [40, 41], [7, 8, 9, 10, 11, 12, 13]]
 MAX_ABS = 1e-5

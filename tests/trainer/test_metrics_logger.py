@@ -30,7 +30,7 @@ def test_workers_and_commands_keep_transformers_progress_bars_off_unless_the_env
     import subprocess
     import sys
 
-    from agentrl.trainer.workers import worker_env
+    from agentrl.trainer.cluster import worker_env
 
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
     assert worker_env(threads=1)["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"

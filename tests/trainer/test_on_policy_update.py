@@ -11,7 +11,8 @@ import torch.distributed as dist
 from agentrl.config.schema import ActorConfig, OptimConfig
 from agentrl.trainer.batch import collate_sequences
 from agentrl.trainer.dist import free_port
-from agentrl.trainer.workers import ActorWorker, mini_batch_denominator
+from agentrl.trainer.rank import mini_batch_denominator
+from agentrl.trainer.workers import ActorWorker
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """One rank is never wrapped in FSDP2 (so the trainer's packed forward applies); in bf16 its model
-passes run under autocast from ``_Worker.call``, and nothing else does. Checked on the CPU with
+passes run under autocast from ``Worker.call``, and nothing else does. Checked on the CPU with
 bf16 autocast standing in for the GPU's (which docs/gpu.md measured)."""
 
 from __future__ import annotations

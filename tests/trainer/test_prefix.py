@@ -11,8 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.trainer import packed
 from agentrl.trainer.batch import TrainBatch
-from agentrl.trainer.prefix import distinct_prompts, length_buckets
-from agentrl.trainer.workers import response_logprobs
+from agentrl.trainer.prefix import distinct_prompts, length_buckets, response_logprobs
 
 PATHS = ["packed", "buckets"]
 

@@ -16,9 +16,10 @@ import torch
 from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
 from agentrl.trainer.batch import TrainBatch, collate_sequences
 from agentrl.trainer.prefix import response_logprobs
-from agentrl.trainer.workers import (
-    ActorWorker, CriticWorker, ReferenceWorker, WorkerGroup, mini_batch_denominator, worker_env,
-)
+from agentrl.trainer.cluster import worker_env
+from agentrl.trainer.groups import WorkerGroup
+from agentrl.trainer.rank import mini_batch_denominator
+from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker
 
 pytestmark = pytest.mark.ray
 

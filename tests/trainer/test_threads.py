@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agentrl.config import TrainConfig
-from agentrl.trainer.workers import threads_per_worker
+from agentrl.trainer.cluster import threads_per_worker
 
 
 def test_config_then_the_environments_bound_then_the_cores_per_rank(monkeypatch):

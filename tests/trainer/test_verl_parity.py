@@ -22,7 +22,7 @@ import torch
 from torch.testing import assert_close
 
 from agentrl.trainer import algorithms as algo
-from agentrl.trainer.workers import _loss_scale, mini_batch_denominator
+from agentrl.trainer.rank import _loss_scale, mini_batch_denominator
 
 SEEDS = range(6)
 TOL = dict(atol=1e-5, rtol=1e-5)
