@@ -1,23 +1,35 @@
-"""GPU figures for issue #18 item 6, as far as they can be measured without SGLang.
+"""GPU figures for issues #18 (item 6) and #40, as far as they can be measured without Ray or SGLang.
 
 On a Qwen2-shaped model with random weights (``--shape 0.5b``: Qwen2.5-0.5B's shape), this measures:
 
-a. the built-in engine (``BuiltinEngine``): tokens/s at several concurrencies, and the time to
-   first token read off its step log; ``model.generate`` on a static batch of the same shape
-   as a reference;
-b. one GRPO-shaped actor update: ``ActorWorker.update_on_policy`` driven without Ray (one-rank
-   process group, FSDP2 with bf16 compute over fp32 parameters on CUDA, as the trainer runs
-   it), and the packed path (``prefix.response_logprobs`` on an unwrapped bf16 model) with
-   fused AdamW;
+a. the built-in engine (``BuiltinEngine``): tokens/s at several concurrencies, the decode step,
+   and the time to first token read off its step log; ``model.generate`` on a static batch of
+   the same shape as a reference (parts ``engine``, ``generate``);
+b. one GRPO-shaped actor update through ``ActorWorker.call('update_on_policy')``, no Ray: the one
+   rank as the trainer runs it (unwrapped, bf16 autocast over fp32 parameters on CUDA; part
+   ``actor_update``), the same rank wrapped in FSDP2 by hand (part ``actor_update_fsdp2``), and
+   the packed path on an unwrapped bf16 model with fused AdamW (part ``packed_update``);
 c. weight sync into the engine: in memory (``ActorWorker.sync_weights``'s path, and a direct
-   GPU-to-GPU ``update_weights``) and through disk (``export_hf`` + ``update_weights(path=)``);
-d. whether NCCL between two processes on one GPU works.
+   GPU-to-GPU ``update_weights``) and through disk (``export_hf`` + ``update_weights(path=)``;
+   part ``weight_sync``); the disk writer ``hf_export.write_hf_checkpoint`` against
+   ``safetensors.save_file`` of the same tensors (part ``export``);
+d. whether NCCL between two processes on one GPU works (part ``nccl_two_processes``);
+e. ``agentrl train`` in one child process (one-rank groups in-process, no Ray), GRPO on the
+   multi-turn ``arith_retry`` task (tool_agent loop + retry interaction) with the built-in engine,
+   actor + reference: step time by phase, rollout tokens/s, weight sync time, peak GPU memory;
+   with ``engine.weight_sync=memory`` (part ``train``) and ``disk`` (part ``train_disk``). Its
+   model has the shape above, random weights, the shipped tiny model's tokenizer, and the
+   end-of-turn row of its embedding scaled (``EOS_ROW_SCALE``) so that turns end before the
+   length limit and the episodes run several turns.
 
 Each part runs in its own try/except: a failure is recorded with its error text and the other
-parts still run. Prints JSON and writes ``$OUT/gpu_check.json`` when OUT is set.
+parts still run. Prints JSON and writes ``$OUT/gpu_check.json`` after every part when OUT is set
+(and the train runs' logs as ``$OUT/train-*.log``).
 
     python3 scripts/gpu_check.py --device cuda --shape 0.5b
     python scripts/gpu_check.py --device cpu --shape tiny      # a quick check of the script itself
+
+The packages it needs beyond the GPU machines' image: scripts/gpu_wheels.sh (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import asyncio
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -251,6 +264,7 @@ def part_actor_update(args, device, state) -> dict:
         metrics, _, _ = worker.call("update_on_policy", f"{args.tmp or tempfile.gettempdir()}/stacks.txt", batch, denominator, use_kl_loss=False)
         times.append(now(device) - started)
     measured = times[args.warmup:]
+    state["actor_update_median_s"] = statistics.median(measured)
     from torch.distributed.fsdp import FSDPModule
 
     micro = batch.select(slice(0, args.micro_batch)).to(device)
@@ -269,6 +283,59 @@ def part_actor_update(args, device, state) -> dict:
         "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
         "cuda_max_memory_allocated_gb": round(peak / 1e9, 2) if peak else None,
     }
+
+
+def part_actor_update_fsdp2(args, device, state) -> dict:
+    """The same update with the one rank wrapped in FSDP2 (bf16 compute over fp32 parameters), as
+    the trainer ran it before one rank was left unwrapped: ``fully_shard`` called directly, as
+    ``dist.shard_model`` does for several ranks, and no autocast."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from agentrl.config.schema import ActorConfig, OptimConfig
+    from agentrl.trainer import packed
+    from agentrl.trainer.dist import _decoder_layers
+    from agentrl.trainer.optim import build_optimizer
+    from agentrl.trainer.rank import mini_batch_denominator
+    from agentrl.trainer.workers import ActorWorker
+
+    state.pop("worker_fsdp2", None)
+    optim = OptimConfig(lr=1e-6)
+    config = ActorConfig(optim=optim, ppo_micro_batch_size_per_gpu=args.micro_batch, ppo_mini_batch_size=args.rows // args.group)
+    worker = ActorWorker(model_path=str(state["model_dir"]), config=config, total_steps=1000, rank=0, world_size=1,
+                         master_addr="127.0.0.1", master_port=0, device=str(device), seed=0)
+    policy = MixedPrecisionPolicy(param_dtype=worker.param_dtype, reduce_dtype=torch.float32)
+    for layer in _decoder_layers(worker.model):
+        fully_shard(layer, mesh=worker.mesh, mp_policy=policy)
+    fully_shard(worker.model, mesh=worker.mesh, mp_policy=policy)
+    worker.optimizer = build_optimizer(worker.model.parameters(), optim)
+    worker.autocast_dtype = None  # FSDP2's mixed precision casts instead
+    batch = grpo_batch(args, worker.model.config.vocab_size)
+    denominator = mini_batch_denominator(batch.response_mask, "token-mean")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        started = now(device)
+        metrics, _, _ = worker.call("update_on_policy", f"{args.tmp or tempfile.gettempdir()}/stacks.txt", batch, denominator, use_kl_loss=False)
+        times.append(now(device) - started)
+    measured = times[args.warmup:]
+    micro = batch.select(slice(0, args.micro_batch)).to(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    out = {
+        "what": "ActorWorker.call('update_on_policy') with the one rank wrapped in FSDP2 by hand (bf16 param_dtype, fp32 reduce), no autocast",
+        "fsdp2_wrapped": isinstance(worker.model, FSDPModule), "param_dtype_compute": str(worker.param_dtype),
+        "forward_path": "packed" if packed.packed_supported(worker.model, micro) else "prefix (shared prompts + length buckets)",
+        "rows": len(batch), "micro_batch": args.micro_batch, "tokens": int(batch.attention_mask.sum()),
+        "step_s": [round(t, 4) for t in times], "step_s_median": round(statistics.median(measured), 4),
+        "tokens_per_s": round(int(batch.attention_mask.sum()) / statistics.median(measured), 1),
+        "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
+        "cuda_max_memory_allocated_gb_since_reset": round(peak / 1e9, 2) if peak else None,
+    }
+    unwrapped = state.get("actor_update_median_s")
+    if unwrapped:
+        out["fsdp2_over_unwrapped"] = round(out["step_s_median"] / unwrapped, 2)
+    del worker
+    return out
 
 
 def part_packed_update(config, args, device, dtype, state) -> dict:
@@ -385,6 +452,209 @@ def part_weight_sync(config, args, device, dtype, state) -> dict:
     return out
 
 
+def part_export(args, device, state) -> dict:
+    """Disk sync through ``hf_export.write_hf_checkpoint`` (the trainer's state written as it is, no
+    model built), against ``safetensors.save_file`` of the same tensors, and the engine's reload."""
+    from safetensors.torch import save_file
+
+    from agentrl.trainer.hf_export import checkpoint_dtype, write_hf_checkpoint
+
+    engine, worker = state.get("engine"), state.get("worker")
+    if worker is None:
+        raise RuntimeError("no actor worker (part actor_update failed)")
+    source = Path(state["model_dir"])
+    dtype = checkpoint_dtype(json.loads((source / "config.json").read_text()))
+    out: dict = {"checkpoint_dtype": str(dtype)}
+    root = Path(tempfile.mkdtemp(prefix="agentrl-gpu-export-", dir=args.tmp))
+    version = 500
+    for attempt in range(2):  # the second is reported
+        t0 = now(device)
+        policy = worker.policy_state()
+        t1 = now(device)
+        write_hf_checkpoint(policy, root / "ckpt", source=source)
+        t2 = now(device)
+        cast = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in policy.items()}
+        t3 = time.perf_counter()
+        save_file(cast, str(root / "raw.safetensors"))
+        t4 = time.perf_counter()
+        load_s = None
+        if engine is not None:
+            version += 1
+            t5 = now(device)
+            asyncio.run(engine.update_weights(path=str(root / "ckpt"), version=version))
+            load_s = now(device) - t5
+        del cast, policy
+        out = {**out, "policy_state_s": round(t1 - t0, 4), "write_hf_checkpoint_s": round(t2 - t1, 4),
+               "safetensors_save_file_same_tensors_s": round(t4 - t3, 4),
+               "write_over_raw": round((t2 - t1) / max(t4 - t3, 1e-9), 2),
+               "engine_load_s": round(load_s, 4) if load_s is not None else None,
+               "sync_total_s": round((t2 - t0) + (load_s or 0.0), 4),
+               "bytes": dir_bytes(root / "ckpt"), "files": sorted(p.name for p in (root / "ckpt").iterdir())}
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- e
+
+# Run in a child process, so that its peak GPU memory is its own and a hang is bounded by a timeout.
+_TRAIN_CHILD = r"""
+import json, sys, time, traceback
+out_path, argv = sys.argv[1], sys.argv[2:]
+result = {}
+started = time.perf_counter()
+try:
+    import torch
+    from agentrl.cli import main
+    result["exit_code"] = main(argv)
+except SystemExit as exc:
+    result["exit_code"] = exc.code
+except BaseException as exc:
+    result["error"] = f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc)[-8:])
+result["wall_s"] = round(time.perf_counter() - started, 2)
+try:
+    if torch.cuda.is_available():
+        result["cuda_max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        result["cuda_max_memory_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 2)
+except BaseException as exc:
+    result["memory_error"] = repr(exc)
+json.dump(result, open(out_path, "w"))
+"""
+
+# The end-of-turn token's embedding row (tied: also its output row) is set to this multiple of a
+# random unit vector, so that a random-weight model ends its turns after some tokens instead of
+# at the length limit, and the interaction's retries make the episodes multi-turn.
+EOS_ROW_SCALE = 8.0
+
+
+def train_model_dir(config_shape: str, device: torch.device, dtype: torch.dtype, directory: Path) -> dict:
+    """A model of ``config_shape`` (random weights) with the shipped tiny model's tokenizer and chat
+    template, the end-of-turn row scaled (``EOS_ROW_SCALE``): what ``agentrl train`` starts from."""
+    import json as _json
+
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    import agentrl
+
+    shipped = sorted((Path(agentrl.__file__).parent / "tiny_models").glob("*/tokenizer.json"))
+    if not shipped:
+        raise RuntimeError("no shipped tiny model under agentrl/tiny_models")
+    source = shipped[0].parent
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, directory / name)
+    tiny = _json.loads((source / "config.json").read_text())
+    shape = dict(SHAPES[config_shape])
+    shape["vocab_size"] = max(shape["vocab_size"], tiny["vocab_size"])
+    # the built-in engine sizes its KV cache slots by this (prompt + 5 turns fit well inside)
+    shape["max_position_embeddings"] = 4096
+    config = Qwen2Config(**shape, use_sliding_window=False, bos_token_id=tiny["bos_token_id"],
+                         eos_token_id=tiny["eos_token_id"], pad_token_id=tiny["pad_token_id"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        row = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(7))
+        embed = model.get_input_embeddings().weight
+        embed[config.eos_token_id] = (EOS_ROW_SCALE * row / row.norm()).to(embed.dtype).to(embed.device)
+    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False)
+    model.save_pretrained(directory)
+    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab_size": config.vocab_size,
+            "tokenizer_from": source.name, "eos_row_scale": EOS_ROW_SCALE}
+
+
+def train_overrides(args, model_dir: Path, runs_root: Path, run_name: str, weight_sync: str, steps: int) -> list[str]:
+    tiny = args.shape == "tiny"
+    return [
+        f"model.path={model_dir}", "trainer=default", "data=arith_retry", "agent=tool_agent", "algorithm=grpo",
+        f"trainer.device={args.device}", "trainer.workers=local", f"trainer.total_steps={steps}",
+        "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_freq=0", "trainer.export_hf=false",
+        "trainer.save_rollouts=false", f"trainer.runs_root={runs_root}", f"trainer.run_name={run_name}",
+        "logging.progress=false", "logging.loggers=[console,jsonl]",
+        f"data.train_batch_size={2 if tiny else 8}", f"rollout.n={4 if tiny else 8}",
+        f"actor.ppo_mini_batch_size={2 if tiny else 8}",
+        f"actor.ppo_micro_batch_size_per_gpu={4 if tiny else 16}",
+        "actor.use_kl_loss=true",  # a reference worker too
+        f"rollout.max_new_tokens={16 if tiny else 64}", "data.max_response_length=512", "data.task_val_size=8",
+        f"engine.max_batch_size={64}", f"engine.weight_sync={weight_sync}",
+    ]
+
+
+def summarize_train(run_dir: Path) -> dict:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in lines if "timing/step_s" in m]
+    keep = ("step", "tokens/per_s", "tokens/sampled", "response_length/mean", "turns/mean", "reward/mean", "logprob_mismatch/mean",
+            "engine/generated_tokens", "engine/weight_version", "actor/pg_loss", "actor/grad_norm")
+    per_step = []
+    for m in steps:
+        row = {k: round(v, 5) if isinstance(v, float) else v for k, v in m.items()
+               if k.startswith("timing/") or k.startswith("finish/") or k in keep}
+        if m.get("tokens/sampled") and m.get("timing/rollout_s"):  # sampled tokens over the rollout phase's wall time
+            row["rollout_tokens_per_s"] = round(m["tokens/sampled"] / m["timing/rollout_s"], 1)
+        per_step.append(row)
+    out: dict = {"steps": per_step, "metric_keys": sorted({k for m in steps for k in m})}
+    later = per_step[1:] or per_step  # the first step warms up (allocator, kernels)
+    for key in sorted({k for r in later for k in r if k.startswith("timing/")} | {"rollout_tokens_per_s"}):
+        values = [r[key] for r in later if isinstance(r.get(key), (int, float))]
+        if values:
+            out.setdefault("median_after_first", {})[key] = round(statistics.median(values), 4)
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        data = json.loads(summary.read_text())
+        out["startup"] = {k: v for k, v in data.items() if k.startswith("startup/")}
+        out["job_wall_s"] = data.get("wall_s")
+    return out
+
+
+def part_train(args, device, dtype, state, *, weight_sync: str, steps: int) -> dict:
+    """``agentrl train`` in one child process (one-rank groups in-process: no Ray)."""
+    root = Path(tempfile.mkdtemp(prefix="agentrl-gpu-train-", dir=args.tmp))
+    model_dir = state.get("train_model_dir")
+    info = state.get("train_model_info", {})
+    if model_dir is None:
+        model_dir = Path(tempfile.mkdtemp(prefix="agentrl-gpu-train-model-", dir=args.tmp))
+        t0 = time.perf_counter()
+        info = {**train_model_dir(args.shape, device, dtype, model_dir), "build_s": round(time.perf_counter() - t0, 2)}
+        state["train_model_dir"], state["train_model_info"] = model_dir, info
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    run_name = f"train-{weight_sync}"
+    argv = ["train", *train_overrides(args, model_dir, root / "runs", run_name, weight_sync, steps)]
+    result_file = root / f"{run_name}.json"
+    env = dict(os.environ)
+    if device.type == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")
+    log = root / f"{run_name}.log"
+    started = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _TRAIN_CHILD, str(result_file), *argv], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            proc.wait(timeout=args.train_timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            timed_out = True
+    figures: dict = {"what": f"agentrl train in one process: GRPO, arith_retry (tool_agent + interaction), "
+                             f"builtin engine, engine.weight_sync={weight_sync}, {steps} steps",
+                     "model": info, "argv": argv, "timed_out": timed_out, "exit_code": proc.returncode,
+                     "child_wall_s": round(time.perf_counter() - started, 2)}
+    if result_file.exists():
+        figures["child"] = json.loads(result_file.read_text())
+    run_dir = root / "runs" / run_name
+    try:
+        figures.update(summarize_train(run_dir))
+    except BaseException as exc:  # noqa: BLE001
+        figures["summary_error"] = error_text(exc)
+    text = log.read_text(errors="replace")
+    figures["log_tail"] = text[-3000:]
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"{run_name}.log").write_text(text[-2_000_000:])
+    shutil.rmtree(root, ignore_errors=True)  # the run; the model stays for the next train part
+    return figures
+
+
 # ---------------------------------------------------------------------------------------- d
 
 _NCCL_CHILD = r"""
@@ -452,9 +722,12 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=None, help="default 16 (tiny: 4)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", default=["engine", "generate", "actor_update", "packed_update",
-                                                       "weight_sync", "nccl_two_processes"])
+    parser.add_argument("--parts", nargs="+", default=["engine", "generate", "actor_update", "actor_update_fsdp2",
+                                                       "packed_update", "weight_sync", "export", "nccl_two_processes",
+                                                       "train", "train_disk"])
     parser.add_argument("--nccl-timeout", type=float, default=120.0)
+    parser.add_argument("--train-steps", type=int, default=None, help="agentrl train's steps; default 4 (tiny: 2)")
+    parser.add_argument("--train-timeout", type=float, default=None, help="seconds for each agentrl train run; default 200 (tiny: 600)")
     parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: the system's temp dir)")
     args = parser.parse_args()
     tiny = args.shape == "tiny"
@@ -466,6 +739,8 @@ def main() -> int:
     if tiny and args.group == 8:
         args.group = 4
     args.micro_batch = args.micro_batch or (4 if tiny else 16)
+    args.train_steps = args.train_steps or (2 if tiny else 4)
+    args.train_timeout = args.train_timeout or (600.0 if tiny else 200.0)
 
     started = time.perf_counter()
     device = torch.device(args.device)
@@ -505,18 +780,40 @@ def main() -> int:
         "packed_update": lambda: part_packed_update(config, args, device, dtype, state),
         "weight_sync": lambda: part_weight_sync(config, args, device, dtype, state),
         "nccl_two_processes": lambda: part_nccl_two_processes(args, device),
+        "actor_update_fsdp2": lambda: part_actor_update_fsdp2(args, device, state),
+        "export": lambda: part_export(args, device, state),
+        "train": lambda: part_train(args, device, dtype, state, weight_sync="memory", steps=args.train_steps),
+        "train_disk": lambda: part_train(args, device, dtype, state, weight_sync="disk", steps=max(2, args.train_steps // 2)),
     }
     for name in args.parts:
+        if name.startswith("train") and not state.get("released"):
+            release(state, device)  # the agentrl train runs are child processes: free this one's GPU memory first
         run_part(results, name, parts[name])
         if device.type == "cuda":
             torch.cuda.empty_cache()
         write_out(results)  # after every part: a run stopped at its time limit keeps what it measured
-    engine = state.get("engine")
-    if engine is not None:
-        engine.close()
+    release(state, device)
+    for key in ("model_dir", "train_model_dir"):
+        if state.get(key) is not None:
+            shutil.rmtree(state[key], ignore_errors=True)
     results["total_wall_s"] = round(time.perf_counter() - started, 2)
     print(write_out(results))
     return 0
+
+
+def release(state: dict, device: torch.device) -> None:
+    """Close the engine and drop the models the parts kept."""
+    import gc
+
+    engine = state.pop("engine", None)
+    if engine is not None:
+        engine.close()
+    for key in ("worker", "worker_fsdp2", "packed_model"):
+        state.pop(key, None)
+    state["released"] = True
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def write_out(results: dict) -> str:
