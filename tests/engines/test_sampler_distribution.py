@@ -239,7 +239,7 @@ def reference(model_dir):
 def _engine(model_dir, linears: str) -> BuiltinEngine:
     engine = BuiltinEngine(model_dir, max_batch_size=GROUP * GROUPS_PER_BATCH, seed=0)
     if linears == "onednn":
-        engine._forward.linear = OneDNNLinear(min_weight_elements=0)
+        engine._scheduler.forward.linear = OneDNNLinear(min_weight_elements=0)
     return engine
 
 
@@ -284,7 +284,7 @@ class _SharpenedForward:
 async def test_a_sampler_at_half_the_temperature_fails_on_every_path(model_dir, reference):
     sampling = SAMPLINGS["T1"]
     engine = _engine(model_dir, "default")
-    engine._forward = _SharpenedForward(engine._forward, 2.0)
+    engine._scheduler.forward = _SharpenedForward(engine._scheduler.forward, 2.0)
     try:
         draws = await _collect(engine, sampling)
     finally:
@@ -297,7 +297,7 @@ async def test_a_sampler_at_half_the_temperature_fails_on_every_path(model_dir, 
 async def test_a_sampler_ten_percent_too_sharp_fails_where_thousands_of_tokens_were_drawn(model_dir, reference):
     sampling = SAMPLINGS["T1"]
     engine = _engine(model_dir, "default")
-    engine._forward = _SharpenedForward(engine._forward, 1.1)
+    engine._scheduler.forward = _SharpenedForward(engine._scheduler.forward, 1.1)
     try:
         draws = await _collect(engine, sampling, alone=0)
     finally:
