@@ -3,19 +3,34 @@
 Nothing here knows agentrl: an ``Agent`` with one function tool, run by the SDK's ``Runner``
 against the chat-completions endpoint it is given, its client closed before it returns. Needs ``pip install openai-agents`` (the
 ``agents`` extra); the import happens at the first call, so the entry point loads without it.
+
+``solve_strict`` is the same agent with an output type the SDK validates, with no retries: a
+final answer that does not end with ``#### <number>`` makes the SDK raise ``ModelBehaviorError``
+and the run give up, as strict frameworks do. agentrl scores such an episode (finish reason
+``program_error``, reward ``agent.program_error_reward``) and trains on it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from agentrl_agent_programs.gsm8k_calculator import CALCULATOR, calculate
 
 INSTRUCTIONS = "Use the calculator tool for arithmetic. End your answer with #### <number>."
+FINAL = re.compile(r"####\s*-?[\d,.]+\s*$")
 
 
 async def solve(task: Any, max_turns: int = 4) -> str:
+    return await _run(task, max_turns, strict=False)
+
+
+async def solve_strict(task: Any, max_turns: int = 4) -> str:
+    return await _run(task, max_turns, strict=True)
+
+
+async def _run(task: Any, max_turns: int, *, strict: bool) -> str:
     try:
         import openai
         from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
@@ -36,10 +51,39 @@ async def solve(task: Any, max_turns: int = 4) -> str:
     client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
     try:
         agent = Agent(name="gsm8k", instructions=INSTRUCTIONS, tools=[calculator],
-                      model=OpenAIChatCompletionsModel(model=task.model, openai_client=client))
+                      model=OpenAIChatCompletionsModel(model=task.model, openai_client=client),
+                      **({"output_type": _final_answer_schema()} if strict else {}))
         result = await Runner.run(agent, task.messages[-1]["content"], max_turns=max_turns)
         return str(result.final_output or "")
     except MaxTurnsExceeded:
+        if strict:
+            raise  # the strict agent gives up here too
         return ""  # no final answer within its turns: scored as a wrong one
     finally:
         await client.close()  # in this event loop, not at garbage collection after it closed
+
+
+def _final_answer_schema() -> Any:
+    """An SDK output type whose validation accepts only an answer ending with ``#### <number>``."""
+    from agents import AgentOutputSchemaBase
+    from agents.exceptions import ModelBehaviorError
+
+    class FinalAnswer(AgentOutputSchemaBase):
+        def is_plain_text(self) -> bool:
+            return False  # validated, as any structured output type is
+
+        def name(self) -> str:
+            return "final_answer"
+
+        def json_schema(self) -> dict[str, Any]:
+            return {"type": "string", "pattern": FINAL.pattern}
+
+        def is_strict_json_schema(self) -> bool:
+            return False
+
+        def validate_json(self, json_str: str) -> str:
+            if not FINAL.search(json_str.strip()):
+                raise ModelBehaviorError(f"the final answer does not end with '#### <number>': {json_str[-80:]!r}")
+            return json_str
+
+    return FinalAnswer()

@@ -1,7 +1,10 @@
 """``agentrl train`` on agent programs it does not know, behind the ``openai_agent`` loop: the
 plain-``openai`` GSM8K-style calculator agent (``agent_programs/gsm8k_calculator.py``), and its
 variant that compacts its history after each tool result (``gsm8k_calculator_compact``), whose
-earlier segments train with the trajectory's advantage."""
+earlier segments train with the trajectory's advantage; and agents written for OpenAI's API and
+nothing else, registered by a package of their own (``tests/fixtures/byo_agents``): the
+cookbook's tool loop with stop strings, plain and streaming, and an Agents SDK agent whose output
+type is validated strictly, with no retries."""
 
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import pytest
 
 from agentrl.data.rollout_store import RolloutStore
 from agentrl_data_prep.tasks import generate
+from test_plugin_dist import install_unpacked
+
+BYO_AGENTS = os.path.join(os.path.dirname(__file__), "fixtures", "byo_agents")
 
 
 @pytest.mark.ray
@@ -63,6 +69,48 @@ def test_two_grpo_steps_of_a_plain_openai_agent(program, skilled_model_dir, tmp_
     for metrics, step in zip(steps, sorted({s.step for s in stored})):
         parts = [p for s in stored if s.step == step for p in [s.trajectory, *s.trajectory.earlier_segments]]
         assert metrics["tokens/sampled"] == sum(sum(p.response_mask) for p in parts)
+
+
+@pytest.mark.ray
+def test_agents_written_for_openais_api_train_at_default_settings(skilled_model_dir, tmp_path):
+    """The cookbook agent (stop strings, the SDK's message objects appended as they come), its
+    streaming twin and the strict Agents SDK agent, one row in three each, through ``agentrl
+    train`` with the quickstart's rollout and batch (warm start off: the skilled base is the
+    quickstart's model after it): no request refused, no infrastructure failure, one segment per
+    episode, every sampled token in the loss."""
+    from pathlib import Path
+
+    site = install_unpacked(Path(BYO_AGENTS), tmp_path / "site")
+    programs = ["cookbook", "cookbook_streamed", "sdk_strict"]
+    rows = [{**r, "agent_name": "openai_agent", "extra_info": {"index": i, "agent_program": programs[i % 3]}}
+            for i, r in enumerate(generate("arith", 48, seed=0))]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", f"data.train_files=[{tmp_path / 'rows.parquet'}]",
+        f"model.path={skilled_model_dir}", "sft.enable=false", "trainer.total_steps=2", "trainer.test_freq=0",
+        "trainer.val_before_train=false", "trainer.save_freq=0", "trainer.export_hf=false", f"trainer.runs_root={tmp_path}",
+        "trainer.run_name=byo", "logging.progress=false", "trainer.threads_per_worker=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the trainer-owned sampling the cookbook agent asks for is overridden, said once
+    assert done.stderr.count("a request asked temperature=0.7") == 1
+    steps = [json.loads(line) for line in (tmp_path / "byo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "reward/mean" in s]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["trajectories/loop_errors"] == 0 and s["failures/rate"] == 0.0 and s["trajectories/earlier_segments"] == 0
+        assert s["logprob_mismatch/mean"] < 1e-5 and s["logprob_mismatch/max"] < 1e-3
+    stored = list(RolloutStore(tmp_path / "byo" / "rollouts").iter_stored())
+    assert len(stored) == 2 * 8 * 8
+    by_program = {p: [s.trajectory for s in stored if s.row.extra_info.agent_program == p] for p in programs}
+    for program, trajectories in by_program.items():
+        assert trajectories and all(t.finish_reason in {"stop", "length", "program_error", "max_assistant_turns",
+                                                        "response_budget", "malformed_tool_call"} for t in trajectories), program
+        assert all(t.earlier_segments == [] and sum(t.response_mask) > 0 for t in trajectories), program
+    # every sampled token is in the step's loss (program errors included)
+    for metrics, step in zip(steps, sorted({s.step for s in stored})):
+        assert metrics["tokens/sampled"] == sum(sum(s.trajectory.response_mask) for s in stored if s.step == step)
 
 
 @pytest.mark.ray

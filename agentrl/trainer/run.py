@@ -42,7 +42,8 @@ from agentrl.engines.managed import ManagedServers, check_engine_config
 from agentrl.errors import CheckpointError, WorkerDied
 from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
 from agentrl.trainer.skilled_base import ensure_model
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.kl import AdaptiveKLController, FixedKLController
+from agentrl.trainer.algorithms.recipes import dynamic_sampling_filter
 from agentrl.trainer.startup import StartupClock
 from agentrl.trainer.checkpoint_io import read_json
 from agentrl.trainer.logging import MetricsLogger
@@ -170,7 +171,7 @@ class Trainer:
             clock.lap("_".join(g.name for g in starting) + "_workers")
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (
-            algo.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else algo.FixedKLController(kl.kl_coef)
+            AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else FixedKLController(kl.kl_coef)
         )
         self.step = TrainingStep(cfg, Groups(self.actor, self.reference, self.critic), pad_token_id=self.pad_id, kl_ctrl=self.kl_ctrl)
         # every training and validation step, with its dataset rows: the replay format
@@ -204,7 +205,7 @@ class Trainer:
             every += drawn_now
             usable = [t for t in drawn_now if t.response_ids]
             index = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in usable))}
-            keep, counts = algo.dynamic_sampling_filter(
+            keep, counts = dynamic_sampling_filter(
                 torch.tensor([t.reward for t in usable]), torch.tensor([index[t.group_id] for t in usable], dtype=torch.long)
             )
             kept += [usable[i] for i in keep.tolist()]
