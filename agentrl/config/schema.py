@@ -197,7 +197,7 @@ class KLControlConfig(Section):
 
 class FilterGroupsConfig(Section):
     # DAPO's dynamic sampling (verl's algorithm.filter_groups): drop groups whose rewards are all
-    # equal and draw more batches until train_batch_size groups remain (algorithms.dynamic_sampling_filter)
+    # equal and draw more batches until train_batch_size groups remain (algorithms/recipes.py, dynamic_sampling_filter)
     enable: bool = False
     max_num_gen_batches: int = Field(10, ge=1)  # batches drawn per step at most
 
@@ -244,7 +244,7 @@ class OptimConfig(Section):
 
 
 class RolloutCorrectionConfig(Section):
-    # Truncated importance sampling of trainer vs engine logprobs (algorithms.rollout_correction_weights)
+    # Truncated importance sampling of trainer vs engine logprobs (algorithms/recipes.py, rollout_correction_weights)
     level: Literal["token", "sequence"] | None = None  # null: off
     cap: float = Field(2.0, gt=0)  # verl's rollout_is_threshold
     outlier_threshold: float | None = Field(None, gt=1)  # ratios outside [1/t, t] get weight 0

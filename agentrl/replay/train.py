@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from agentrl.config import TrainConfig
 from agentrl.errors import DataError
 from agentrl.rundir import RunDir
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.kl import AdaptiveKLController, FixedKLController
 from agentrl.trainer.step import Groups, TrainingStep, truncated_importance_weights
 from agentrl.trajectory import Trajectory
 
@@ -101,7 +101,7 @@ def train_from_store(
                                     model_path=model_path, config=cfg.critic, total_steps=total,
                                     share_prompts=cfg.model.share_prompt_forward, **dist)
     kl = cfg.algorithm.kl_ctrl
-    kl_ctrl = algo.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else algo.FixedKLController(kl.kl_coef)
+    kl_ctrl = AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else FixedKLController(kl.kl_coef)
     out_dir.mkdir(parents=True, exist_ok=True)
     run = RunDir(out_dir)
     run.write_config(cfg)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from agentrl.trainer import packed
-from agentrl.trainer.algorithms import entropy_from_logprobs
+from agentrl.trainer.algorithms.losses import entropy_from_logprobs
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.dist import agree_max, needs_agreement
 

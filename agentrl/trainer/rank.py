@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from agentrl.config.schema import LoraConfig, OptimConfig
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.losses import loss_denominator
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.dist import agree_max, init_distributed, needs_agreement, resolve_device, shard_model
 from agentrl.trainer.lora import apply_lora
@@ -31,16 +31,16 @@ __all__ = ["Worker", "mini_batch_denominator", "train_on_mini_batches"]
 
 def _loss_scale(mask: torch.Tensor, mode: str, global_denominator: float, world_size: int) -> float:
     """Turns a micro-batch's own aggregated loss into its share of the mini-batch's loss over all
-    ranks: its own denominator over the mini-batch's (``algo.loss_denominator``: tokens,
+    ranks: its own denominator over the mini-batch's (``loss_denominator``: tokens,
     sequences, or 1 for seq-mean-token-sum-norm, a plain sum), times ``world_size`` since FSDP
     averages gradients over ranks. The scaled micro-batch losses sum to the whole mini-batch's
     ``aggregate_loss`` however the rows are split."""
-    return algo.loss_denominator(mask, mode) / max(global_denominator, 1.0) * world_size
+    return loss_denominator(mask, mode) / max(global_denominator, 1.0) * world_size
 
 
 def mini_batch_denominator(mask: torch.Tensor, mode: str) -> float:
-    """The whole mini-batch's denominator for ``_loss_scale`` (``algo.loss_denominator``)."""
-    return algo.loss_denominator(mask, mode)
+    """The whole mini-batch's denominator for ``_loss_scale`` (``loss_denominator``)."""
+    return loss_denominator(mask, mode)
 
 
 # the worker methods that run the trainer's model forward (and backward)

@@ -32,7 +32,10 @@ import torch
 
 from agentrl.config.schema import TrainConfig
 from agentrl.errors import AgentrlError, DataError
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.advantages import estimate_advantages
+from agentrl.trainer.algorithms.kl import apply_kl_penalty, kl_for_controller, kl_penalty
+from agentrl.trainer.algorithms.masked import masked_mean, masked_var
+from agentrl.trainer.algorithms.recipes import add_to_last_sampled_token, overlong_filter_mask, overlong_reward_penalty
 from agentrl.trainer.balance import balanced_shards
 from agentrl.trainer.batch import TrainBatch, collate
 from agentrl.trainer.rank import mini_batch_denominator
@@ -157,21 +160,21 @@ def compute_advantages(batch: TrainBatch, cfg: TrainConfig, kl_coef: float | Non
     token_rewards, turn_rewards, metrics = batch.token_rewards, batch.turn_rewards, {}
     alg = cfg.algorithm
     if alg.use_kl_in_reward and batch.ref_logprobs is not None and kl_coef is not None:
-        penalized, kl = algo.apply_kl_penalty(token_rewards, batch.old_logprobs, batch.ref_logprobs, mask, kl_coef, alg.kl_penalty)
+        penalized, kl = apply_kl_penalty(token_rewards, batch.old_logprobs, batch.ref_logprobs, mask, kl_coef, alg.kl_penalty)
         penalty = penalized - token_rewards  # (B, R), negative
         # the turn-level estimators see each turn's summed penalty in that turn's reward
         index = batch.turn_ids.clamp(min=0)
         per_turn = torch.zeros_like(turn_rewards).scatter_add_(1, index, penalty * (batch.turn_ids >= 0))
         token_rewards, turn_rewards = penalized, turn_rewards + per_turn
         metrics["kl/reward_penalty_kl"] = float(kl)
-    advantages, returns = algo.estimate_advantages(
+    advantages, returns = estimate_advantages(
         alg.adv_estimator, token_rewards=token_rewards, response_mask=mask, group_ids=batch.group_index,
         gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
         rpp_reset_at_observations=alg.rpp_reset_at_observations, grpo_turn_credit=alg.grpo_turn_credit,
         turn_gamma=alg.turn_gamma, values=batch.values, turn_rewards=turn_rewards, num_turns=batch.num_turns,
         turn_ids=batch.turn_ids,
     )
-    metrics["advantages/mean"] = float(algo.masked_mean(advantages, mask))
+    metrics["advantages/mean"] = float(masked_mean(advantages, mask))
     metrics["advantages/abs_max"] = float((advantages.abs() * mask).max())
     return batch.replace(advantages=advantages, returns=returns), metrics
 
@@ -238,16 +241,16 @@ def overlong_shaping(batch: TrainBatch, trajectories: Sequence[Trajectory], cfg:
     buffer = cfg.algorithm.overlong_buffer
     if buffer.enable:
         lengths = torch.tensor([len(t.response_ids) for t in trajectories])
-        penalty = algo.overlong_reward_penalty(lengths, cfg.data.max_response_length, buffer.len, buffer.penalty_factor)  # (B,)
+        penalty = overlong_reward_penalty(lengths, cfg.data.max_response_length, buffer.len, buffer.penalty_factor)  # (B,)
         last_turn = (batch.num_turns - 1).clamp(min=0).unsqueeze(1)  # (B, 1)
         batch = batch.replace(
-            token_rewards=algo.add_to_last_sampled_token(batch.token_rewards, batch.response_mask, penalty),
+            token_rewards=add_to_last_sampled_token(batch.token_rewards, batch.response_mask, penalty),
             turn_rewards=batch.turn_rewards.scatter_add(1, last_turn, penalty.unsqueeze(1)),
         )
         metrics["overlong/penalized_fraction"] = float((penalty < 0).float().mean())
     if cfg.algorithm.overlong_filter:
         truncated = torch.tensor([t.finish_reason in TRUNCATED for t in trajectories])
-        batch = batch.replace(response_mask=algo.overlong_filter_mask(truncated, batch.response_mask))
+        batch = batch.replace(response_mask=overlong_filter_mask(truncated, batch.response_mask))
         metrics["overlong/filtered_fraction"] = float(truncated.float().mean())
     return batch, metrics
 
@@ -355,8 +358,8 @@ def shards(batch: TrainBatch, world_size: int) -> list[TrainBatch]:
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
-    var = algo.masked_var(returns, mask)
-    return float(1 - algo.masked_var(returns - values, mask) / var) if var > 0 else 0.0
+    var = masked_var(returns, mask)
+    return float(1 - masked_var(returns - values, mask) / var) if var > 0 else 0.0
 
 
 @contextmanager
@@ -393,11 +396,13 @@ class TrainingStep:
         self.cfg, self.groups, self.pad_token_id, self.kl_ctrl = cfg, groups, pad_token_id, kl_ctrl
 
     def online(self, trajectories: Sequence[Trajectory], *, step: int) -> StepResult:
-        """Online training's update of step ``step`` from the trajectories just rolled out."""
+        """Online training's update from the trajectories just rolled out; ``step`` counts the
+        updates before this one (messages name the step from 1, as the console does)."""
         cfg = self.cfg
-        failure_metrics(trajectories, max_rate=cfg.trainer.max_failure_rate, where=f"step {step}")  # before any compute
+        where = f"step {step + 1}"
+        failure_metrics(trajectories, max_rate=cfg.trainer.max_failure_rate, where=where)  # before any compute
         return self(trajectories, group_size=cfg.rollout.n, on_policy=is_on_policy(cfg),
-                    update_actor=step >= cfg.trainer.critic_warmup, where=f"step {step}")
+                    update_actor=step >= cfg.trainer.critic_warmup, where=where)
 
     def replay(self, trajectories: Sequence[Trajectory], *, max_ratio: float, update_actor: bool = True,
                where: str = "stored step") -> StepResult:
@@ -491,7 +496,7 @@ class TrainingStep:
         metrics.update({
             # the busiest actor rank's tokens over the mean rank's (1.0: the ranks finish together)
             "balance/actor_token_imbalance": balanced_shards(batch, actor.world_size).imbalance,
-            "entropy/mean": float(algo.masked_mean(entropy, mask)),
+            "entropy/mean": float(masked_mean(entropy, mask)),
             "logprob_mismatch/mean": float(mismatch.sum() / mask.sum().clamp(min=1)),
             "logprob_mismatch/max": float(mismatch.max()) if mismatch.numel() else 0.0,
             "tokens/sampled": float(mask.sum()),
@@ -502,14 +507,14 @@ class TrainingStep:
         metrics.update(weight_metrics)
         metrics.update(shaping_metrics)
         if batch.ref_logprobs is not None:
-            metrics["kl/policy_ref"] = float(algo.masked_mean(algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1"), mask))
+            metrics["kl/policy_ref"] = float(masked_mean(kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1"), mask))
             if self.kl_ctrl is not None:
                 if cfg.algorithm.use_kl_in_reward:  # fed what verl feeds it: the configured KL kind, per-sequence means
-                    kl = algo.kl_for_controller(batch.old_logprobs, batch.ref_logprobs, mask, cfg.algorithm.kl_penalty)
+                    kl = kl_for_controller(batch.old_logprobs, batch.ref_logprobs, mask, cfg.algorithm.kl_penalty)
                     self.kl_ctrl.update(float(kl), len(batch))
                 metrics["kl/coef"] = self.kl_ctrl.value
         if batch.values is not None:
             metrics["critic/explained_variance"] = explained_variance(batch.returns, batch.values, mask)
-            metrics["critic/values_mean"] = float(algo.masked_mean(batch.values, mask))
+            metrics["critic/values_mean"] = float(masked_mean(batch.values, mask))
         metrics["timing/step_s"] = time.perf_counter() - start
         return StepResult(batch=batch, metrics=metrics, updated_actor=update_actor)

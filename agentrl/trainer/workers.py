@@ -28,7 +28,10 @@ import torch
 from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import ActorConfig, CriticConfig, OptimConfig
 from agentrl.errors import CheckpointError
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.kl import kl_penalty
+from agentrl.trainer.algorithms.losses import aggregate_loss, policy_loss, value_loss
+from agentrl.trainer.algorithms.masked import masked_mean
+from agentrl.trainer.algorithms.recipes import rollout_correction_weights
 from agentrl.trainer.batch import TrainBatch
 from agentrl.trainer.checkpoint_io import expected_tensors, read_state, write_state
 from agentrl.trainer.dist import (
@@ -40,6 +43,7 @@ from agentrl.trainer.dist import (
     reshard,
     shard_model,
 )
+from agentrl.trainer.hf_export import write_hf_checkpoint
 from agentrl.trainer.lora import merged_state, trainable_parameters
 from agentrl.trainer.optim import build_lr_scheduler, build_optimizer
 from agentrl.trainer.prefix import response_logprobs, response_values
@@ -223,9 +227,9 @@ class ActorWorker(Worker):
             weights, rc_metrics = None, {}
             rc = cfg.rollout_correction
             if rc.level is not None:  # truncated IS: the trainer's logprobs against the engine's
-                weights, rc_metrics = algo.rollout_correction_weights(
+                weights, rc_metrics = rollout_correction_weights(
                     old, m.engine_logprobs, mask, rc.level, rc.cap, rc.outlier_threshold)
-            loss, pg = algo.policy_loss(
+            loss, pg = policy_loss(
                 cfg.policy_loss, logprobs, old, m.advantages, mask, clip_ratio_low=low, clip_ratio_high=high,
                 clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, norm_length=cfg.loss_scale_factor,
                 rollout_is_weights=weights,
@@ -233,11 +237,11 @@ class ActorWorker(Worker):
             metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg.items()},
                        **{f"rollout_corr/{k}": v.item() for k, v in rc_metrics.items()}}
             if cfg.entropy_coeff != 0:
-                ent = algo.aggregate_loss(entropy, mask, cfg.loss_agg_mode, cfg.loss_scale_factor)
+                ent = aggregate_loss(entropy, mask, cfg.loss_agg_mode, cfg.loss_scale_factor)
                 loss = loss - cfg.entropy_coeff * ent
                 metrics["actor/entropy_loss"] = ent.item()
             if use_kl_loss:
-                kl = algo.aggregate_loss(algo.kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask,
+                kl = aggregate_loss(kl_penalty(logprobs, m.ref_logprobs, cfg.kl_loss_type), mask,
                                          cfg.loss_agg_mode, cfg.loss_scale_factor)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.item()
@@ -269,7 +273,7 @@ class ActorWorker(Worker):
 
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs, _ = response_logprobs(self.model, m, share_prompts=self.share_prompts)
-            return -algo.masked_mean(logprobs, m.response_mask), {"sft/loss_sum": float(-(logprobs.detach() * m.response_mask).sum())}
+            return -masked_mean(logprobs, m.response_mask), {"sft/loss_sum": float(-(logprobs.detach() * m.response_mask).sum())}
 
         out = train_on_mini_batches(self, [batch], [denominator], micro_size=micro_batch_size, mode="token-mean",
                                     prefix="sft", micro_loss=micro_loss, average=False)
@@ -306,27 +310,15 @@ class ActorWorker(Worker):
             torch.set_rng_state(_rng_state(state["rng"], directory))
 
     def export_hf(self, directory: str) -> None:
-        """Collective: rank 0 writes a transformers checkpoint (model + tokenizer) of the policy."""
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+        """Collective: rank 0 writes a transformers checkpoint of the policy: its state as it is,
+        in the starting checkpoint's dtype, beside that checkpoint's config and tokenizer files,
+        whole or not at all (``hf_export.write_hf_checkpoint``; no model is built: building one,
+        even on the meta device, cost far more than the bytes, docs/gpu.md)."""
         state = self.policy_state()
         if rank_is_zero(self.rank):
-            config = AutoConfig.from_pretrained(self.model_path)
-            # built on the meta device and given the state's tensors: initialising a model on the
-            # CPU first was nearly all of an export's time for a 0.5B model (docs/gpu.md)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
-            # written in the checkpoint's own dtype (a bf16 model stays bf16), as loading into a
-            # model built from its config did
-            dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
-            state = {name: tensor.to(dtypes.get(name, tensor.dtype)) for name, tensor in state.items()}
-            model.load_state_dict(state, strict=False, assign=True)
-            model.tie_weights()
-            missing = [name for name, p in model.named_parameters() if p.is_meta]
-            if missing:
-                raise RuntimeError(f"export_hf: the policy state has no tensor for {', '.join(missing[:5])}")
-            model.save_pretrained(directory)
-            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(directory)
+            # a LoRA policy's merged state is under the base model's names, not the wrapper's
+            expected = None if self.lora is not None else list(drop_tied_duplicates(self.model, dict.fromkeys(self.model.state_dict())))
+            write_hf_checkpoint(state, directory, source=self.model_path, expected=expected)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Collective: the policy's weights under the base model's names, LoRA adapters merged, tied
@@ -449,7 +441,7 @@ class CriticWorker(Worker):
         cfg = self.config
 
         def micro_loss(m: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            loss, metrics = algo.value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value,
+            loss, metrics = value_loss(self._values(m), m.values, m.returns, m.response_mask, cfg.cliprange_value,
                                             loss_agg_mode, cfg.loss_scale_factor)
             return loss, {"critic/vf_loss": loss.item(), "critic/vf_clipfrac": metrics["vf_clipfrac"].item()}
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from agentrl.config.schema import ActorConfig, OptimConfig, RolloutCorrectionConfig
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.losses import policy_loss
+from agentrl.trainer.algorithms.recipes import rollout_correction_weights
 from agentrl.trainer.batch import collate_sequences
 from agentrl.trainer.dist import free_port
 from agentrl.trainer.rank import mini_batch_denominator
@@ -88,10 +89,10 @@ def test_gradient_is_the_same_for_one_or_two_unequal_micro_batches(actor, case):
     rc = actor.config.rollout_correction
     weights = None
     if rc.level is not None:
-        weights, _ = algo.rollout_correction_weights(old, batch.engine_logprobs, batch.response_mask, rc.level, rc.cap,
+        weights, _ = rollout_correction_weights(old, batch.engine_logprobs, batch.response_mask, rc.level, rc.cap,
                                                      rc.outlier_threshold)
     cfg = actor.config
-    want, _ = algo.policy_loss(
+    want, _ = policy_loss(
         cfg.policy_loss, old, old, batch.advantages, batch.response_mask,
         clip_ratio_low=cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
         clip_ratio_high=cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,

@@ -9,30 +9,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from agentrl.trainer.algorithms import (
-    ESTIMATORS,
-    POLICY_LOSSES,
-    KLKind,
-    LossAggMode,
-    AdaptiveKLController,
-    FixedKLController,
-    aggregate_loss,
-    apply_kl_penalty,
-    compute_gae,
-    compute_grpo_advantages,
-    compute_reinforce_pp_advantages,
-    compute_reinforce_pp_baseline_advantages,
-    compute_rloo_advantages,
-    compute_turn_returns,
-    entropy_from_logits,
-    kl_penalty,
-    masked_mean,
-    masked_var,
-    masked_whiten,
-    ppo_policy_loss,
-    turn_level_advantages,
-    value_loss,
-)
+from agentrl.trainer.algorithms.advantages import ESTIMATORS, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages, compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, compute_turn_returns, turn_level_advantages
+from agentrl.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, KLKind, apply_kl_penalty, kl_penalty
+from agentrl.trainer.algorithms.losses import LossAggMode, POLICY_LOSSES, aggregate_loss, entropy_from_logits, ppo_policy_loss, value_loss
+from agentrl.trainer.algorithms.masked import masked_mean, masked_var, masked_whiten
 
 T = torch.tensor
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.advantages import estimate_advantages
+from agentrl.trainer.algorithms.losses import policy_loss
+from agentrl.trainer.algorithms.recipes import dynamic_sampling_filter, rollout_correction_weights
 
 N, PROMPTS, STEPS, DIGITS = 8, 16, 150, 6
 
@@ -83,7 +85,7 @@ def train(recipe: str, seed: int = 0) -> list[float]:
             for draws in range(4):
                 if draws:
                     a, b, tokens, reward, groups = draw(policy, g)
-                kept, counts = algo.dynamic_sampling_filter(reward, groups)
+                kept, counts = dynamic_sampling_filter(reward, groups)
                 parts.append((a[kept], b[kept], tokens[kept], reward[kept], groups[kept] + 100 * draws))
                 kept_groups += counts["groups_kept"]
                 if kept_groups >= PROMPTS:
@@ -93,16 +95,16 @@ def train(recipe: str, seed: int = 0) -> list[float]:
                 continue
         mask = torch.ones(len(a), 2)
         token_rewards = torch.stack([torch.zeros_like(reward), reward], 1)  # the reward on the last token
-        advantages, _ = algo.estimate_advantages("grpo", token_rewards=token_rewards, response_mask=mask, group_ids=groups,
+        advantages, _ = estimate_advantages("grpo", token_rewards=token_rewards, response_mask=mask, group_ids=groups,
                                                  norm_adv_by_std_in_grpo=recipe != "drgrpo")
         weights = None
         with torch.no_grad():
             old = policy.logprobs(a, b, tokens)
             if recipe == "rollout_correction":
                 engine = policy.logprobs(a, b, tokens, temperature)
-                weights, _ = algo.rollout_correction_weights(old, engine, mask, "token", cap=2.0)
+                weights, _ = rollout_correction_weights(old, engine, mask, "token", cap=2.0)
         for _ in range(2):
-            loss, _ = algo.policy_loss(kind, policy.logprobs(a, b, tokens), old, advantages, mask,
+            loss, _ = policy_loss(kind, policy.logprobs(a, b, tokens), old, advantages, mask,
                                        clip_ratio_low=low, clip_ratio_high=high, loss_agg_mode=mode, norm_length=2,
                                        rollout_is_weights=weights)
             optimizer.zero_grad()

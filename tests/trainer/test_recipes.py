@@ -11,7 +11,9 @@ from torch.testing import assert_close
 
 from agentrl.config import load_config
 from agentrl.errors import ConfigError
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.advantages import estimate_advantages, turn_level_advantages
+from agentrl.trainer.algorithms.losses import cispo_policy_loss, gspo_policy_loss, policy_loss, ppo_policy_loss
+from agentrl.trainer.algorithms.recipes import add_to_last_sampled_token, dynamic_sampling_filter, overlong_filter_mask, overlong_reward_penalty, rollout_correction_weights
 
 T = torch.tensor
 
@@ -29,7 +31,7 @@ def test_gspo_uses_one_geometric_mean_ratio_per_sequence():
     new = T([[0.2, -0.1, 0.5], [-0.3, 0.1, 0.05]])
     adv = T([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
     mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, m = algo.gspo_policy_loss(new, old, adv, mask, clip_ratio_low=0.03, clip_ratio_high=0.04)
+    loss, m = gspo_policy_loss(new, old, adv, mask, clip_ratio_low=0.03, clip_ratio_high=0.04)
     assert_close(loss, T(0.45))
     assert_close(m["clipfrac"], T(1.0))
     # ppo_kl: mean of -(log ratio) over the 5 sampled tokens = -(.2 - .1 - .3 + .1 + .05) / 5 = .01
@@ -40,14 +42,14 @@ def test_gspo_gradient_is_the_sequence_ratio_times_each_tokens_own_logprob_gradi
     # unclipped (wide range): loss_i = -A_i * s_i per token, d/d logp_t = -A_i * s_i / (n_i * B_seqs)
     # one row, 2 tokens, log ratios [.1, .3]: s = e^.2; A = 1 -> grad each = -e^.2 / 2
     new = T([[0.1, 0.3]], requires_grad=True)
-    loss, _ = algo.gspo_policy_loss(new, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 10.0, 10.0)
+    loss, _ = gspo_policy_loss(new, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 10.0, 10.0)
     loss.backward()
     assert_close(new.grad, torch.full((1, 2), -math.exp(0.2) / 2))
 
 
 def test_gspo_refuses_another_aggregation():
     with pytest.raises(ValueError, match="gspo.*seq-mean-token-mean.*'token-mean'"):
-        algo.policy_loss("gspo", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+        policy_loss("gspo", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
                          clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean")
 
 
@@ -59,7 +61,7 @@ def test_cispo_weights_the_logprob_by_the_clipped_stopped_ratio():
     # (inside [0, 1.28]); A = [1, -1]:
     # losses -1.28 * 1 * -1 = 1.28, -.904837 * -1 * -2 = -1.809675; token-mean -.2648374
     logp = T([[-1.0, -2.0]], requires_grad=True)
-    loss, m = algo.cispo_policy_loss(logp, T([[-1.5, -1.9]]), T([[1.0, -1.0]]), torch.ones(1, 2),
+    loss, m = cispo_policy_loss(logp, T([[-1.5, -1.9]]), T([[1.0, -1.0]]), torch.ones(1, 2),
                                      clip_ratio_low=1.0, clip_ratio_high=0.28)
     assert_close(loss, T((1.28 - 2 * math.exp(-0.1)) / 2))
     assert_close(m["clipfrac"], T(0.5))
@@ -70,7 +72,7 @@ def test_cispo_weights_the_logprob_by_the_clipped_stopped_ratio():
 
 def test_policy_loss_refuses_an_unknown_kind():
     with pytest.raises(ValueError, match="unknown policy loss 'ppo2'.*vanilla"):
-        algo.policy_loss("ppo2", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+        policy_loss("ppo2", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
                          clip_ratio_low=0.2, clip_ratio_high=0.2)
 
 
@@ -82,7 +84,7 @@ def test_token_level_rollout_correction_truncates_at_the_cap():
     old = T([[math.log(3.0), math.log(0.5), 5.0]])
     engine = torch.zeros(1, 3)
     mask = T([[1.0, 1.0, 0.0]])
-    w, m = algo.rollout_correction_weights(old, engine, mask, "token", cap=2.0)
+    w, m = rollout_correction_weights(old, engine, mask, "token", cap=2.0)
     assert_close(w, T([[2.0, 0.5, 0.0]]))
     assert_close(m["truncated_fraction"], T(0.5))
     assert_close(m["corrected_fraction"], T(0.5))
@@ -96,7 +98,7 @@ def test_sequence_level_rollout_correction_is_the_product_of_token_ratios():
     # token (the padding's ratio 10 stays out of the product, which would be 30)
     old = torch.log(T([[1.2, 1.5], [3.0, 10.0]]))
     mask = T([[1.0, 1.0], [1.0, 0.0]])
-    w, m = algo.rollout_correction_weights(old, torch.zeros(2, 2), mask, "sequence", cap=2.0)
+    w, m = rollout_correction_weights(old, torch.zeros(2, 2), mask, "sequence", cap=2.0)
     assert_close(w, T([[1.8, 1.8], [2.0, 0.0]]))
     assert_close(m["truncated_fraction"], T(1 / 3))
 
@@ -104,7 +106,7 @@ def test_sequence_level_rollout_correction_is_the_product_of_token_ratios():
 def test_rollout_correction_masks_outliers_with_weight_zero():
     # token: ratios [1.5, 10, 1/20] with threshold 5: the last two are outliers
     old = torch.log(T([[1.5, 10.0, 0.05]]))
-    w, m = algo.rollout_correction_weights(old, torch.zeros(1, 3), torch.ones(1, 3), "token", cap=2.0,
+    w, m = rollout_correction_weights(old, torch.zeros(1, 3), torch.ones(1, 3), "token", cap=2.0,
                                            outlier_threshold=5.0)
     assert_close(w, T([[1.5, 0.0, 0.0]]))
     assert_close(m["masked_fraction"], T(2 / 3))
@@ -113,7 +115,7 @@ def test_rollout_correction_masks_outliers_with_weight_zero():
     # sequence: the geometric-mean token ratio decides; row 0 sqrt(10 * 1.2) = 3.46 < 5 kept (capped),
     # row 1 sqrt(40 * 1) = 6.3 > 5 masked as a whole
     old = torch.log(T([[10.0, 1.2], [40.0, 1.0]]))
-    w, m = algo.rollout_correction_weights(old, torch.zeros(2, 2), torch.ones(2, 2), "sequence", cap=2.0,
+    w, m = rollout_correction_weights(old, torch.zeros(2, 2), torch.ones(2, 2), "sequence", cap=2.0,
                                            outlier_threshold=5.0)
     assert_close(w, T([[2.0, 2.0], [0.0, 0.0]]))
     assert_close(m["masked_fraction"], T(0.5))
@@ -122,16 +124,16 @@ def test_rollout_correction_masks_outliers_with_weight_zero():
 def test_rollout_correction_refuses_bad_settings():
     z, one = torch.zeros(1, 1), torch.ones(1, 1)
     with pytest.raises(ValueError, match="level 'tokens'"):
-        algo.rollout_correction_weights(z, z, one, "tokens")
+        rollout_correction_weights(z, z, one, "tokens")
     with pytest.raises(ValueError, match="cap must be positive"):
-        algo.rollout_correction_weights(z, z, one, "token", cap=0.0)
+        rollout_correction_weights(z, z, one, "token", cap=0.0)
     with pytest.raises(ValueError, match="outlier_threshold must be > 1"):
-        algo.rollout_correction_weights(z, z, one, "token", outlier_threshold=0.5)
+        rollout_correction_weights(z, z, one, "token", outlier_threshold=0.5)
 
 
 def test_rollout_weights_scale_each_tokens_policy_loss():
     # ratio 1, A = [1, 1]: losses [-1, -1] weighted [2, .5] -> token-mean -1.25
-    loss, _ = algo.ppo_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+    loss, _ = ppo_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
                                    rollout_is_weights=T([[2.0, 0.5]]))
     assert_close(loss, T(-1.25))
 
@@ -143,39 +145,39 @@ def test_dynamic_sampling_drops_groups_whose_rewards_are_all_equal():
     # groups: 7 -> [1, 0] kept; 3 -> [1, 1] dropped; 5 -> [0, 0, 0] dropped; 9 -> [1] alone: kept (as verl)
     scores = T([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     groups = T([7, 3, 7, 3, 5, 5, 9, 5])
-    kept, counts = algo.dynamic_sampling_filter(scores, groups)
+    kept, counts = dynamic_sampling_filter(scores, groups)
     assert kept.tolist() == [0, 2, 6]
     assert counts == {"groups_drawn": 4, "groups_kept": 2, "groups_dropped": 2, "trajectories_kept": 3}
 
 
 def test_dynamic_sampling_tells_tiny_differences_from_equality():
-    kept, counts = algo.dynamic_sampling_filter(T([0.5, 0.5 + 1e-6]), T([0, 0]))
+    kept, counts = dynamic_sampling_filter(T([0.5, 0.5 + 1e-6]), T([0, 0]))
     assert kept.tolist() == [0, 1] and counts["groups_dropped"] == 0
 
 
 def test_overlong_penalty_by_hand():
     # L_max 20, buffer 5: expected 15; lengths 10 -> 0, 15 -> 0, 17 -> -2/5, 20 -> -1 (factor 1); factor .5 halves
     lengths = T([10, 15, 17, 20])
-    assert_close(algo.overlong_reward_penalty(lengths, 20, 5), T([0.0, 0.0, -0.4, -1.0]))
-    assert_close(algo.overlong_reward_penalty(lengths, 20, 5, 0.5), T([0.0, 0.0, -0.2, -0.5]))
+    assert_close(overlong_reward_penalty(lengths, 20, 5), T([0.0, 0.0, -0.4, -1.0]))
+    assert_close(overlong_reward_penalty(lengths, 20, 5, 0.5), T([0.0, 0.0, -0.2, -0.5]))
     with pytest.raises(ValueError, match="overlong buffer length must be in \\(0, max_response_length=20\\), got 20"):
-        algo.overlong_reward_penalty(lengths, 20, 20)
+        overlong_reward_penalty(lengths, 20, 20)
 
 
 def test_the_overlong_penalty_lands_on_the_last_sampled_token():
     # rows: s o s pad -> t2; o s o -> t1; empty row -> nothing
     mask = T([[1.0, 0, 1, 0], [0.0, 1, 0, 0], [0.0, 0, 0, 0]])
-    out = algo.add_to_last_sampled_token(torch.ones(3, 4), mask, T([-0.4, -1.0, -5.0]))
+    out = add_to_last_sampled_token(torch.ones(3, 4), mask, T([-0.4, -1.0, -5.0]))
     assert_close(out, T([[1.0, 1, 0.6, 1], [1.0, 0, 1, 1], [1.0, 1, 1, 1]]))
     with pytest.raises(ValueError, match="one entry per row"):
-        algo.add_to_last_sampled_token(torch.ones(3, 4), mask, T([1.0]))
+        add_to_last_sampled_token(torch.ones(3, 4), mask, T([1.0]))
 
 
 def test_overlong_filter_zeroes_the_mask_of_truncated_responses():
     mask = T([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
-    assert_close(algo.overlong_filter_mask(T([True, False]), mask), T([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert_close(overlong_filter_mask(T([True, False]), mask), T([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
     with pytest.raises(ValueError, match="one entry per row"):
-        algo.overlong_filter_mask(T([True]), mask)
+        overlong_filter_mask(T([True]), mask)
 
 
 # ---------------------------------------------------------------------------- Dr.GRPO and estimate_advantages
@@ -186,11 +188,11 @@ def test_drgrpo_recipe_math_by_hand():
     # loss = sum over sequences of token sums / L (L = 8), ratio 1: -(2/3 - 2/3 - 1) / 8 = 1/8
     rewards = T([[1.0, 0, 0], [0.0, 0, 0], [0.0, 0, 0]])
     mask = T([[1.0, 0, 0], [1.0, 1, 0], [1.0, 1, 1]])
-    adv, _ = algo.estimate_advantages("grpo", token_rewards=rewards, response_mask=mask, group_ids=T([0, 0, 0]),
+    adv, _ = estimate_advantages("grpo", token_rewards=rewards, response_mask=mask, group_ids=T([0, 0, 0]),
                                       norm_adv_by_std_in_grpo=False)
     assert_close(adv, T([[2 / 3, 0, 0], [-1 / 3, -1 / 3, 0], [-1 / 3, -1 / 3, -1 / 3]]))
     z = torch.zeros(3, 3)
-    loss, _ = algo.ppo_policy_loss(z, z, adv, mask, loss_agg_mode="seq-mean-token-sum-norm", norm_length=8)
+    loss, _ = ppo_policy_loss(z, z, adv, mask, loss_agg_mode="seq-mean-token-sum-norm", norm_length=8)
     assert_close(loss, T(1 / 8))
 
 
@@ -201,17 +203,17 @@ def test_grpo_turn_credit_switch_selects_agentrls_per_turn_returns():
     mask = T([[1.0, 0, 1], [1.0, 0, 0]])
     token_rewards = T([[0.0, 0, 1], [1.0, 0, 0]])
     common = dict(token_rewards=token_rewards, response_mask=mask, group_ids=T([0, 0]))
-    per_turn, _ = algo.estimate_advantages("grpo", grpo_turn_credit=True, turn_rewards=turn_rewards,
+    per_turn, _ = estimate_advantages("grpo", grpo_turn_credit=True, turn_rewards=turn_rewards,
                                            num_turns=num_turns, turn_ids=turn_ids, **common)
-    assert_close(per_turn, algo.turn_level_advantages(turn_rewards, num_turns, turn_ids, mask, T([0, 0])))
-    outcome, _ = algo.estimate_advantages("grpo", **common)
+    assert_close(per_turn, turn_level_advantages(turn_rewards, num_turns, turn_ids, mask, T([0, 0])))
+    outcome, _ = estimate_advantages("grpo", **common)
     assert_close(outcome, torch.zeros(2, 3))  # verl: both trajectories score 1, an all-equal group
     with pytest.raises(ValueError, match="grpo_turn_credit needs turn_rewards"):
-        algo.estimate_advantages("grpo", grpo_turn_credit=True, **common)
+        estimate_advantages("grpo", grpo_turn_credit=True, **common)
     with pytest.raises(ValueError, match="'gae' needs the critic's values"):
-        algo.estimate_advantages("gae", **common)
+        estimate_advantages("gae", **common)
     with pytest.raises(ValueError, match="unknown adv_estimator 'ppo'"):
-        algo.estimate_advantages("ppo", **common)
+        estimate_advantages("ppo", **common)
 
 
 # ---------------------------------------------------------------------------- config groups

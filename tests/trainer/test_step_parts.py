@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from agentrl.config.schema import TrainConfig
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.masked import masked_whiten
 from agentrl.trainer.batch import collate
 from agentrl.trainer.step import (
     compute_advantages, mini_batch_starts, pad_rows, share_advantages, shards, trajectory_metrics, with_earlier_segments,
@@ -76,7 +76,7 @@ def test_rloo_and_reinforce_in_the_step():
     out, _ = compute_advantages(batch, cfg_with(adv_estimator="rloo"), kl_coef=None)
     assert_close(out.advantages, torch.tensor([[1.0], [-1.0]]))
     out, _ = compute_advantages(batch, cfg_with(adv_estimator="reinforce_plus_plus"), kl_coef=None)
-    assert_close(out.advantages, algo.masked_whiten(torch.tensor([[1.0], [0.0]]), torch.ones(2, 1)))
+    assert_close(out.advantages, masked_whiten(torch.tensor([[1.0], [0.0]]), torch.ones(2, 1)))
 
 
 def test_trajectory_metrics_count_turns_tools_errors_and_finishes():
@@ -216,6 +216,19 @@ def test_infrastructure_failures_stay_out_of_the_loss_counted_by_kind_and_stop_t
         "First failure, trajectory g (engine_error):\nhttp://127.0.0.1:30001/generate: unreachable (ConnectError: refused)"
     )
     assert failure_metrics([ok]) == {"failures/rate": 0.0}
+
+
+def test_the_first_online_step_is_named_step_1_as_the_console_names_it():
+    import dataclasses
+
+    import pytest
+
+    from agentrl.config.schema import TrainConfig
+    from agentrl.trainer.step import RolloutFailed, TrainingStep
+
+    failed = dataclasses.replace(traj("g", 0, [("assistant", 2, None)], reward=0.0), finish_reason="engine_error", reward_info={"error": "down"})
+    with pytest.raises(RolloutFailed, match=r"^step 1: 1 of 1 trajectories failed"):  # before any compute: no groups needed
+        TrainingStep(TrainConfig(), None, pad_token_id=0).online([failed], step=0)
 
 
 def test_a_trajectory_sampled_by_stale_weights_is_an_error_for_on_policy_training():

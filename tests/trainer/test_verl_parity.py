@@ -21,7 +21,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from agentrl.trainer import algorithms as algo
+from agentrl.trainer.algorithms.advantages import compute_gae, compute_reinforce_pp_advantages, estimate_advantages
+from agentrl.trainer.algorithms.kl import AdaptiveKLController, apply_kl_penalty, kl_for_controller, kl_penalty
+from agentrl.trainer.algorithms.losses import aggregate_loss, entropy_from_logits, policy_loss, value_loss
 from agentrl.trainer.rank import _loss_scale, mini_batch_denominator
 
 SEEDS = range(6)
@@ -307,7 +309,7 @@ def test_the_random_batches_hold_the_cases_the_parity_needs():
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.7)])
 def test_gae_is_verls_compute_gae_advantage_return(seed, gamma, lam):
     d = random_batch(seed)
-    adv, ret = algo.compute_gae(d["rewards"], d["values"], d["mask"], gamma, lam)
+    adv, ret = compute_gae(d["rewards"], d["values"], d["mask"], gamma, lam)
     want_adv, want_ret = verl_compute_gae_advantage_return(d["rewards"], d["values"], d["mask"], gamma, lam)
     on_mask(adv, want_adv, d["mask"])
     on_mask(ret, want_ret, d["mask"])
@@ -321,7 +323,7 @@ def test_grpo_is_verls_compute_grpo_outcome_advantage(seed, norm):
     for estimator in ("grpo", "drgrpo"):
         if estimator == "drgrpo" and norm:
             continue
-        adv, ret = algo.estimate_advantages(estimator, token_rewards=d["rewards"], response_mask=d["mask"],
+        adv, ret = estimate_advantages(estimator, token_rewards=d["rewards"], response_mask=d["mask"],
                                             group_ids=d["group_ids"], norm_adv_by_std_in_grpo=norm)
         on_mask(adv, want, d["mask"])
         assert_close(ret, adv)
@@ -332,7 +334,7 @@ def test_grpo_is_verls_compute_grpo_outcome_advantage(seed, norm):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_rloo_is_verls_compute_rloo_outcome_advantage(seed):
     d = random_batch(seed)
-    adv, _ = algo.estimate_advantages("rloo", token_rewards=d["rewards"], response_mask=d["mask"], group_ids=d["group_ids"])
+    adv, _ = estimate_advantages("rloo", token_rewards=d["rewards"], response_mask=d["mask"], group_ids=d["group_ids"])
     on_mask(adv, verl_compute_rloo_outcome_advantage(d["rewards"].clone(), d["mask"], uid(d["group_ids"])), d["mask"])
 
 
@@ -341,19 +343,19 @@ def test_rloo_is_verls_compute_rloo_outcome_advantage(seed):
 def test_reinforce_pp_is_verls_compute_reinforce_plus_plus_outcome_advantage(seed, gamma):
     d = random_batch(seed)
     want = verl_compute_reinforce_plus_plus_outcome_advantage(d["rewards"], d["mask"], gamma)
-    adv, _ = algo.estimate_advantages("reinforce_plus_plus", token_rewards=d["rewards"], response_mask=d["mask"],
+    adv, _ = estimate_advantages("reinforce_plus_plus", token_rewards=d["rewards"], response_mask=d["mask"],
                                       group_ids=d["group_ids"], gamma=gamma)
     on_mask(adv, want, d["mask"])
     # verl's reset is the default: rewards anywhere (observations, padding) are taken as verl takes them
     anywhere = torch.randn(d["rewards"].shape, generator=torch.Generator().manual_seed(seed))
-    on_mask(algo.compute_reinforce_pp_advantages(anywhere, d["mask"], gamma),
+    on_mask(compute_reinforce_pp_advantages(anywhere, d["mask"], gamma),
             verl_compute_reinforce_plus_plus_outcome_advantage(anywhere, d["mask"], gamma), d["mask"])
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_reinforce_pp_baseline_is_verls(seed):
     d = random_batch(seed)
-    adv, _ = algo.estimate_advantages("reinforce_plus_plus_baseline", token_rewards=d["rewards"],
+    adv, _ = estimate_advantages("reinforce_plus_plus_baseline", token_rewards=d["rewards"],
                                       response_mask=d["mask"], group_ids=d["group_ids"])
     want = verl_compute_reinforce_plus_plus_baseline_outcome_advantage(d["rewards"].clone(), d["mask"], uid(d["group_ids"]))
     on_mask(adv, want, d["mask"])
@@ -363,7 +365,7 @@ def test_the_deliberate_differences_are_switches_and_differ_from_verl_on_multi_t
     d = random_batch(0)
     multi = ((d["mask"][:, 1:] - d["mask"][:, :-1]) == 1).any(-1)
     verl = verl_compute_reinforce_plus_plus_outcome_advantage(d["rewards"], d["mask"], 1.0)
-    through, _ = algo.estimate_advantages("reinforce_plus_plus", token_rewards=d["rewards"], response_mask=d["mask"],
+    through, _ = estimate_advantages("reinforce_plus_plus", token_rewards=d["rewards"], response_mask=d["mask"],
                                           group_ids=d["group_ids"], rpp_reset_at_observations=False)
     assert not torch.allclose(through[multi] * d["mask"][multi], verl[multi] * d["mask"][multi], atol=1e-3)
 
@@ -375,25 +377,25 @@ def test_the_deliberate_differences_are_switches_and_differ_from_verl_on_multi_t
 @pytest.mark.parametrize("kind", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
 def test_kl_penalty_and_reward_penalty_are_verls(seed, kind):
     d = random_batch(seed)
-    assert_close(algo.kl_penalty(d["logprob"], d["ref_logprob"], kind),
+    assert_close(kl_penalty(d["logprob"], d["ref_logprob"], kind),
                  verl_kl_penalty_forward(d["logprob"], d["ref_logprob"], kind), **TOL)
-    rewards, current = algo.apply_kl_penalty(d["rewards"], d["old_logprob"], d["ref_logprob"], d["mask"], 0.05, kind)
+    rewards, current = apply_kl_penalty(d["rewards"], d["old_logprob"], d["ref_logprob"], d["mask"], 0.05, kind)
     want_rewards, want_current = verl_apply_kl_penalty(d["rewards"], d["old_logprob"], d["ref_logprob"], d["mask"], 0.05, kind)
     assert_close(rewards, want_rewards, **TOL)
     assert_close(float(current), want_current, **TOL)
-    assert_close(float(algo.kl_for_controller(d["old_logprob"], d["ref_logprob"], d["mask"], kind)), want_current, **TOL)
+    assert_close(float(kl_for_controller(d["old_logprob"], d["ref_logprob"], d["mask"], kind)), want_current, **TOL)
 
 
 def test_kl_for_controller_is_the_mean_of_sequence_means_issue_example():
     # kind kl, old [[0,0],[0,0]], ref [[-1,0],[0,0]], mask [[1,0],[1,1]]: sequences 1 and 0 -> 0.5
     # (one token mean over the batch would be 1/3)
     old, ref, mask = torch.zeros(2, 2), torch.tensor([[-1.0, 0], [0, 0]]), torch.tensor([[1.0, 0], [1, 1]])
-    assert_close(algo.kl_for_controller(old, ref, mask, "kl"), torch.tensor(0.5))
+    assert_close(kl_for_controller(old, ref, mask, "kl"), torch.tensor(0.5))
 
 
 @pytest.mark.parametrize("kind", ["kl", "low_var_kl", "mse"])
 def test_adaptive_controller_fed_kl_for_controller_follows_verl_over_steps(kind):
-    ours = algo.AdaptiveKLController(0.05, target=0.02, horizon=100)
+    ours = AdaptiveKLController(0.05, target=0.02, horizon=100)
     theirs = VerlAdaptiveKLController(0.05, target_kl=0.02, horizon=100)
     for step in range(8):
         d = random_batch(step)
@@ -401,7 +403,7 @@ def test_adaptive_controller_fed_kl_for_controller_follows_verl_over_steps(kind)
         ref = d["old_logprob"] + torch.randn(d["mask"].shape, generator=torch.Generator().manual_seed(99 + step)) * scale
         _, want_current = verl_apply_kl_penalty(d["rewards"], d["old_logprob"], ref, d["mask"], theirs.value, kind)
         theirs.update(want_current, n_steps=len(d["mask"]))
-        ours.update(float(algo.kl_for_controller(d["old_logprob"], ref, d["mask"], kind)), n_steps=len(d["mask"]))
+        ours.update(float(kl_for_controller(d["old_logprob"], ref, d["mask"], kind)), n_steps=len(d["mask"]))
         assert_close(ours.value, float(theirs.value), atol=1e-9, rtol=1e-6)
 
 
@@ -413,9 +415,9 @@ def test_adaptive_controller_fed_kl_for_controller_follows_verl_over_steps(kind)
 def test_aggregation_is_verls_agg_loss_on_one_micro_batch(seed, mode):
     d = random_batch(seed)
     T = d["mask"].shape[-1]
-    got = algo.aggregate_loss(d["loss"], d["mask"], mode, norm_length=T)
+    got = aggregate_loss(d["loss"], d["mask"], mode, norm_length=T)
     assert_close(got, verl_agg_loss(d["loss"], d["mask"], mode), **TOL)
-    assert_close(algo.aggregate_loss(d["loss"], d["mask"], mode, norm_length=512),
+    assert_close(aggregate_loss(d["loss"], d["mask"], mode, norm_length=512),
                  verl_agg_loss(d["loss"], d["mask"], mode, loss_scale_factor=512), **TOL)
 
 
@@ -426,7 +428,7 @@ def test_vanilla_policy_loss_is_verls_compute_policy_loss_vanilla(seed, mode, cl
     d = random_batch(seed)
     weights = torch.rand(d["mask"].shape, generator=torch.Generator().manual_seed(seed)) * 2
     for w in (None, weights):
-        loss, m = algo.policy_loss("vanilla", d["logprob"], d["old_logprob"], d["advantages"], d["mask"],
+        loss, m = policy_loss("vanilla", d["logprob"], d["old_logprob"], d["advantages"], d["mask"],
                                    clip_ratio_low=clip[0], clip_ratio_high=clip[1], clip_ratio_c=3.0,
                                    loss_agg_mode=mode, norm_length=64, rollout_is_weights=w)
         want, wm = verl_compute_policy_loss_vanilla(d["old_logprob"], d["logprob"], d["advantages"], d["mask"],
@@ -442,7 +444,7 @@ def test_gspo_policy_loss_and_its_gradient_are_verls(seed):
     d["logprob"] = d["old_logprob"] + torch.randn(d["mask"].shape, generator=torch.Generator().manual_seed(seed)) * 1e-3
     lp1 = d["logprob"].clone().requires_grad_(True)
     lp2 = d["logprob"].clone().requires_grad_(True)
-    loss, m = algo.policy_loss("gspo", lp1, d["old_logprob"], d["advantages"], d["mask"], clip_ratio_low=3e-4,
+    loss, m = policy_loss("gspo", lp1, d["old_logprob"], d["advantages"], d["mask"], clip_ratio_low=3e-4,
                                clip_ratio_high=4e-4, loss_agg_mode="seq-mean-token-mean")
     want, wm = verl_compute_policy_loss_gspo(d["old_logprob"], lp2, d["advantages"], d["mask"], 3e-4, 4e-4)
     assert_close(loss, want, **TOL)
@@ -459,7 +461,7 @@ def test_cispo_policy_loss_and_its_gradient_are_verls(seed, mode):
     d = random_batch(seed)
     lp1 = d["logprob"].clone().requires_grad_(True)
     lp2 = d["logprob"].clone().requires_grad_(True)
-    loss, m = algo.policy_loss("cispo", lp1, d["old_logprob"], d["advantages"], d["mask"], clip_ratio_low=0.2,
+    loss, m = policy_loss("cispo", lp1, d["old_logprob"], d["advantages"], d["mask"], clip_ratio_low=0.2,
                                clip_ratio_high=0.28, loss_agg_mode=mode)
     want, wm = verl_compute_policy_loss_cispo(d["old_logprob"], lp2, d["advantages"], d["mask"], 0.2, 0.28, mode)
     assert_close(loss, want, **TOL)
@@ -474,7 +476,7 @@ def test_cispo_policy_loss_and_its_gradient_are_verls(seed, mode):
 def test_value_loss_and_vf_clipfrac_are_verls_compute_value_loss(seed, mode):
     d = random_batch(seed)
     values = d["old_values"] + d["values"] * 0.4  # some inside the clip range, some outside
-    loss, m = algo.value_loss(values, d["old_values"], d["returns"], d["mask"], 0.5, mode, norm_length=64)
+    loss, m = value_loss(values, d["old_values"], d["returns"], d["mask"], 0.5, mode, norm_length=64)
     want, want_clipfrac = verl_compute_value_loss(values, d["returns"], d["old_values"], d["mask"], 0.5, mode, 64)
     assert_close(loss, want, **TOL)
     assert_close(m["vf_clipfrac"], want_clipfrac, **TOL)
@@ -485,14 +487,14 @@ def test_vf_clipfrac_does_not_count_tokens_inside_the_clip_range():
     # whose "clipped" error came out larger counted as clipped before the fix
     v, old, ret = torch.tensor([[0.11984150856733322]]), torch.tensor([[0.2732088267803192]]), torch.tensor([[-1.532461166381836]])
     assert (old + (v - old).clamp(-0.5, 0.5) - ret) ** 2 > (v - ret) ** 2  # the old formula's artefact
-    _, m = algo.value_loss(v, old, ret, torch.ones(1, 1), cliprange_value=0.5)
+    _, m = value_loss(v, old, ret, torch.ones(1, 1), cliprange_value=0.5)
     assert m["vf_clipfrac"] == 0.0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_entropy_is_verls_entropy_from_logits_at_moderate_logits(seed):
     logits = torch.randn(4, 6, 50, generator=torch.Generator().manual_seed(seed)) * 5
-    assert_close(algo.entropy_from_logits(logits), verl_entropy_from_logits(logits), **TOL)
+    assert_close(entropy_from_logits(logits), verl_entropy_from_logits(logits), **TOL)
 
 
 # ---------------------------------------------------------------------------- across micro-batches and ranks
@@ -524,7 +526,7 @@ def test_scaled_micro_batch_losses_sum_to_the_whole_mini_batch_loss(seed, mode, 
     parts = split_rows(len(mask), [size for rank in per_rank for size in rank])
     total = torch.tensor(0.0)
     for rows in parts:
-        micro_loss = algo.aggregate_loss(loss[rows], mask[rows], mode, norm_length=64)
+        micro_loss = aggregate_loss(loss[rows], mask[rows], mode, norm_length=64)
         total = total + micro_loss * _loss_scale(mask[rows], mode, denominator, world_size) / world_size
     assert_close(total, whole, atol=1e-6, rtol=1e-6)
 
@@ -536,11 +538,11 @@ def test_policy_loss_gradients_accumulated_over_micro_batches_equal_the_whole_ba
     mode = "seq-mean-token-mean" if policy == "gspo" else "seq-mean-token-sum-norm"
     kwargs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode, norm_length=64)
     whole_lp = d["logprob"].clone().requires_grad_(True)
-    algo.policy_loss(policy, whole_lp, d["old_logprob"], d["advantages"], d["mask"], **kwargs)[0].backward()
+    policy_loss(policy, whole_lp, d["old_logprob"], d["advantages"], d["mask"], **kwargs)[0].backward()
     split_lp = d["logprob"].clone().requires_grad_(True)
     denominator = mini_batch_denominator(d["mask"], mode)
     for rows in split_rows(len(d["mask"]), [4, 1, 5, 2]):
-        loss, _ = algo.policy_loss(policy, split_lp[rows], d["old_logprob"][rows], d["advantages"][rows],
+        loss, _ = policy_loss(policy, split_lp[rows], d["old_logprob"][rows], d["advantages"][rows],
                                    d["mask"][rows], **kwargs)
         (loss * _loss_scale(d["mask"][rows], mode, denominator, 1)).backward()
     assert_close(split_lp.grad, whole_lp.grad, atol=1e-6, rtol=1e-6)
