@@ -231,10 +231,10 @@ class Trainer:
                 trajectories, drawn, rows, sampling = self.rollout_filtered(step, rows)
             else:
                 trajectories = drawn = self.rollout(rows, step=step, validation=False)
-        if self.store is not None:
-            self.store.write_step(step, drawn, rows=rows)
+        if self.store is not None:  # numbered as the console and metrics.jsonl number it (from 1)
+            self.store.write_step(step + 1, drawn, rows=rows)
         try:
-            check_weight_versions(trajectories, self.weight_version, where=f"step {step}")
+            check_weight_versions(trajectories, self.weight_version, where=f"step {step + 1}")
             result = self.step.online(trajectories, step=step)
         except RolloutFailed:
             self.save(step)  # resumable: trainer.resume=<run dir> continues from here
@@ -245,7 +245,7 @@ class Trainer:
         wall = time.perf_counter() - start
         metrics = {**result.metrics, **sampling, **timings}
         metrics.update({
-            "step": float(step),
+            "step": float(step + 1),
             "tokens/per_s": float(result.batch.attention_mask.sum()) / wall,
             "timing/step_s": wall,
         })

@@ -130,17 +130,23 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def test_no_server_outlives_a_sigkilled_driver(model_dir, tmp_path):
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(model_dir), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+def test_no_server_outlives_a_sigkilled_driver_nor_leaves_its_temp_dir(model_dir, tmp_path):
+    temp = tmp_path / "tmp"  # the driver's temp dir, where each server gets a TMPDIR of its own
+    temp.mkdir()
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(model_dir), str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(temp)})
     try:
         line = driver.stdout.readline()
         groups = [int(p) for p in line.split()]
         assert len(groups) == 2, f"the driver printed {line!r}"
         members = {g: _pgid_members(g) for g in groups}
         assert all(len(m) >= 2 for m in members.values()), members  # the lifeline and its server, each
+        assert len(list(temp.glob("agentrl-srv-*"))) == 2
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=10)
         _wait_until(lambda: not any(_pgid_members(g) for g in groups), 30, f"the servers of process groups {groups} to end")
+        # nobody called ServerProcess.stop: each lifeline removed its server's temp dir on its way out
+        assert list(temp.glob("agentrl-srv-*")) == []
     finally:
         driver.kill()
 
@@ -215,7 +221,7 @@ def test_a_rollout_that_fails_above_the_rate_stops_the_run_with_the_first_error_
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert done.returncode == 1, done.stderr[-3000:]
-    assert ("agentrl train: step 0: 4 of 4 trajectories failed ({'engine_error': 4}), above trainer.max_failure_rate=0.5. "
+    assert ("agentrl train: step 1: 4 of 4 trajectories failed ({'engine_error': 4}), above trainer.max_failure_rate=0.5. "
             "First failure, trajectory train0/") in done.stderr
     assert f"(engine_error):\nno healthy SGLang server among ['http://127.0.0.1:{port}']: http://127.0.0.1:{port}/generate: unreachable" in done.stderr
     assert "Traceback" not in done.stderr

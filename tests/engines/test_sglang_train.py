@@ -99,7 +99,7 @@ def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_an
             assert m["failures/rate"] == 0.0
         stored = list(RolloutStore(run.rollouts).iter_stored())
         versions = {(s.step, s.trajectory.metrics["weight_version_min"], s.trajectory.metrics["weight_version_max"]) for s in stored}
-        assert versions == {(0, 0.0, 0.0), (1, 1.0, 1.0), (2, 2.0, 2.0)}  # the server's meta_info weight_version
+        assert versions == {(1, 0.0, 0.0), (2, 1.0, 1.0), (3, 2.0, 2.0)}  # the server's meta_info weight_version
         assert all(s.trajectory.logprobs and all(lp <= 0 for lp in s.trajectory.logprobs) for s in stored)
         info = httpx.get(f"{url}/get_model_info", headers=auth_headers(trainer.servers.api_key), timeout=30).json()
         assert str(info["weight_version"]) == "3"  # synced after the third update
@@ -145,7 +145,7 @@ def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_an
     stored = list(RolloutStore(run.rollouts).iter_stored())
     versions = {(s.step, s.trajectory.metrics["weight_version_min"], s.trajectory.metrics["weight_version_max"])
                 for s in stored if s.split == "train"}
-    assert versions == {(0, 0.0, 0.0), (1, 1.0, 1.0), (2, 2.0, 2.0), (3, 3.0, 3.0)}
+    assert versions == {(1, 0.0, 0.0), (2, 1.0, 1.0), (3, 2.0, 2.0), (4, 3.0, 3.0)}
     ports = _ports_of(run.path / "servers")
     assert len(ports) == 2 and not any(_processes_on_port(p) for p in ports)
 

@@ -3,8 +3,10 @@ directory, engine/trainer logprob agreement, resume. The same through Ray: test_
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -69,6 +71,13 @@ def test_shortened_quickstart_writes_the_run_directory(short_run):
     AutoTokenizer.from_pretrained(short_run / "policy")
     report = (short_run / "report.html").read_text()
     assert "<svg" in report and "success rate" in report and "Sample trajectories" in report
+    # the headline first (held-out success and tool use, the command, its wall time), the raw summary after the plots
+    command = shlex.join(["agentrl", "train", *SHORT, f"trainer.runs_root={short_run.parent}", "trainer.run_name=short"])
+    assert summary["command"] == command
+    headline = report[report.index('<section class="result">'):report.index("<h2>Over steps</h2>")]
+    assert "held-out success</th>" in headline and "held-out tool use</th>" in headline
+    assert f"<code>{html.escape(command)}</code> · wall time " in headline
+    assert report.index("<h2>Over steps</h2>") < report.index("<h2>Run summary (summary.json)</h2>") < report.index("<h2>Sample trajectories</h2>")
     assert '<div class="turn sampled"><div class="role">assistant · tokens [0, ' in report  # the replay report's renderer
 
 
@@ -93,11 +102,11 @@ def test_the_runs_rollout_store_holds_every_step_with_its_rows(short_run):
     from agentrl.data.rollout_store import RolloutStore, TrajectoryFilter
 
     store = RolloutStore(short_run / "rollouts")
-    assert store.steps("train") == [0, 1, 2]
+    assert store.steps("train") == [1, 2, 3]  # as the console and metrics.jsonl number them
     assert store.steps("val") == [0, 2, 3]  # before training, at test_freq, after the last step
     train = list(store.iter_stored(TrajectoryFilter(split="train")))
     assert len(train) == 3 * 4 * 2  # steps x prompts x n
-    assert all(s.row is not None and s.trajectory.policy_version == s.step for s in train)
+    assert all(s.row is not None and s.trajectory.policy_version == s.step - 1 for s in train)
     assert {s.trajectory.group_id.split("/")[0] for s in train} == {"train0", "train1", "train2"}
     shown = subprocess.run([sys.executable, "-m", "agentrl.cli", "replay", "show", str(short_run), "--split", "val", "--limit", "1"],
                            capture_output=True, text=True, timeout=120)
