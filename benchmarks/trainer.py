@@ -36,7 +36,7 @@ phases (``startup/*`` of its summary), each the median over the repeats. Besides
 over agentrl's), ``e2e_ratio`` (the same end to end), ``order``, ``repeats``, ``start_reward``,
 ``eval_answers``, ``trl_version`` and the settings.
 
-    agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--skip-trl]
+    agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--rl-seed S] [--skip-trl]
 """
 
 from __future__ import annotations
@@ -80,11 +80,18 @@ class Settings:
     eval_prompts: int = 64
     eval_samples: int = 16  # per held-out prompt: 1,024 scored answers, a standard error near 1 point at 90 %
     seed: int = 0
+    # the trainers' own seed (sampling, TRL's prompt order) when it differs from ``seed``, which keeps
+    # the warm start, the prompts and the evaluation: the run-to-run spread of one start (-1: ``seed``)
+    rl_seed: int = -1
     threads: int = 2
     repeats: int = 3  # runs per side, alternating which side goes first
     # TRL's generation: generate (transformers' generate, its default) or continuous (transformers'
     # continuous batching, use_transformers_continuous_batching)
     trl_generation: str = "generate"
+
+    @property
+    def trainer_seed(self) -> int:
+        return self.seed if self.rl_seed < 0 else self.rl_seed
 
 
 CHOICES = {"task": ("seven", "calculator"), "answer": ("short", "counting"), "trl_generation": ("generate", "continuous")}
@@ -201,7 +208,7 @@ def agentrl_config(start: Path, train_file: Path, work: Path, settings: Settings
         "trainer=default", "algorithm=grpo", f"model.path={start}", "sft.enable=false", *task, f"trainer.total_steps={settings.steps}",
         "trainer.test_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.export_hf=true",
         "trainer.save_rollouts=false",
-        f"trainer.seed={settings.seed}", f"trainer.threads_per_worker={settings.threads}",
+        f"trainer.seed={settings.trainer_seed}", f"trainer.threads_per_worker={settings.threads}",
         f"data.train_batch_size={settings.prompts}", f"rollout.n={settings.n}",
         f"actor.ppo_mini_batch_size={settings.prompts}", f"actor.ppo_micro_batch_size_per_gpu={settings.prompts * settings.n}",
         f"rollout.temperature={settings.temperature}", f"actor.optim.lr={settings.lr}", f"actor.clip_ratio={settings.clip_ratio}",
@@ -285,7 +292,7 @@ def run_trl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
         learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         epsilon=settings.clip_ratio, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
         temperature=settings.temperature, top_p=1.0, top_k=0, use_cpu=True, bf16=False, fp16=False, logging_steps=1,
-        save_strategy="no", report_to="none", seed=settings.seed, disable_tqdm=True, dataloader_num_workers=0,
+        save_strategy="no", report_to="none", seed=settings.trainer_seed, disable_tqdm=True, dataloader_num_workers=0,
         gradient_checkpointing=False,  # TRL's default is on; agentrl's is off (model.gradient_checkpointing)
         # on the CPU generate is TRL's fastest option (docs/benchmarks.md); continuous batching is measurable
         use_transformers_continuous_batching=settings.trl_generation == "continuous", **task_config,

@@ -159,3 +159,33 @@ def test_the_calculator_race_starts_from_the_calculator_base_only():
     with pytest.raises(SystemExit) as exited:
         main(["--task", "calculator", "--model-size", "18m", "--skip-trl"])
     assert exited.value.code == 2
+
+
+def test_rl_seed_changes_only_the_trainers_seed(tmp_path, tiny_model_dir):
+    """--rl-seed: the spread of one warm start over the trainers' own randomness; the warm start,
+    the prompts and the evaluation keep --seed."""
+    from agentrl.data.io import write_rows
+    from agentrl_benchmarks.trainer import Settings, _rows, agentrl_config
+
+    train_file = write_rows(_rows(0, 8), tmp_path / "train.parquet")
+    assert agentrl_config(tiny_model_dir, train_file, tmp_path, Settings(seed=2)).trainer.seed == 2
+    settings = Settings(seed=2, rl_seed=5)
+    assert agentrl_config(tiny_model_dir, train_file, tmp_path, settings).trainer.seed == 5
+    assert settings.seed == 2  # what the warm start, train_rows and evaluate read
+
+
+def test_first_turn_probe_renders_the_prompt_as_trl_does_and_counts_the_exact_rate():
+    """agentrl_benchmarks.first_turn: the race's prompts rendered once (agentrl's rendering, checked
+    equal to TRL's), and each sampler's rate set against the exact one in standard errors."""
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+
+    from agentrl.tiny import shipped_skilled_model
+    from agentrl_benchmarks import first_turn
+    from agentrl_benchmarks.trainer_calculator import train_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(shipped_skilled_model("calculator"))
+    rows = train_rows(type("S", (), {"seed": 0, "prompts": 3, "steps": 1})())
+    prompts = first_turn._rendered_prompts(tokenizer, rows)
+    assert len(prompts) == 3 and all(tokenizer.decode(p).endswith("<|im_start|>assistant\n") for p in prompts)
+    assert first_turn._rate(60, 100, 0.5) == {"rate": 0.6, "n": 100, "se": 0.049, "z_vs_exact": 2.0}
