@@ -62,13 +62,14 @@ def check_agent_names(names: Iterable[str | None], registry: PluginRegistry | No
 
 def check_row_plugins(row: Row, registry: PluginRegistry | None = None) -> list[tuple[str, str]]:
     """``(field, problem)`` for each plugin a row names that is not installed or fails to import:
-    its agent loop, its tools (the keys of ``extra_info.tools_kwargs``) and its interaction."""
+    its agent loop, its tools (the keys of ``extra_info.tools_kwargs``), its interaction and its
+    agent program (``extra_info.agent_program``)."""
     from agentrl.data.dataset import row_plugin_problems  # pyarrow: only where rows are checked
 
     registry = registry or PluginRegistry()
     return list(row_plugin_problems(
         row, registry.accepted_names("agent_loops"), registry.names("tools"), registry.names("interactions"),
-        registry.import_problem,
+        registry.import_problem, agents=registry.names("agents"),
     ))
 
 

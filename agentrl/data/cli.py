@@ -4,7 +4,7 @@
     agentrl data tasks --task arith --n 1000 --output-dir DIR                                 (= python -m data_prep.tasks)
     agentrl data validate FILE... [--default-agent NAME]                                      (every bad row, then exit 1)
 
-``validate`` also names every row whose agent_name, tools or interaction is not installed or fails to import.
+``validate`` also names every row whose agent_name, tools, interaction or agent program (extra_info.agent_program) is not installed or fails to import.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _validate(argv: list[str]) -> int:
     problems = validate_files(
         args.files, known_agent_names=registry.accepted_names("agent_loops"), default_agent=args.default_agent,
         known_tools=registry.names("tools"), known_interactions=registry.names("interactions"),
-        import_problem=registry.import_problem,
+        import_problem=registry.import_problem, known_agents=registry.names("agents"),
     )
     for problem in problems:
         print(problem)

@@ -80,11 +80,13 @@ def validate_files(
     known_interactions: Collection[str] | None = None,
     import_problem: Callable[[str, str], str | None] | None = None,
     max_reported: int = MAX_REPORTED,
+    known_agents: Collection[str] | None = None,
 ) -> list[DataError]:
     """Every problem in ``paths``, in file and row order: missing or unreadable files, rows that
     fail validation, and (for each ``known_*`` given) rows naming a plugin that is not among
     them: an ``agent_name`` (or, for rows without one, ``default_agent``), a tool (the keys of
-    ``extra_info.tools_kwargs``) or an interaction (``extra_info.interaction_kwargs.name``).
+    ``extra_info.tools_kwargs``), an interaction (``extra_info.interaction_kwargs.name``) or an
+    agent program (``extra_info.agent_program``, the ``openai_agent`` loop's).
     ``import_problem(group, name)`` (``PluginRegistry.import_problem``), when given, is asked
     about each plugin a row names, so one that is installed but fails to import is reported at
     the first row naming it, before any model is loaded. At most ``max_reported`` problems are
@@ -106,7 +108,8 @@ def validate_files(
                 if row.agent_name is None:
                     first_defaulted = first_defaulted or (path, index)
                     defaulted += 1
-                for field, problem in row_plugin_problems(row, known, known_tools, known_interactions, import_problem):
+                for field, problem in row_plugin_problems(row, known, known_tools, known_interactions, import_problem,
+                                                          agents=known_agents):
                     found.add(DataError(problem, file=path, row=index, field=field))
         except DataError as err:
             found.add(err)
@@ -125,11 +128,13 @@ def row_plugin_problems(
     tools: Collection[str] | None,
     interactions: Collection[str] | None,
     import_problem: Callable[[str, str], str | None] | None = None,
+    *,
+    agents: Collection[str] | None = None,
 ) -> Iterator[tuple[str, str]]:
     """``(field, problem)`` for each plugin the row names that is not among the known names of
     its kind (a kind whose names are None is not checked) or, asked through ``import_problem``,
-    fails to import: its ``agent_name``, its tools (the keys of ``extra_info.tools_kwargs``) and
-    its interaction."""
+    fails to import: its ``agent_name``, its tools (the keys of ``extra_info.tools_kwargs``), its
+    interaction and its agent program (``extra_info.agent_program``)."""
     named = []
     if row.agent_name is not None:
         named.append(("agent_name", "agent_loops", "agent_name", row.agent_name, loops))
@@ -137,6 +142,9 @@ def row_plugin_problems(
     spec = row.extra_info.interaction_kwargs
     if spec is not None and spec.name is not None:
         named.append(("extra_info.interaction_kwargs.name", "interactions", "interaction", spec.name, interactions))
+    program = getattr(row.extra_info, "agent_program", None)
+    if program is not None:
+        named.append(("extra_info.agent_program", "agents", "agent program", str(program), agents))
     for field, group, kind, name, known in named:
         if known is not None and name not in known:
             yield field, f"unknown {kind} {name!r} (known: {', '.join(sorted(known)) or 'none'})"

@@ -47,6 +47,7 @@ def prepare_data(cfg: "TrainConfig", data_dir: Path) -> tuple[list[str], list[tu
         known_tools=set(registry.names("tools")) | set(yaml_tools),
         known_interactions=set(registry.names("interactions")) | set(yaml_interactions),
         import_problem=registry.import_problem,  # a plugin that fails to import stops the run here, not at its first row
+        known_agents=registry.names("agents"),
     )
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)

@@ -314,6 +314,27 @@ def test_data_validate_cli_names_an_uninstalled_tool_and_exits_1(tmp_path, capsy
     assert cli_main(["validate", str(write_rows(rows, tmp_path / "b.parquet"))]) == 0
 
 
+def test_a_row_naming_an_uninstalled_agent_program_is_refused_by_validate_rollout_and_train(tmp_path, capsys):
+    from agentrl.config.schema import DataConfig, TrainConfig
+    from agentrl.data.cli import cli_main
+    from agentrl.data.prepare import prepare_data
+
+    rows = make_rows(3)
+    for i, program in enumerate(["gsm8k_calculator", "gsm8k_calculater", "gsm8k_calculator_agents_sdk"]):
+        rows[i]["agent_name"], rows[i]["extra_info"]["agent_program"] = "openai_agent", program
+    path = write_rows(rows, tmp_path / "a.parquet")
+    assert cli_main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert (f"file {path}, row 1, field extra_info.agent_program: unknown agent program 'gsm8k_calculater' "
+            "(known: gsm8k_calculator, gsm8k_calculator_agents_sdk, gsm8k_calculator_compact)") in out
+    assert "row 0" not in out and "row 2" not in out
+    # agentrl train and agentrl rollout read their data through prepare_data: refused before any compute
+    with pytest.raises(DataError, match=r"row 1, field extra_info.agent_program: unknown agent program 'gsm8k_calculater'"):
+        prepare_data(TrainConfig(data=DataConfig(train_files=[str(path)])), tmp_path)
+    rows[1]["extra_info"]["agent_program"] = "gsm8k_calculator_compact"
+    assert cli_main(["validate", str(write_rows(rows, tmp_path / "b.parquet"))]) == 0
+
+
 def test_interaction_kwargs_without_a_name_are_accepted_as_verls_rows_write_them(tmp_path):
     rows = make_rows(1)
     rows[0]["extra_info"]["interaction_kwargs"] = {"query": "What is 1 + 1?", "ground_truth": "2"}
