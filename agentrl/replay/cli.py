@@ -207,6 +207,8 @@ def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool
     if position < len(t.response_ids):
         block(style(f"  ── template [{position}, {len(t.response_ids)}) observed (masked)", "2"), t.response_ids[position:],
               t.response_mask[position:])
+    if t.finish_reason is TrajectoryFinish.PROGRAM_ERROR:  # the agent program gave up: a scored outcome
+        lines.append(style(f"  program error ({t.reward_info.get('exception_type', '?')}): {t.reward_info.get('error', '')}", "31"))
     if t.reward_info:
         lines.append(f"  reward info: {json.dumps(t.reward_info, default=str)}")
     return "\n".join(lines)
@@ -220,11 +222,16 @@ def _show(args: argparse.Namespace) -> int:
         print("(no tokenizer: showing token ids; pass --tokenizer PATH for text)")
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     shown = 0
+    program_errors: Counter[str] = Counter()
     for stored in store.iter_stored(_filter(args), limit=args.limit):
         print(format_trajectory(stored, decode, color=color))
         print()
         shown += 1
+        if stored.trajectory.finish_reason is TrajectoryFinish.PROGRAM_ERROR:
+            program_errors[str(stored.trajectory.reward_info.get("exception_type", "?"))] += 1
     print(f"{shown} {'trajectory' if shown == 1 else 'trajectories'} shown")
+    if program_errors:
+        print("program errors by exception type: " + ", ".join(f"{name} {n}" for name, n in program_errors.most_common()))
     return 0
 
 

@@ -103,3 +103,22 @@ def test_show_puts_a_turns_reasoning_apart_from_its_answer():
     assert out[j + 1 : j + 5] == ["    reasoning:", "    │ </think>↵", "    answer:", "    │ #### 3"]
     assert out[out.index(f"  ── tool [{a}, {b}) {len(tool)} observed tokens (masked)") + 1] == "    ┆ 3↵"
     assert split_reasoning("#### 3") is None
+
+
+def test_show_names_a_program_error_and_counts_them_by_exception_type(tmp_path, capsys):
+    from agentrl.data.rollout_store import RolloutStore
+    from agentrl.trajectory import Trajectory, Turn
+
+    def trajectory(i, finish, info):
+        return Trajectory(row_id=f"r{i}", group_id="g", sample_index=i, data_source="d", agent_name="openai_agent",
+                          prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 1], logprobs=[-0.5, -0.5],
+                          turns=[Turn("assistant", 0, 2)], messages=[], finish_reason=finish, reward_info=info)
+
+    error = {"error": "ModelBehaviorError: Invalid JSON", "exception_type": "ModelBehaviorError"}
+    store = RolloutStore(tmp_path / "rollouts")
+    store.write_step(1, [trajectory(0, "program_error", error), trajectory(1, "stop", {}), trajectory(2, "program_error", error),
+                         trajectory(3, "program_error", {"error": "ValueError: no", "exception_type": "ValueError"})])
+    assert cli_main(["show", str(store.root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out.count("  program error (ModelBehaviorError): ModelBehaviorError: Invalid JSON") == 2
+    assert out[-2:] == ["4 trajectories shown", "program errors by exception type: ModelBehaviorError 2, ValueError 1"]
