@@ -43,6 +43,7 @@ from typing import Sequence
 import httpx
 
 from agentrl.engines.guard import API_KEY_ENV, auth_headers, new_api_key, require_key_off_loopback
+from agentrl.engines.lifeline import TMPDIR_ENV as LIFELINE_TMPDIR_ENV
 from agentrl.errors import EngineUnavailable
 
 __all__ = ["ServerSpec", "ServerProcess", "LaunchedServers", "launch_servers", "sglang_specs", "serve_specs", "free_port", "with_lifeline"]
@@ -191,6 +192,7 @@ def launch_servers(specs: Sequence[ServerSpec], *, ready_timeout_s: float = 600.
             temp_dir = None if "TMPDIR" in spec.env else Path(tempfile.mkdtemp(prefix="agentrl-srv-"))
             if temp_dir is not None:
                 env["TMPDIR"] = str(temp_dir)
+                env[LIFELINE_TMPDIR_ENV] = str(temp_dir)  # removed by a lifeline whose owner died
             try:
                 process = subprocess.Popen(
                     spec.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -13,7 +13,10 @@ session of its own). It starts the command as its child in that group and watche
 * when the command exits on its own, the lifeline ends the rest of the group and exits with the
   command's status, so the owner sees the server die (and can restart it);
 * when the lifeline itself is SIGKILLed (it cannot clean up then), the kernel SIGKILLs the server
-  (its ``PR_SET_PDEATHSIG``, set before exec); SGLang's own subprocesses die with the server.
+  (its ``PR_SET_PDEATHSIG``, set before exec); SGLang's own subprocesses die with the server;
+* on its way out it removes the server's own temporary directory when ``launch_servers`` made one
+  (``AGENTRL_SERVER_TMPDIR``): a server whose owner died (a Ray host actor killed) is never
+  stopped through ``ServerProcess.stop``, which removes it otherwise.
 
 Standard library only: it must start in well under a second.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +34,7 @@ import time
 GRACE_S = 10.0
 POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
+TMPDIR_ENV = "AGENTRL_SERVER_TMPDIR"
 
 
 def _die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -53,6 +58,12 @@ def _signal_group(sig: int) -> None:
         pass
 
 
+def _remove_server_tmpdir() -> None:
+    directory = os.environ.get(TMPDIR_ENV)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _stop(child: subprocess.Popen) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group signal reaches the lifeline too
     _signal_group(signal.SIGTERM)
@@ -61,6 +72,7 @@ def _stop(child: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         pass
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _remove_server_tmpdir()
     _signal_group(signal.SIGKILL)  # whatever is left, the lifeline included
 
 
@@ -93,6 +105,7 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _signal_group(signal.SIGTERM)
         time.sleep(0.5)
+        _remove_server_tmpdir()
         return code
 
 
