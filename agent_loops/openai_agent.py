@@ -11,6 +11,11 @@ program rewrote its history (truncated, summarised, dropped reasoning), the call
 segment from a fresh rendering; the trajectory is the last segment, with the earlier ones in
 ``Trajectory.earlier_segments``: the trainer trains them with the trajectory's advantage, outside
 the group's statistics. ``segment_splits`` and ``segment_earlier_tokens`` count them.
+
+A program that raises while the endpoint and the engine were healthy (a framework giving up on
+the model's output) ends a scored episode, ``program_error``, in the loss; the engine's or the
+endpoint's failure, a refused request and a transport error stay infrastructure
+(``classify_exception``).
 """
 
 from __future__ import annotations

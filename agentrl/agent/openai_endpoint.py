@@ -14,6 +14,14 @@ logprobs are kept, and the calls are assembled into exact token streams:
 * any other request (the program dropped, rewrote or summarised its history, or changed its
   tools) starts a new *segment* from a fresh rendering; ``segment_splits`` counts them.
 
+It answers as vLLM and SGLang do: a call that cannot be understood (bad JSON, a tool the request
+did not offer, arguments its schema refuses) comes back as the answer's text with no
+``tool_calls`` and is recorded with its kind for ``agent.malformed_call_policy``; ``stop``
+strings of any length end generation at the token completing one (``SamplingParams.stop``) and
+are cut from the content. The sampling the trainer owns is the rollout's whatever a request asks
+(said once per parameter); fields it does not know are ignored. docs/own-agent.md lists every
+field.
+
 The server (``OpenAIEndpoint``) runs uvicorn in a thread of its own, bound to 127.0.0.1, with a
 random key per process; a session is a random path under it, so concurrent agents never mix.
 Generation runs on the event loop that owns the engine (the rollout's), reached with
