@@ -148,13 +148,17 @@ def test_tool_call_metrics_are_averaged_per_tool_name_with_call_counts():
     a = traj("g", 0, [("assistant", 1, None)], reward=1.0)
     a.tool_calls = [call("search", hits=3.0, latency=0.5), call("search", hits=1.0), call("calculator")]
     b = traj("g", 1, [("assistant", 1, None)], reward=0.0)
-    b.tool_calls = [call("search", hits=8.0, latency=1.5), call(None)]
+    misspelt = ToolCallRecord(turn=0, name="calculater", arguments={}, raw="", result="", error="unknown_tool")
+    b.tool_calls = [call("search", hits=8.0, latency=1.5), call(None), misspelt]
+    b.metrics["tool_errors/unknown_tool"] = 1.0  # as the loop counts it
     m = trajectory_metrics([a, b], prefix="val/")
     # search: 3 calls; hits (3 + 1 + 8) / 3 = 4; latency given by 2 calls: (0.5 + 1.5) / 2 = 1
     assert m["val/tool/search/calls"] == 3.0 and m["val/tool/search/hits"] == 4.0 and m["val/tool/search/latency"] == 1.0
     assert m["val/tool/calculator/calls"] == 1.0
     assert not [k for k in m if k.startswith("val/tool/calculator/") and k != "val/tool/calculator/calls"]
     assert not [k for k in m if k.startswith("val/tool/None")]  # the unparsed call has no name to file it under
+    # a tool that does not exist is counted under tool_errors/unknown_tool, never as a key of its own
+    assert m["val/tool_errors/unknown_tool"] == 1.0 and not [k for k in m if "calculater" in k]
 
 
 def test_interaction_and_loop_metrics_are_averaged_over_the_trajectories_that_report_them():
