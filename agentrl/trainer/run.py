@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 import zlib
@@ -44,6 +45,7 @@ from agentrl.rundir import TRAINER_STATE, RunDir, make_run_dir
 from agentrl.trainer.skilled_base import ensure_model
 from agentrl.trainer.algorithms.kl import AdaptiveKLController, FixedKLController
 from agentrl.trainer.algorithms.recipes import dynamic_sampling_filter
+from agentrl.trainer.async_driver import AsyncDriver
 from agentrl.trainer.startup import StartupClock
 from agentrl.trainer.checkpoint_io import read_json
 from agentrl.trainer.logging import MetricsLogger
@@ -177,6 +179,8 @@ class Trainer:
         # every training and validation step, with its dataset rows: the replay format
         self.store = RolloutStore(self.run.rollouts) if cfg.trainer.save_rollouts else None
         self.last_validation: list[Trajectory] = []
+        # rollout.max_staleness > 0: generation runs on while the trainer trains (trainer/async_driver.py)
+        self.driver = AsyncDriver(self) if cfg.rollout.max_staleness > 0 else None
         if resumed:
             self.resume()
             clock.lap("resume")
@@ -223,6 +227,8 @@ class Trainer:
 
     def train_step(self, step: int, rows) -> dict[str, float]:
         """Rollout, the training step (``trainer.step``), weight sync; the rollouts go to the store."""
+        if self.driver is not None:  # asynchronous: the driver draws its own rows, ahead of the trainer
+            return self.driver.train_step(step)
         timings: dict[str, float] = {}
         start = time.perf_counter()
         sampling: dict[str, float] = {}
@@ -328,16 +334,19 @@ class Trainer:
 # ----------------------------------------------------------------------------- the job
 
 
-def train(cfg: TrainConfig) -> RunResult:
+def train(cfg: TrainConfig, *, command: str | None = None) -> RunResult:
     """The whole job: setup, (SFT warm start), validation, steps, checkpoints, export, summary. A
     lost worker (``WorkerDied``, a collective timeout) restarts every group from the last
-    checkpoint, up to ``trainer.max_restarts`` times."""
+    checkpoint, up to ``trainer.max_restarts`` times. ``command``: the command line that started
+    the job, for the summary and the report's headline."""
     check_engine_config(cfg, training=True)
     started = time.perf_counter()
     run = make_run_dir(cfg)
     run.write_config(cfg)
     log = MetricsLogger(run.path, cfg.logging)
     summary: dict[str, Any] = {"algorithm": cfg.algorithm.adv_estimator, "run_dir": str(run.path)}
+    if command is not None:
+        summary["command"] = command
     restarts = 0
     try:
         while True:
@@ -392,7 +401,7 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
         for step in bar:
             # numbered as the metrics and checkpoints are: step N is the N-th update (step_N)
             trainer.during(f"step {step + 1} of {cfg.trainer.total_steps}")
-            rows = trainer.dataset.next_batch()
+            rows = trainer.dataset.next_batch() if trainer.driver is None else None
             metrics = trainer.train_step(step, rows)
             done = step + 1
             if cfg.trainer.test_freq and done % cfg.trainer.test_freq == 0 and done != cfg.trainer.total_steps:
@@ -424,7 +433,7 @@ def _by_source(validation: dict[str, float], when: str) -> dict[str, dict[str, f
 
 def cli_main(argv: list[str]) -> int:
     cfg = load_config("train", argv)
-    result = train(cfg)
+    result = train(cfg, command=shlex.join(["agentrl", "train", *argv]))
     print(json.dumps(result.summary, indent=2))
     print(f"run directory: {result.run_dir}")
     return 0
