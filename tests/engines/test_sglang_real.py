@@ -147,6 +147,25 @@ def test_sglang_and_builtin_engine_give_the_same_greedy_tokens_and_logprobs(sgla
     assert len({token for result in builtin for token in result.output_ids}) > 3
 
 
+def test_sglang_ends_at_a_stop_string_where_the_builtin_engine_does_keeping_the_completing_token(sglang_url, served_model_dir, eos_id):
+    """A stop string that starts inside one greedy token and ends in the next: SGLang (``stop``,
+    ``no_stop_trim``) and the built-in engine end at the same token, keep it in ``output_ids``
+    and say which string matched."""
+    tokenizer = AutoTokenizer.from_pretrained(served_model_dir)
+    prompt = tokenizer("What is 12 * 34?").input_ids
+    free = asyncio.run(_builtin(served_model_dir, [prompt], SamplingParams(max_new_tokens=24, temperature=0.0)))[0].output_ids
+    texts = [tokenizer.decode([t]) for t in free]
+    i = next(i for i in range(len(texts) - 1) if texts[i] != texts[i + 1] and texts[i].strip() and len(texts[i + 1].strip()) >= 2)
+    stop = texts[i][-1] + texts[i + 1][:2]
+    k = next(k for k in range(1, len(free) + 1) if stop in tokenizer.decode(free[:k]))
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=(eos_id,), stop=(stop,))
+    [remote] = asyncio.run(_sglang(sglang_url, [prompt], sampling))
+    [local] = asyncio.run(_builtin(served_model_dir, [prompt], sampling))
+    assert local.output_ids == free[:k] and (local.finish_reason, local.matched_stop) == (FinishReason.STOP, stop)
+    assert remote.output_ids == local.output_ids and (remote.finish_reason, remote.matched_stop) == (FinishReason.STOP, stop)
+    assert max(abs(a - b) for a, b in zip(remote.logprobs, local.logprobs, strict=True)) < LOGPROB_TOLERANCE
+
+
 def test_sglang_logprobs_of_sampled_tokens_equal_a_forward_pass_of_the_same_weights(sglang_url, served_model_dir, prompts):
     """Sampled tokens depend on each engine's RNG, so score SGLang's samples with one forward pass."""
     prompt = prompts[2]
