@@ -28,15 +28,18 @@ def sharpen(model: torch.nn.Module, seed: int = 1) -> None:
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
 
 
-def engine_samples(model_dir, prompts, temperature: float, *, max_new_tokens: int, module_path: bool = False, monkeypatch=None):
+def engine_samples(model_dir, prompts, temperature: float, *, max_new_tokens: int, module_path: bool = False, monkeypatch=None,
+                   decode_graphs: bool | None = None):
     """The built-in engine's results for ``prompts`` (seeded per prompt), on its packed decoder or,
-    with ``module_path``, on the model's own forward."""
+    with ``module_path``, on the model's own forward; ``decode_graphs=True``: decode steps on the
+    static layout (the CUDA-graph path, run eagerly on the CPU)."""
     if module_path:
         monkeypatch.setattr(engine_packed, "fast_decoder_supported", lambda decoder: False)
 
     async def run():
-        async with BuiltinEngine(model_dir, max_batch_size=8) as engine:
+        async with BuiltinEngine(model_dir, max_batch_size=8, decode_graphs=decode_graphs) as engine:
             assert isinstance(engine._scheduler.forward, engine_packed.ModuleForward) == module_path
+            assert (engine._scheduler.static_decode is not None) == bool(decode_graphs and not module_path)
             requests = [GenerateRequest(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=i))
                         for i, p in enumerate(prompts)]
             return await asyncio.gather(*(engine.generate(r) for r in requests))

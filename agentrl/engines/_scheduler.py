@@ -27,6 +27,7 @@ from typing import Callable, Mapping
 import torch
 
 from agentrl.engines import _ragged
+from agentrl.engines._graphs import StaticDecode
 from agentrl.engines._prefix_cache import Slots, longest_shared, resolve_copy
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.engines.sampling import sample_next_tokens
@@ -92,11 +93,17 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_tokens: int,
         step_log_size: int | None,
+        static_decode: StaticDecode | None = None,
     ):
         self.model = model
         self.forward = forward
         self.cache = cache
         self.slots = Slots(cache)
+        # decode-only steps on bucket-shaped inputs (CUDA graphs on a GPU); its scratch slot (the
+        # cache's last) is never given to a request
+        self.static_decode = static_decode
+        if static_decode is not None:
+            self.slots.empty.remove(static_decode.scratch)  # the largest: the heap stays a heap
         self.device = device
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
@@ -172,7 +179,8 @@ class Scheduler:
             positions.extend(range(seq.cached, len(seq.tokens)))
             logit_rows.append(len(packed) - 1)
         self.cache.ensure_capacity(max(positions) + 1)
-        layout = _ragged.build_layout(
+        static = self.static_decode is not None and not admitted and not copies
+        layout = None if static else _ragged.build_layout(
             self.cache, [s.slot for s in decoding], positions[: len(decoding)], tuple(prefills), self.device, tuple(copies)
         )
         stepping = decoding + admitted
@@ -230,13 +238,17 @@ class Scheduler:
         packed: list[int],
         positions: list[int],
         logit_rows: list[int],
-        layout: _ragged.StepLayout,
+        layout: _ragged.StepLayout | None,
     ) -> tuple[list[int], list[float]]:
         device = self.device
-        rows = torch.tensor(logit_rows, device=device) if len(logit_rows) != len(packed) else None
-        logits = self.forward(
-            torch.tensor(packed, device=device), torch.tensor(positions, device=device), layout, rows
-        )  # [n, vocab] float32
+        if layout is None:  # a decode-only step on the static path
+            assert self.static_decode is not None
+            logits = self.static_decode(packed, positions, [seq.slot for seq in stepping])  # [n, vocab] float32
+        else:
+            rows = torch.tensor(logit_rows, device=device) if len(logit_rows) != len(packed) else None
+            logits = self.forward(
+                torch.tensor(packed, device=device), torch.tensor(positions, device=device), layout, rows
+            )  # [n, vocab] float32
         params = [seq.request.sampling for seq in stepping]
         temperatures = [p.temperature for p in params]
         uniforms = [

@@ -61,7 +61,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from agentrl.engines import _ragged
-from agentrl.engines._packed import make_forward
+from agentrl.engines._graphs import StaticDecode
+from agentrl.engines._packed import PackedDecoderForward, make_forward
 from agentrl.engines._scheduler import Scheduler, Sequence, StepRecord, WeightUpdate
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.engines.stops import StopStrings
@@ -110,6 +111,7 @@ class BuiltinEngine:
         idle_exit_s: float = 0.02,
         steps_on: str = "thread",
         tokenizer: Any = None,
+        decode_graphs: bool | None = None,
     ):
         if steps_on not in ("thread", "event_loop"):
             raise ValueError(f"steps_on must be 'thread' or 'event_loop', got {steps_on!r}")
@@ -130,9 +132,16 @@ class BuiltinEngine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        forward = make_forward(self.model, self.max_seq_len)
+        # decode-only steps on a static layout (_graphs.py), replayed as CUDA graphs on a GPU;
+        # None: on CUDA (the CPU keeps the default path); True on the CPU runs the static layout
+        # without graphs. Only the fast forward (Qwen2, Qwen3, Llama) has it.
+        if decode_graphs is None:
+            decode_graphs = self.device.type == "cuda"
+        static = decode_graphs and isinstance(forward, PackedDecoderForward)
         cache = _ragged.SlotKVCache(
             num_layers=config.num_hidden_layers,
-            slots=max_batch_size,
+            slots=max_batch_size + 1 if static else max_batch_size,  # + the static path's scratch slot
             kv_heads=config.num_key_value_heads,
             head_dim=head_dim,
             max_len=self.max_seq_len,
@@ -142,7 +151,7 @@ class BuiltinEngine:
         # Owned by the worker (the thread or task that runs the steps).
         self._scheduler = Scheduler(
             self.model,
-            make_forward(self.model, self.max_seq_len),
+            forward,
             cache,
             device=self.device,
             vocab_size=self.vocab_size,
@@ -150,6 +159,8 @@ class BuiltinEngine:
             max_batch_size=max_batch_size,
             max_prefill_tokens=max_prefill_tokens,
             step_log_size=step_log_size,
+            static_decode=StaticDecode(forward, cache, max_batch_size=max_batch_size, device=self.device, graphs=True)
+            if static else None,
         )
         self._seed_source = torch.Generator().manual_seed(seed)
         # Shared with the caller threads, guarded by _cv.

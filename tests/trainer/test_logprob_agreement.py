@@ -54,9 +54,10 @@ def samples(model_dir, temperature: float, **kwargs):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
-@pytest.mark.parametrize("engine_path", ["packed", "module"])
+@pytest.mark.parametrize("engine_path", ["packed", "module", "static"])  # static: the decode-graph layout, run eagerly
 def test_trainer_logprobs_match_the_engine_within_1e_5(sharp_model_dir, sharp_model, temperature, engine_path, monkeypatch):
-    results = samples(sharp_model_dir, temperature, module_path=engine_path == "module", monkeypatch=monkeypatch)
+    results = samples(sharp_model_dir, temperature, module_path=engine_path == "module", monkeypatch=monkeypatch,
+                      decode_graphs=engine_path == "static")
     batch = as_batch(PROMPTS, results)
     assert int(batch.response_mask.sum()) == sum(len(r.output_ids) for r in results) > 20
     # the sampled tokens are far from uniform: a tolerance of 1e-5 is a real constraint here
