@@ -154,6 +154,8 @@ def engine_throughput(engine, args, device) -> dict:
 
     async def main() -> dict:
         await batch(min(4, max(args.concurrency)), 8)  # warm-up: CUDA context, cuBLAS handles, allocator
+        for c in args.concurrency:  # and each concurrency's decode graph (captured at its first step)
+            await batch(c, 4)
         figures = {}
         for c in args.concurrency:
             wall, results, extra = await batch(c, args.new_tokens)
@@ -179,19 +181,74 @@ def engine_throughput(engine, args, device) -> dict:
                            "(the engine reports no TTFT itself)", "by_concurrency": out}
 
 
-def part_engine(config, args, device, dtype, state) -> dict:
+def part_engine(config, args, device, dtype, state, *, graphs: bool | None = None) -> dict:
+    """``graphs``: the engine's ``decode_graphs`` (None: its default, on for CUDA)."""
     from agentrl.engines.builtin import BuiltinEngine
 
     model = new_model(config, device, dtype, seed=0)
     t0 = time.perf_counter()
     engine = BuiltinEngine(model, device=str(device), dtype=dtype, max_batch_size=max(args.concurrency),
-                           max_seq_len=args.prompt_len + args.new_tokens + 64, seed=0)
+                           max_seq_len=args.prompt_len + args.new_tokens + 64, seed=0, decode_graphs=graphs)
     build_s = time.perf_counter() - t0
-    state["engine"] = engine
-    figures = engine_throughput(engine, args, device)
-    return {"engine_build_s": round(build_s, 3), "forward": type(engine._scheduler.forward).__name__,
-            "max_batch_size": engine.max_batch_size, "max_prefill_tokens": engine.max_prefill_tokens,
-            "kv_cache_bytes": engine.stats().kv_cache_bytes, **figures}
+    if graphs is None:
+        state["engine"] = engine
+    try:
+        figures = engine_throughput(engine, args, device)
+        static = engine._scheduler.static_decode
+        return {"engine_build_s": round(build_s, 3), "forward": type(engine._scheduler.forward).__name__,
+                "decode_graphs_arg": graphs, "static_decode": static is not None,
+                "static_decode_steps": static.steps if static else None,
+                "cuda_graph_replays": static.replays if static else None,
+                "graphs_captured": sorted(static._captured) if static else None,
+                "capture_error": static.capture_error if static else None,
+                "max_batch_size": engine.max_batch_size, "max_prefill_tokens": engine.max_prefill_tokens,
+                "kv_cache_bytes": engine.stats().kv_cache_bytes, **figures}
+    finally:
+        if graphs is not None:
+            engine.close()
+
+
+def part_engine_agreement(config, args, device, dtype) -> dict:
+    """The same greedy requests through the engine with and without decode graphs, and each
+    engine's logprobs against a full forward of the same weights (the trainer's side)."""
+    from agentrl.engines.base import GenerateRequest, SamplingParams
+    from agentrl.engines.builtin import BuiltinEngine
+
+    g = torch.Generator().manual_seed(9)
+    count, new_tokens = (4, 8) if args.shape == "tiny" else (16, 32)
+    prompts = [torch.randint(2, config.vocab_size, (args.prompt_len // 2 + 3 * i,), generator=g).tolist() for i in range(count)]
+    out: dict = {"requests": count, "new_tokens": new_tokens}
+    results = {}
+    for graphs in (True, False):
+        model = new_model(config, device, dtype, seed=0)
+        engine = BuiltinEngine(model, device=str(device), dtype=dtype, max_batch_size=count, seed=0, decode_graphs=graphs,
+                               max_seq_len=args.prompt_len + new_tokens + 64)
+        try:
+            async def main():
+                return await asyncio.gather(*(engine.generate(GenerateRequest(
+                    p, SamplingParams(max_new_tokens=new_tokens, temperature=0.0), rid=f"a{i}")) for i, p in enumerate(prompts)))
+
+            results[graphs] = asyncio.run(main())
+            static = engine._scheduler.static_decode
+            worst = 0.0
+            with torch.no_grad():
+                for p, r in zip(prompts, results[graphs]):
+                    ids = torch.tensor([p + r.output_ids], device=device)
+                    logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()
+                    full = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.output_ids, device=device)[:, None])[:, 0]
+                    worst = max(worst, float((full.cpu() - torch.tensor(r.logprobs)).abs().max()))
+            out["graphs" if graphs else "no_graphs"] = {
+                "static_decode_steps": static.steps if static else None, "cuda_graph_replays": static.replays if static else None,
+                "capture_error": static.capture_error if static else None, "max_abs_logprob_diff_vs_full_forward": worst}
+        finally:
+            engine.close()
+            del engine, model
+    same = [a.output_ids == b.output_ids for a, b in zip(results[True], results[False])]
+    out["same_tokens_fraction"] = sum(same) / len(same)
+    diffs = [abs(x - y) for a, b in zip(results[True], results[False]) if a.output_ids == b.output_ids
+             for x, y in zip(a.logprobs, b.logprobs)]
+    out["max_abs_logprob_diff_graphs_vs_not"] = max(diffs) if diffs else None
+    return out
 
 
 def part_generate(config, args, device, dtype) -> dict:
@@ -722,7 +779,7 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=None, help="default 16 (tiny: 4)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", default=["engine", "generate", "actor_update", "actor_update_fsdp2",
+    parser.add_argument("--parts", nargs="+", default=["engine", "engine_no_graphs", "engine_agreement", "generate", "actor_update", "actor_update_fsdp2",
                                                        "packed_update", "weight_sync", "export", "nccl_two_processes",
                                                        "train", "train_disk"])
     parser.add_argument("--nccl-timeout", type=float, default=120.0)
@@ -775,6 +832,8 @@ def main() -> int:
         return 1
     parts = {
         "engine": lambda: part_engine(config, args, device, dtype, state),
+        "engine_no_graphs": lambda: part_engine(config, args, device, dtype, state, graphs=False),
+        "engine_agreement": lambda: part_engine_agreement(config, args, device, dtype),
         "generate": lambda: part_generate(config, args, device, dtype),
         "actor_update": lambda: part_actor_update(args, device, state),
         "packed_update": lambda: part_packed_update(config, args, device, dtype, state),

@@ -8,9 +8,10 @@
 #   scripts/gpu_wheels.sh DIR 3.11     # the same releases for another Python, e.g. to check on CPU
 #
 # On the machine, before the command (agentrl itself is installed from the tree, for its plugin
-# entry points):
+# entry points, or from the wheel built here when that fails):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-#   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
+#   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . ||
+#     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/agentrl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-.whl}"
@@ -33,4 +34,8 @@ wheels=(
 # into a pure-Python wheel (py3-none-any), the same for every Python 3
 ls "$dir"/antlr4_python3_runtime-4.9.3-*.whl >/dev/null 2>&1 ||
   "$python" -m pip wheel -q --no-deps -w "$dir" antlr4-python3-runtime==4.9.3
+# agentrl itself, as a fallback for the machine's build from the tree (its plugins are found
+# through the entry points of an installed distribution): a subfolder, so `.whl/*.whl` leaves it out
+rm -rf "$dir/agentrl"
+"$python" -m pip wheel -q --no-deps --no-build-isolation -w "$dir/agentrl" .
 du -sh "$dir"
