@@ -74,15 +74,16 @@ def test_two_grpo_steps_of_a_plain_openai_agent(program, skilled_model_dir, tmp_
 @pytest.mark.ray
 def test_agents_written_for_openais_api_train_at_default_settings(skilled_model_dir, tmp_path):
     """The cookbook agent (stop strings, the SDK's message objects appended as they come), its
-    streaming twin and the strict Agents SDK agent, one row in three each, through ``agentrl
-    train`` with the quickstart's rollout and batch (warm start off: the skilled base is the
-    quickstart's model after it): no request refused, no infrastructure failure, one segment per
-    episode, every sampled token in the loss."""
+    streaming twin, the strict Agents SDK agent and one with a structured output type (which the
+    tiny model, answering in prose, always fails: the SDK raises), one row in four each, through
+    ``agentrl train`` with the quickstart's rollout and batch (warm start off: the skilled base is
+    the quickstart's model after it): no request refused, no infrastructure failure, one segment
+    per episode, every sampled token in the loss, the framework's give-ups scored."""
     from pathlib import Path
 
     site = install_unpacked(Path(BYO_AGENTS), tmp_path / "site")
-    programs = ["cookbook", "cookbook_streamed", "sdk_strict"]
-    rows = [{**r, "agent_name": "openai_agent", "extra_info": {"index": i, "agent_program": programs[i % 3]}}
+    programs = ["cookbook", "cookbook_streamed", "sdk_strict", "sdk_structured"]
+    rows = [{**r, "agent_name": "openai_agent", "extra_info": {"index": i, "agent_program": programs[i % 4]}}
             for i, r in enumerate(generate("arith", 48, seed=0))]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
@@ -108,6 +109,10 @@ def test_agents_written_for_openais_api_train_at_default_settings(skilled_model_
         assert trajectories and all(t.finish_reason in {"stop", "length", "program_error", "max_assistant_turns",
                                                         "response_budget", "malformed_tool_call"} for t in trajectories), program
         assert all(t.earlier_segments == [] and sum(t.response_mask) > 0 for t in trajectories), program
+    # the structured agent's framework gave up on every prose answer: scored 0, in the loss, counted by type
+    assert {t.finish_reason for t in by_program["sdk_structured"]} == {"program_error"}
+    assert all(t.reward == 0.0 and t.reward_info["exception_type"] == "ModelBehaviorError" for t in by_program["sdk_structured"])
+    assert sum(s["program_errors/ModelBehaviorError"] for s in steps) == len(by_program["sdk_structured"])
     # every sampled token is in the step's loss (program errors included)
     for metrics, step in zip(steps, sorted({s.step for s in stored})):
         assert metrics["tokens/sampled"] == sum(sum(s.trajectory.response_mask) for s in stored if s.step == step)
