@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(
+needs_mkdocs = pytest.mark.skipif(
     importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
     reason='mkdocs is not installed: pip install -e ".[docs]"',
 )
@@ -56,6 +56,7 @@ def site(tmp_path_factory) -> Path:
     return site
 
 
+@needs_mkdocs
 def test_the_site_builds_strictly_with_every_docs_page_in_it(site):
     pages = sorted(p.relative_to(REPO / "docs").with_suffix("").as_posix() for p in (REPO / "docs").rglob("*.md"))
     for page in pages:
@@ -63,6 +64,7 @@ def test_the_site_builds_strictly_with_every_docs_page_in_it(site):
         assert built.exists(), f"docs/{page}.md was not built"
 
 
+@needs_mkdocs
 def test_the_configuration_reference_lists_every_schema_key_with_its_type_default_and_doc(site):
     from agentrl.config.help import config_keys, schema_docs
 
@@ -76,6 +78,7 @@ def test_the_configuration_reference_lists_every_schema_key_with_its_type_defaul
     assert schema_docs()["DataConfig.train_batch_size"] == "prompts per step" and "prompts per step</td>" in html
 
 
+@needs_mkdocs
 def test_the_cli_reference_has_every_command_and_subcommand_help(site):
     from agentrl.cli import COMMANDS
 
@@ -86,6 +89,7 @@ def test_the_cli_reference_has_every_command_and_subcommand_help(site):
     assert "usage: agentrl replay show" in html and "--min-reward" in html
 
 
+@needs_mkdocs
 def test_the_readme_links_land_on_files_and_anchors_that_exist(site):
     readme = (REPO / "README.md").read_text()
     links = [link for link in re.findall(r"\]\(([^)\s]+)\)", readme) if not re.match(r"[a-z]+://", link)]
@@ -104,6 +108,15 @@ def test_the_readme_links_land_on_files_and_anchors_that_exist(site):
             assert anchor in page_ids(html), f"README links {link}: docs/{page}.md has no heading with that anchor"
 
 
+def test_the_readme_is_a_front_door_with_the_two_commands_as_ci_runs_them():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200, "the README is the front door: reference material goes to docs/"
+    assert 'python3 -m venv .venv && .venv/bin/pip install "torch==2.13.0" -e . && .venv/bin/agentrl train\n' in readme
+    assert 'python3 -m venv .venv && .venv/bin/pip install "torch==2.13.0" -e ".[test]" && .venv/bin/python -m pytest\n' in readme
+    ci = (REPO / ".ci" / "run").read_text()
+    assert '.venv/bin/pip install -q "torch==2.13.0" -e ".[test]"' in ci and "\n.venv/bin/python -m pytest" in ci
+
+
 def test_every_docs_page_is_in_the_nav():
     nav_yaml = (REPO / "mkdocs.yml").read_text()
     listed = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", nav_yaml, flags=re.MULTILINE))
@@ -111,6 +124,7 @@ def test_every_docs_page_is_in_the_nav():
     assert written <= listed, f"docs pages missing from mkdocs.yml's nav: {sorted(written - listed)}"
 
 
+@needs_mkdocs
 def test_a_strict_build_with_this_config_fails_on_a_broken_link_anchor_and_an_unlisted_page(tmp_path):
     ours = yaml.safe_load((REPO / "mkdocs.yml").read_text())
     config = {key: ours[key] for key in ("site_name", "strict", "validation", "markdown_extensions")}  # not the hooks, theme or nav
@@ -130,6 +144,7 @@ def test_a_strict_build_with_this_config_fails_on_a_broken_link_anchor_and_an_un
     assert "#real-heading" not in out.stderr
 
 
+@needs_mkdocs
 def test_a_link_to_a_repository_file_is_checked_and_shown_as_its_path():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
