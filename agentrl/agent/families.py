@@ -113,6 +113,7 @@ class TemplateReport:
     round_trip: str  # "ok", or what the parser got back from the family's own call text
     drift: dict[str, Any] | None = None  # {position, ours, reference, ours_text, reference_text}
     refused: str | None = None  # why this family cannot be used (the renderer refused it)
+    prompt_move: str | None = None  # how the template moves the first request's prompt later (ChatRenderer.prompt_move)
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
@@ -128,6 +129,9 @@ class TemplateReport:
             f"  tool results: {self.tools}",
             f"  tool-call round trip: {self.round_trip}",
             f"  append-only template: {self.append_only}",
+            "  prompt stays in place: " + ("yes" if self.prompt_move is None else
+                                           f"no: {self.prompt_move}; a request after such a turn starts a new segment "
+                                           "from the template's own rendering of the conversation"),
         ]
         if self.drift is None:
             lines.append("  token drift: none")
@@ -177,6 +181,7 @@ def check_template(
     report = TemplateReport(
         ok=True, parser=parser_name, stop_ids=stops.ids, stop_tokens={i: "; ".join(s) for i, s in stops.sources.items()},
         end_of_turn=stops.end_of_turn, append_only=renderer.append_only, tools="ok", round_trip="ok",
+        prompt_move=renderer.prompt_move,
     )
     problem = renderer.tool_message_problem
     use_tools = tools and problem is None
@@ -230,14 +235,14 @@ def check_template(
         history.append(assistant)
         if observations:
             ours += renderer.observation_ids(observations)
-            # the tools and the system prompt stay where the prompt put them (Mistral's template
-            # moves both into the last user turn: a fresh rendering differs there, see the note)
+            # the deltas, with the tools and the system prompt where the prompt put them (a template
+            # that moves them, Mistral's, starts a new segment in the loops: report.prompt_move)
             delta = _reference_delta(tokenizer, renderer, history, observations, None)
             reference += tokenizer.encode(delta, add_special_tokens=False)
             if schemas and _reference_delta(tokenizer, renderer, history, observations, schemas) != delta:
                 report.notes.append(
                     f"the template renders the tool list again before an appended {observations[0]['role']} turn (it moves it "
-                    "to the last user turn); the trajectory keeps it once, in the prompt, where the model saw it"
+                    "to the last user turn); the loops start a new segment there, from the template's own rendering"
                 )
             history.extend(observations)
     ours += renderer.separator_ids
@@ -252,8 +257,8 @@ def check_template(
         }
     if not renderer.append_only:
         report.notes.append(
-            "the template rewrites history (e.g. drops earlier <think> blocks or moves the system prompt): the "
-            "trajectory keeps what the model saw while generating, which is exact for training"
+            "the template rewrites history (e.g. drops earlier <think> blocks): the trajectory keeps what the model "
+            "saw while generating, which is exact for training"
         )
     return report
 

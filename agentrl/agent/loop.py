@@ -39,7 +39,7 @@ from agentrl.data.row import Row
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.errors import EngineError
 from agentrl.rewards import score_to_float
-from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, TrajectoryFinish, Turn, TurnRole
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, TrajectoryFinish, TrajectorySegment, Turn, TurnRole
 
 __all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd", "TrajectoryFinish", "ask_interaction"]
 
@@ -101,6 +101,7 @@ class Episode:
         messages: list[dict[str, Any]],
         prompt_ids: list[int],
         parser: ToolParser | None = None,
+        prompt_tools: list[dict[str, Any]] | None = None,
     ):
         self.row, self.ctx = row, ctx
         self.parser = parser if parser is not None else ctx.parser  # the playing loop's (LoopContext.parser_for)
@@ -108,7 +109,11 @@ class Episode:
         self.session_id = f"{row_id}#{sample_index}"
         self.tools, self.interaction = tools, interaction
         self.messages = messages
+        self.prompt_tools = prompt_tools  # the tools block the template renders (for a fresh rendering)
         self.builder = TrajectoryBuilder(prompt_ids)
+        # the stretches before the template moved the prompt (ChatRenderer.prompt_move), oldest first
+        self.earlier_segments: list[TrajectorySegment] = []
+        self._earlier_tokens = 0  # their response tokens and the observations that ended them
         self.tool_calls: list[ToolCallRecord] = []
         self.counts: Counter[str] = Counter()
         self.gen_time = 0.0
@@ -146,7 +151,7 @@ class Episode:
     @property
     def tokens_left(self) -> int:
         """What ``max_response_tokens`` leaves for the rest of the response."""
-        return self.ctx.limits.max_response_tokens - len(self.builder)
+        return self.ctx.limits.max_response_tokens - len(self.builder) - self._earlier_tokens
 
     def check_turn(self, role: TurnRole | None, tokens: int = 1) -> int:
         """The one check of every turn limit, made before anything is added to the episode:
@@ -212,9 +217,34 @@ class Episode:
 
     # ----------------------------------------------------------------- observations
     def observe(self, messages: list[dict[str, Any]], role: TurnRole) -> Turn:
-        """Append tool or user messages as a masked delta (ends the episode if it cannot fit)."""
-        ids = self.ctx.renderer.observation_ids(messages, after_eos=self.last_stopped_on_eos)
+        """Append tool or user messages as a masked delta (ends the episode if it cannot fit).
+
+        With a template that moves the prompt once the conversation goes on (Mistral-Nemo's
+        system message and tools block go before the last user turn: ``ChatRenderer.prompt_move``)
+        the conversation is rendered afresh; when that no longer starts with this segment's
+        prompt, the tokens so far become an earlier segment (exact as sampled, under their own
+        prompt) and a new one starts from the fresh rendering: every request is what the
+        template gives the model at inference."""
+        renderer = self.ctx.renderer
+        ids = renderer.observation_ids(messages, after_eos=self.last_stopped_on_eos)
+        if renderer.prompt_move is not None:
+            fresh = renderer.encode(renderer.render_prompt_text(self.messages + messages, self.prompt_tools))
+            prompt = self.builder.prompt_ids
+            if fresh[: len(prompt)] != prompt:
+                return self._start_segment(fresh, ids, role, messages)
         return self.observe_ids(ids, role, messages)
+
+    def _start_segment(self, prompt_ids: list[int], ids: list[int], role: TurnRole, messages: list[dict[str, Any]]) -> Turn:
+        self.check_turn(role, len(ids))  # the limits count as if the observation were appended
+        if role == "user":
+            self.counts["user_turns"] += 1
+        self.messages.extend(messages)
+        b = self.builder
+        self.earlier_segments.append(TrajectorySegment(b.prompt_ids, b.response_ids, b.response_mask, b.logprobs, b.turns))
+        self._earlier_tokens += len(b) + len(ids)
+        self.builder = TrajectoryBuilder(prompt_ids)
+        self.counts["template_segments"] += 1
+        return Turn(role=role, start=0, end=0)  # in the new segment's prompt, not in a response
 
     def observe_ids(self, ids: list[int], role: TurnRole, messages: list[dict[str, Any]]) -> Turn:
         self.check_turn(role, len(ids))
@@ -316,6 +346,7 @@ class AgentLoop:
             episode = Episode(
                 row, ctx, row_id=row_id, group_id=group_id, sample_index=sample_index, seed=seed, tools=tools,
                 interaction=interaction, messages=messages, prompt_ids=prompt_ids, parser=ctx.parser_for(self.name),
+                prompt_tools=self.prompt_tools(schemas),
             )
             try:
                 finish, error = await self._play(episode, interaction)
@@ -398,7 +429,7 @@ class AgentLoop:
             agent_name=self.name, prompt_ids=b.prompt_ids, response_ids=b.response_ids, response_mask=b.response_mask,
             logprobs=b.logprobs, turns=b.turns, messages=ep.messages, finish_reason=finish, reward=reward,
             reward_info=info, tool_calls=ep.tool_calls, metrics=metrics, policy_version=ep.ctx.policy_version,
-            ground_truth=row.ground_truth,
+            ground_truth=row.ground_truth, earlier_segments=ep.earlier_segments,
         )
 
     def _solution_text(self, ep: Episode) -> str:

@@ -102,6 +102,7 @@ class ChatRenderer:
         self.separator_ids: list[int] = self.encode(suffix[len(self.eos_token) :])
         self.append_only = self._probe_append_only()
         self._tool_problem: str | None | bool = False  # False: not probed yet
+        self._prompt_move: str | None | bool = False  # False: not probed yet
 
     # ------------------------------------------------------------------ public API
     def prompt_ids(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -147,6 +148,46 @@ class ChatRenderer:
         if self._tool_problem is False:
             self._tool_problem = self._probe_tool_messages()
         return self._tool_problem  # type: ignore[return-value]
+
+    @property
+    def prompt_move(self) -> str | None:
+        """How this template moves the first request's prompt once the conversation goes on
+        (None: it stays where the first request had it). Mistral-Nemo's writes the system
+        message and the tools block into the *last* user turn: at inference every later request
+        renders them there, or drops the system message when the conversation ends with tool
+        results. ``Episode.observe`` then starts a new segment whose prompt is the template's
+        rendering of the whole conversation, so that every request is what the template gives."""
+        if self._prompt_move is False:
+            self._prompt_move = self._probe_prompt_move()
+        return self._prompt_move  # type: ignore[return-value]
+
+    def render_prompt_text(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's rendering of the whole conversation with the generation prompt: what a
+        server applying the template gives the model for the next request."""
+        return self._render(list(messages), add_generation_prompt=True, tools=tools or None)
+
+    def _probe_prompt_move(self) -> str | None:
+        tools = [{"type": "function", "function": {"name": "probe", "description": "d", "parameters": {"type": "object", "properties": {}}}}]
+        call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "probe", "arguments": {}}}
+        later = {
+            "a user turn follows": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u2"}],
+            "tool results follow": [{"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "content": "t", "tool_call_id": "a1b2c3d4e", "name": "probe"}],
+        }
+        question = "question-probe-5c1e"
+        for system, what in ((True, "system message"), (False, "tools block")):
+            first = ([{"role": "system", "content": "s"}] if system else []) + [{"role": "user", "content": question}]
+            for kind, more in later.items():
+                try:
+                    head = self._render(first, add_generation_prompt=False, tools=None if system else tools)
+                    full = self._render(first + more, add_generation_prompt=True, tools=None if system else tools)
+                except Exception:  # the template refuses this conversation (Gemma's system message): not this case
+                    continue
+                # the first request through its question (what follows it may depend on what comes next)
+                if question not in head or not full.startswith(head[: head.index(question) + len(question)]):
+                    return (f"the template renders the {what} of the first request elsewhere once {kind} "
+                            "(before the last user turn, or not at all)")
+        return None
 
     def require_tool_messages(self) -> None:
         problem = self.tool_message_problem

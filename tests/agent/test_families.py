@@ -85,6 +85,34 @@ def _key(case: str) -> str:
     return _family(case) + (REAL if case.endswith(REAL) else "")
 
 
+def assert_the_prompt_is_where_the_template_puts_it(t, engine, tok, tools, kwargs, script) -> None:
+    """A template that moves its prompt (Mistral-Nemo writes the system message and the tools
+    block before the *last* user turn, and drops the system message once tool results end the
+    conversation): each segment starts from the template's own rendering of the conversation so
+    far, every request continues its segment's stream, and the template's rendering at every
+    request starts with that segment's prompt (the prompt is where the template puts it; the
+    turns since are exact as sampled, as with every template). The segments hold each sampled
+    turn once, verbatim and trained."""
+    messages = t.messages
+    before = [i for i in range(2, len(messages) + 1) if messages[i - 1]["role"] != "assistant"]  # a request follows each
+    assert len(before) == len(engine.requests) == len(script)
+    rendered = [tok.encode(tok.apply_chat_template(messages[:end], tools=tools, add_generation_prompt=True, tokenize=False,
+                                                   **kwargs), add_special_tokens=False) for end in before]
+    segments = [*t.earlier_segments, t]
+    assert len(segments) >= 2
+    starts = [rendered.index(seg.prompt_ids) for seg in segments]  # each segment's prompt is a fresh rendering
+    assert starts[0] == 0 and starts == sorted(set(starts))
+    for k, request in enumerate(engine.requests):
+        seg = segments[max(i for i, start in enumerate(starts) if start <= k)]
+        P = len(seg.prompt_ids)
+        assert request.input_ids[:P] == seg.prompt_ids == rendered[k][:P]
+        assert request.input_ids[P:] == seg.response_ids[: len(request.input_ids) - P]
+    sampled = [s.response_ids[x.start : x.end] for s in segments for x in s.turns if x.role == "assistant"]
+    eot = stop_tokens(tok).ids[0]
+    assert sampled == [tok.encode(text, add_special_tokens=False) + [eot] for text in script]
+    assert all(m == 1 for s in segments for x in s.turns if x.role == "assistant" for m in s.response_mask[x.start : x.end])
+
+
 def _with_real(cases) -> list[str]:
     """Each case, and again on the released vocabulary where the family has one: real merges join
     text across the boundaries the template puts between turns, which the stand-in rarely does."""
@@ -145,6 +173,10 @@ def test_tool_conversation_is_sampled_ids_plus_the_templates_rendering_of_each_o
     assert t.finish_reason == "stop" and t.reward == 1.0, t.reward_info
     [call] = t.tool_calls
     assert (call.name, call.arguments, call.result, call.error) == ("calculator", {"expression": "12 * 34"}, "408", None)
+    assert (ctx.renderer.prompt_move is not None) is (parser == "mistral")  # the row has a system message
+    if ctx.renderer.prompt_move is not None:
+        assert_the_prompt_is_where_the_template_puts_it(t, engine, tok, ctx.toolbox.schemas(["calculator"]), kwargs, script)
+        return
 
     eot = stop_ids[0]
     first, tool, second = (t.response_ids[x.start : x.end] for x in t.turns)
@@ -387,6 +419,10 @@ def test_gsm8k_tool_rollout_with_each_familys_native_calls(case, tokenizers, mak
     assert [(c.name, c.arguments, c.result) for c in t.tool_calls] == [
         ("calculator", {"expression": "48 + 24"}, "72"), ("check_answer", {"answer": "72"}, "correct"),
     ]
+    if ctx.renderer.prompt_move is not None:  # Mistral-Nemo: two segments, every request as the template renders it
+        tools = ctx.toolbox.schemas(["calculator", "check_answer"])
+        assert_the_prompt_is_where_the_template_puts_it(t, engine, tok, tools, kwargs, script)
+        return
     stop_ids = tuple(tok.convert_tokens_to_ids(s) for s in stops)
     assert all(r.sampling.stop_token_ids == stop_ids for r in engine.requests)
     # exact: each sampled turn verbatim, each tool result as the template renders it
@@ -423,7 +459,7 @@ USER_TURN = {  # the template's rendering of an appended user turn (an interacti
     "qwen2.5": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
     "llama3.1": "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
     "llama3.2": "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-    "mistral-nemo": "[INST]{}[/INST]",  # no system prompt: it stays in the first user turn, where the prompt put it
+    "mistral-nemo": "[INST]{}[/INST]",  # without a system message (with one: test_a_moved_system_message_...)
     "phi3.5": "\n<|user|>\n{}<|end|>\n<|assistant|>\n",
     "phi4-mini": "<|user|>{}<|end|><|assistant|>",
     "gemma2": "\n<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
@@ -444,6 +480,8 @@ def test_an_interaction_reply_is_the_templates_user_turn_with_no_placeholder(fam
     row = make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"})
     if family == "gemma2":  # refuses a system message
         row = row.model_copy(update={"prompt": row.prompt[1:]})
+    if family == "mistral-nemo":  # its system message and tools block move to the last user turn: a test of its own
+        row = row.model_copy(update={"prompt": row.prompt[1:], "extra_info": row.extra_info.model_copy(update={"tools_kwargs": {}})})
     [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r0", row)]))
     assert t.finish_reason == "interaction_done", t.reward_info
     first, user, second = (t.response_ids[x.start : x.end] for x in t.turns)
@@ -453,3 +491,37 @@ def test_an_interaction_reply_is_the_templates_user_turn_with_no_placeholder(fam
     assert user == tok.encode(USER_TURN[family].format(INCORRECT), add_special_tokens=False)
     assert second == tok.encode("#### 408", add_special_tokens=False) + [eot]
     assert "\x00" not in tok.decode(t.prompt_ids + t.response_ids)
+
+
+@pytest.mark.parametrize("case", _with_real(["mistral-nemo"]))
+def test_a_moved_system_message_is_where_the_template_puts_it_at_every_request(case, tokenizers, make_ctx):
+    """Mistral-Nemo's template writes the system message into the last user turn: after an
+    interaction's reply the second request has it before the reply, not before the question."""
+    tok = tokenizers[_key(case)]
+    script = ["#### 400", "#### 408"]
+    engine = ScriptedEngine(tok, {"r0": script})
+    ctx = make_ctx(engine, tokenizer=tok, tools=(), agent={"default_loop": "single_turn"})
+    row = make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"}, tools_kwargs={})  # no tools block
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r0", row)]))
+    assert t.finish_reason == "interaction_done", t.reward_info
+    assert ctx.renderer.prompt_move.startswith("the template renders the system message of the first request elsewhere")
+    assert_the_prompt_is_where_the_template_puts_it(t, engine, tok, None, {}, script)
+    system, question = row.prompt[0].content, row.prompt[1].content
+    first, second = (tok.decode(r.input_ids) for r in engine.requests)
+    assert first == f"<s>[INST]{system}\n\n{question}[/INST]"
+    assert second.startswith(f"<s>[INST]{question}[/INST]#### 400</s>[INST]{system}\n\n")
+    assert [len(s.response_ids) for s in t.earlier_segments] == [len(tok.encode("#### 400", add_special_tokens=False)) + 1]
+    assert t.metrics["template_segments"] == 1
+
+
+@pytest.mark.parametrize("family,kwargs", CHECK_OK)
+def test_check_template_reports_whether_the_prompt_stays_in_place(family, kwargs, tokenizers, family_dirs):
+    report = check_template(tokenizers[family], chat_template_kwargs=kwargs, model_dir=family_dirs[family])
+    lines = report.render().splitlines()
+    if _family(family) == "mistral-nemo":
+        assert report.ok  # usable: the loops split the conversation where the prompt moves
+        assert "  prompt stays in place: no: the template renders the system message of the first request elsewhere once " \
+               "a user turn follows (before the last user turn, or not at all); a request after such a turn starts a new " \
+               "segment from the template's own rendering of the conversation" in lines
+    else:
+        assert "  prompt stays in place: yes" in lines and report.prompt_move is None
