@@ -15,6 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 from ci_skips import pytest_runtest_makereport  # noqa: E402,F401  (a hook: in CI a skip is a failure)
+from tmp_hygiene import pytest_configure, pytest_sessionfinish, pytest_unconfigure  # noqa: E402,F401  (the suite's own TMPDIR; a leftover fails the run)
 
 
 @pytest.fixture(scope="session")
@@ -51,9 +52,22 @@ def _module_weight(item) -> int:
     return 3
 
 
+def _measured_slow() -> frozenset[str]:
+    """The ids in tests/slow_tests.txt: tests measured slow (written by scripts/slowest_tests.py --slow-list)."""
+    path = Path(__file__).parent / "slow_tests.txt"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the quick tier (-m "not slow") sees these marks
 def pytest_collection_modifyitems(session, config, items):
     weights: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::", 1)[0]
         weights[module] = min(weights.get(module, 3), _module_weight(item))
     items.sort(key=lambda item: weights[item.nodeid.split("::", 1)[0]])  # stable: a file's tests stay in order
+    # the quick tier leaves out what starts Ray or real SGLang and what was measured slow
+    measured = _measured_slow()
+    for item in items:
+        if item.nodeid in measured or item.get_closest_marker("ray") or item.get_closest_marker("sglang"):
+            item.add_marker(pytest.mark.slow)

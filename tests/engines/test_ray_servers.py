@@ -4,10 +4,13 @@ real ``agentrl serve`` processes (SGLang's protocol), real HTTP."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,6 +83,10 @@ def test_servers_run_in_their_bundles_under_host_actors_and_end_with_them(local_
     ray = local_ray
     servers = ManagedServers.from_config(_config(model_dir, num_servers=2), model_dir, log_dir=tmp_path)
     servers.check_interval_s = 0.2
+    # the host killed below cannot remove its server's temp dir (Ray SIGKILLs a killed actor's
+    # children, the server's lifeline among them): the servers' temp files go to one the test removes
+    server_tmp = Path(tempfile.mkdtemp(prefix="srv-"))  # short: unix socket paths are capped at 107 bytes
+    servers.specs = [dataclasses.replace(spec, env={**spec.env, "TMPDIR": str(server_tmp)}) for spec in servers.specs]
     servers.start()
     try:
         node_ip = ray.util.get_node_ip_address()
@@ -112,6 +119,7 @@ def test_servers_run_in_their_bundles_under_host_actors_and_end_with_them(local_
     finally:
         pgids, group = [s.pgid for s in servers.servers], servers.placement.group
         servers.stop()
+        shutil.rmtree(server_tmp, ignore_errors=True)
     assert not any(_group_alive(p) for p in pgids)
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
     servers.stop()  # idempotent
