@@ -84,6 +84,8 @@ class RolloutSetup:
     request_timeout_s: float  # sglang: one /generate call
     max_retries: int  # sglang: transport errors and 5xx, per server
     api_key: str | None = field(repr=False)  # sglang: the servers' key (managed: their launch's; external: $AGENTRL_API_KEY)
+    # rollout.max_staleness: > 0 rolls out on a thread of its own while the trainer trains (docs/async.md)
+    max_staleness: int = 0
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None, server_urls: tuple[str, ...] = (),
@@ -128,4 +130,5 @@ class RolloutSetup:
             request_timeout_s=cfg.engine.request_timeout_s,
             max_retries=cfg.engine.max_retries,
             api_key=api_key,
+            max_staleness=rollout.max_staleness,
         )

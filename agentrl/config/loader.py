@@ -248,13 +248,28 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def _check_async(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """Asynchronous training (``rollout.max_staleness`` > 0) runs on the built-in engine, without
+    dynamic sampling (its refills are drawn within one step)."""
+    if cfg.rollout.max_staleness == 0:
+        return []
+    problems = []
+    if cfg.engine.backend != "builtin":
+        problems.append(("rollout.max_staleness", f"asynchronous training runs on engine=builtin for now, not engine={cfg.engine.backend}; "
+                                                  "set rollout.max_staleness=0"))
+    if cfg.algorithm.filter_groups.enable:
+        problems.append(("algorithm.filter_groups.enable", "dynamic sampling is not supported with rollout.max_staleness > 0"))
+    return problems
+
+
 CHECKS: tuple[Check, ...] = (
     _check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_workers, _check_files, _check_plugins,
+    _check_async,
 )
 # what only a command that trains uses: its batch relations, the critic, the reward shaping of
 # the trainer and its workers (a rollout with data.train_batch_size=8 is not refused for the
 # actor's mini-batch of 16)
-TRAINING_CHECKS = frozenset({_check_batch_sizes, _check_critic, _check_overlong_buffer, _check_workers})
+TRAINING_CHECKS = frozenset({_check_batch_sizes, _check_critic, _check_overlong_buffer, _check_workers, _check_async})
 
 
 def _problems(cfg: TrainConfig, *, check_files: bool, training: bool) -> list[tuple[str, str]]:

@@ -125,6 +125,17 @@ class RolloutConfig(Section):
     max_concurrency: int = Field(256, ge=1)  # trajectories in flight
     # agentrl rollout exits 1 when more than this share of trajectories failed (loop, engine or interaction error, abort)
     max_failure_rate: float = Field(0.5, ge=0, le=1)
+    # Asynchronous training (docs/async.md). How many policy versions a trained sample may lag the
+    # policy that trains it: staleness = the training step's weight version minus the oldest
+    # version among the sample's tokens, queue time included, bound inclusive. 0: the synchronous
+    # trainer (roll out, train, sync). verl async_training.staleness_threshold, AReaL
+    # max_head_offpolicyness, SkyRL max_staleness_steps, prime-rl max_off_policy_steps, TRL max_staleness.
+    max_staleness: int = Field(0, ge=0)
+    # a finished group older than max_staleness: drop it (prime-rl, verl) or make the trainer wait
+    # for a group before it can become stale (AReaL's admission bound); a group ages as one unit
+    stale_groups: Literal["drop", "wait"] = "drop"
+    # async: the longest the trainer waits for the next finished group before the run fails
+    max_wait_s: float = Field(1800.0, gt=0)
 
 
 class AgentConfig(Section):

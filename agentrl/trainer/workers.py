@@ -79,6 +79,7 @@ class ActorWorker(Worker):
         self.optimizer = build_optimizer(trainable_parameters(self.model), config.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps)
         self.engine = None
+        self.background = None  # asynchronous training's rollouts (rank 0)
         self.shares_model = False
         self.rollout_setup = rollout_setup
         if rank_is_zero(self.rank) and rollout_setup is not None:
@@ -112,6 +113,13 @@ class ActorWorker(Worker):
             validation: build_context(self.engine, self.tokenizer, setup, validation=validation) for validation in (False, True)
         }
         self.loops = LoopTable(setup.default_loop, PluginRegistry(setup.plugin_prefer))
+        self.background = None
+        if setup.max_staleness > 0:  # asynchronous training: rollouts keep running while this rank trains
+            from agentrl.agent.async_rollout import BackgroundRollout
+            from agentrl.agent.runner import RolloutRunner
+
+            runner = RolloutRunner(self.contexts[False], self.loops, max_concurrency=setup.max_concurrency)
+            self.background = BackgroundRollout(runner, loop=getattr(self, "_engine_loop", None))
 
     def _builtin_engine(self, setup: RolloutSetup):
         from torch.distributed.fsdp import FSDPModule
@@ -123,19 +131,26 @@ class ActorWorker(Worker):
         # copies nothing (``weights_changed``). Otherwise (FSDP2 shards, bf16 compute over fp32
         # parameters) the engine loads its own copy and syncs by copy.
         # A LoRA policy is never shared: the engine gets merged weights under the base names.
+        # Asynchronous training (rollout.max_staleness > 0) never shares: the trainer updates its
+        # weights while the engine samples, so the engine holds its own copy, steps on its own
+        # thread and takes each new version through update_weights (which drains running requests).
+        asynchronous = setup.max_staleness > 0
         self.shares_model = (
             setup.weight_sync == "memory" and not isinstance(self.model, FSDPModule) and self.lora is None
-            and all(p.dtype == self.param_dtype for p in self.model.parameters())
+            and all(p.dtype == self.param_dtype for p in self.model.parameters()) and not asynchronous
         )
         return BuiltinEngine(
             self.model if self.shares_model else self.model_path, device=str(self.device), dtype=self.param_dtype,
             max_batch_size=setup.engine_max_batch_size, seed=setup.seed,
             # the rollout's event loop runs on this process's training thread: one OpenMP team
             # for both (see "Where the steps run" in builtin.py)
-            steps_on="event_loop",
+            steps_on="thread" if asynchronous else "event_loop",
         )
 
     def _run_async(self, coro):
+        background = getattr(self, "background", None)
+        if background is not None:  # asynchronous training: everything of the rollout on its loop
+            return background.run(coro)
         loop = getattr(self, "_engine_loop", None)
         return loop.run_until_complete(coro) if loop is not None else asyncio.run(coro)
 
@@ -147,6 +162,16 @@ class ActorWorker(Worker):
         assert self.rollout_setup is not None, "rollout() on an actor built without a rollout_setup"
         runner = RolloutRunner(ctx, self.loops, max_concurrency=self.rollout_setup.max_concurrency)
         return self._run_async(runner.run(rows, n=n, seed=seed, group_prefix=group_prefix, progress=progress))
+
+    def submit_rollout(self, rows: Sequence[tuple[str, Any]], *, n: int, seed: int, group_prefix: str, version: int) -> list[str]:
+        """Asynchronous training: start the rows' groups in the background; returns their group ids."""
+        assert self.background is not None, "submit_rollout needs rollout.max_staleness > 0"
+        return self.background.submit(rows, n=n, seed=seed, group_prefix=group_prefix, version=version)
+
+    def finished_rollouts(self, wait_s: float) -> list:
+        """Asynchronous training: the groups finished since the last call (waits up to ``wait_s`` for one)."""
+        assert self.background is not None, "finished_rollouts needs rollout.max_staleness > 0"
+        return self.background.finished(wait_s=wait_s)
 
     def sync_weights(self, version: int) -> None:
         """Collective: copy the updated policy into the colocated engine (rank 0).
@@ -341,6 +366,10 @@ class ActorWorker(Worker):
         return {"engine/weight_version": float(stats.weight_version), "engine/generated_tokens": float(stats.generated_tokens)}
 
     def close(self) -> None:
+        background = getattr(self, "background", None)
+        if background is not None:
+            background.close()
+            self.background = None
         if self.engine is not None:
             loop = getattr(self, "_engine_loop", None)
             if loop is not None:

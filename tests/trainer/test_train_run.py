@@ -179,6 +179,47 @@ def test_weight_sync_through_disk_gives_the_steps_of_the_in_memory_sync(short_ru
 
 
 
+def test_max_staleness_0_is_todays_synchronous_trainer(short_run, tmp_path):
+    """The switch off, said explicitly, changes nothing: the same metrics (no async/ keys), the
+    same checkpoints byte for byte."""
+    done = run_cli(SHORT + ["rollout.max_staleness=0", "rollout.stale_groups=wait", f"trainer.runs_root={tmp_path}",
+                            "trainer.run_name=eta0"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    today, eta0 = metrics_by_step(short_run), metrics_by_step(tmp_path / "eta0")
+    for step in (1, 2, 3):
+        assert sorted(eta0[step]) == sorted(today[step])
+        assert {k: v for k, v in eta0[step].items() if not k.startswith(TIMING)} == \
+            {k: v for k, v in today[step].items() if not k.startswith(TIMING)}, step
+    for step in ("step_2", "step_3"):
+        ours, theirs = tmp_path / "eta0" / "checkpoints" / step, short_run / "checkpoints" / step
+        names = sorted(p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file())
+        assert names and names == sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())
+        for name in names:
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), (step, name)
+
+
+def test_an_asynchronous_run_trains_within_its_staleness_bound(tmp_path):
+    """rollout.max_staleness=1: batches are rolled out one step ahead while the trainer trains;
+    every trained sample is at most one version old, some are exactly one, and the policy moves."""
+    changed = {"trainer.save_freq": "0", "trainer.test_freq": "0", "trainer.export_hf": "false"}
+    args = [a for a in SHORT if a.split("=")[0] not in changed] + [f"{k}={v}" for k, v in changed.items()]
+    done = run_cli(args + ["rollout.max_staleness=1", "actor.rollout_correction.level=token", f"trainer.runs_root={tmp_path}",
+                           "trainer.run_name=async"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = metrics_by_step(tmp_path / "async")
+    assert sorted(steps) == [1, 2, 3]
+    assert_the_policy_moved(steps)
+    assert all(row["async/staleness_max"] <= 1 for row in steps.values()), steps
+    assert steps[1]["async/staleness_max"] == 0  # step 1 trains at version 0, what it was sampled by
+    assert any(row["async/staleness_max"] == 1 for row in steps.values())  # the run was asynchronous
+    for row in steps.values():  # every trained trajectory counted once in the histogram: 4 groups x 2 samples
+        assert row["async/staleness_hist/0"] + row["async/staleness_hist/1"] == 8
+        assert "rollout_corr/weight_mean" in row
+    assert "no off-policy correction" not in done.stdout + done.stderr
+    stored = sorted(p.name for p in (tmp_path / "async" / "rollouts").glob("train-*.parquet"))
+    assert stored == [f"train-step00000{k}-w000.parquet" for k in (1, 2, 3)]
+
+
 def test_total_epochs_ends_the_run_at_the_end_of_the_data(tmp_path):
     """8 rows in batches of 4 are 2 steps an epoch: total_epochs=1 stops there, before total_steps=5."""
     changed = {"trainer.total_steps": "5", "trainer.total_epochs": "1", "data.task_train_size": "8", "actor.ppo_mini_batch_size": "4",
