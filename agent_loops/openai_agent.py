@@ -144,7 +144,8 @@ class OpenAIAgentLoop(AgentLoop):
         if finish is TrajectoryFinish.PROGRAM_ERROR and error:
             info["exception_type"] = error.split(":", 1)[0]
         earlier = [TrajectorySegment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask,
-                                     s.builder.logprobs, s.builder.turns) for s in session.segments[:-1]]
+                                     s.builder.logprobs, s.builder.turns, s.builder.token_versions)
+                   for s in session.segments[:-1]]
         metrics = {
             "turns": float(session.assistant_turns), "generate_calls": float(len(session.calls)),
             "tool_calls": float(session.tool_calls_returned),  # the trainer's tool_use_rate counts these
@@ -164,7 +165,7 @@ class OpenAIAgentLoop(AgentLoop):
             agent_name=self.name, prompt_ids=builder.prompt_ids, response_ids=builder.response_ids,
             response_mask=builder.response_mask, logprobs=builder.logprobs, turns=builder.turns, messages=messages,
             finish_reason=finish, reward=reward, reward_info=info, metrics=metrics, policy_version=ctx.policy_version,
-            ground_truth=row.ground_truth, earlier_segments=earlier,
+            ground_truth=row.ground_truth, earlier_segments=earlier, token_versions=builder.token_versions,
             # the malformed calls of the last segment (their turn indexes are its turns'); the
             # earlier segments' are counted in tool_errors/*
             tool_calls=[c for seg, c in session.malformed_calls if seg == len(session.segments) - 1],

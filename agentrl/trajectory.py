@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from agentrl.errors import TrajectoryError
 
-__all__ = ["Turn", "ToolCallRecord", "TrajectorySegment", "Trajectory", "TrajectoryBuilder", "TrajectoryFinish", "TurnRole"]
+__all__ = ["Turn", "ToolCallRecord", "TrajectorySegment", "Trajectory", "TrajectoryBuilder", "TrajectoryFinish", "TurnRole",
+           "NO_VERSION"]
+
+NO_VERSION = -1  # the token_versions entry of a token the model did not sample (or of unknown version)
 
 TurnRole = Literal["assistant", "tool", "user"]
 
@@ -125,6 +128,7 @@ class TrajectorySegment:
     response_mask: list[int]
     logprobs: list[float]
     turns: list[Turn] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)  # as Trajectory.token_versions
 
 
 @dataclass(slots=True)
@@ -152,6 +156,9 @@ class Trajectory:
     # the segments before the last rewrite of the context, oldest first (the fields above hold
     # the last one); empty for every loop that never rewrites its context
     earlier_segments: list[TrajectorySegment] = field(default_factory=list)
+    # the engine weight version that sampled each response token (NO_VERSION for tokens the model
+    # did not sample); empty when unknown (stores written before schema version 5)
+    token_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.finish_reason = TrajectoryFinish.parse(self.finish_reason, where=f"trajectory {self.row_id}: finish_reason")
@@ -162,6 +169,22 @@ class Trajectory:
                     f"trajectory {self.row_id}{where}: response_ids ({n}), response_mask ({len(part.response_mask)}) "
                     f"and logprobs ({len(part.logprobs)}) must have equal lengths"
                 )
+            if part.token_versions and len(part.token_versions) != n:
+                raise TrajectoryError(
+                    f"trajectory {self.row_id}{where}: response_ids ({n}) and token_versions "
+                    f"({len(part.token_versions)}) must have equal lengths"
+                )
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the sampled tokens of every segment; from the
+        ``weight_version_min`` metric when no token has a version (a trajectory of a store before
+        schema version 5); None when neither says."""
+        found = [v for part in [*self.earlier_segments, self] for v, m in zip(part.token_versions, part.response_mask)
+                 if m and v != NO_VERSION]
+        if found:
+            return min(found)
+        return int(self.metrics["weight_version_min"]) if "weight_version_min" in self.metrics else None
 
     @property
     def num_assistant_turns(self) -> int:
@@ -169,9 +192,9 @@ class Trajectory:
 
 
 class TrajectoryBuilder:
-    """Appends tokens turn by turn and keeps ids, mask and logprobs aligned."""
+    """Appends tokens turn by turn and keeps ids, mask, logprobs and token versions aligned."""
 
-    __slots__ = ("prompt_ids", "response_ids", "response_mask", "logprobs", "turns")
+    __slots__ = ("prompt_ids", "response_ids", "response_mask", "logprobs", "turns", "token_versions")
 
     def __init__(self, prompt_ids: list[int]):
         self.prompt_ids = list(prompt_ids)
@@ -179,6 +202,7 @@ class TrajectoryBuilder:
         self.response_mask: list[int] = []
         self.logprobs: list[float] = []
         self.turns: list[Turn] = []
+        self.token_versions: list[int] = []  # the weight version of each sampled token, NO_VERSION elsewhere
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -188,19 +212,26 @@ class TrajectoryBuilder:
         """The full context the engine sees next: prompt followed by the response so far."""
         return self.prompt_ids + self.response_ids
 
-    def append_sampled(self, ids: list[int], logprobs: list[float], *, extend: bool = False) -> Turn:
-        """Append tokens the engine sampled: trainable, with their logprobs. With ``extend``,
-        they continue the last turn when it is an assistant turn (a turn sampled in pieces)."""
+    def append_sampled(
+        self, ids: list[int], logprobs: list[float], *, extend: bool = False, versions: Sequence[int] | None = None
+    ) -> Turn:
+        """Append tokens the engine sampled: trainable, with their logprobs and the weight version
+        that sampled each (``GenerateResult.token_versions()``; None: unknown, NO_VERSION). With
+        ``extend``, they continue the last turn when it is an assistant turn (a turn sampled in pieces)."""
         if len(ids) != len(logprobs):
             raise TrajectoryError(f"sampled ids ({len(ids)}) and logprobs ({len(logprobs)}) differ in length")
+        if versions is not None and len(versions) != len(ids):
+            raise TrajectoryError(f"sampled ids ({len(ids)}) and versions ({len(versions)}) differ in length")
+        token_versions = [NO_VERSION] * len(ids) if versions is None else [int(v) for v in versions]
         last = self.turns[-1] if self.turns else None
         if extend and last is not None and last.role == "assistant" and last.end == len(self.response_ids):
             self.response_ids.extend(ids)
             self.response_mask.extend([1] * len(ids))
             self.logprobs.extend(logprobs)
+            self.token_versions.extend(token_versions)
             last.end = len(self.response_ids)
             return last
-        return self._append(ids, 1, list(logprobs), "assistant")
+        return self._append(ids, 1, list(logprobs), "assistant", token_versions)
 
     def append_observed(self, ids: list[int], role: TurnRole) -> Turn:
         """Append tokens the model did not choose (tool results, user turns): masked out."""
@@ -214,12 +245,16 @@ class TrajectoryBuilder:
         self.response_ids.extend(ids)
         self.response_mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
+        self.token_versions.extend([NO_VERSION] * len(ids))
 
-    def _append(self, ids: list[int], mask: int, logprobs: list[float], role: TurnRole) -> Turn:
+    def _append(
+        self, ids: list[int], mask: int, logprobs: list[float], role: TurnRole, versions: list[int] | None = None
+    ) -> Turn:
         start = len(self.response_ids)
         self.response_ids.extend(ids)
         self.response_mask.extend([mask] * len(ids))
         self.logprobs.extend(logprobs)
+        self.token_versions.extend(versions if versions is not None else [NO_VERSION] * len(ids))
         turn = Turn(role=role, start=start, end=len(self.response_ids))
         self.turns.append(turn)
         return turn

@@ -42,7 +42,7 @@ class FinishedGroup:
     def oldest_version(self) -> int:
         """The oldest engine weight version among the group's sampled tokens (the dispatch version
         when no token was sampled)."""
-        found = [int(t.metrics["weight_version_min"]) for t in self.trajectories if "weight_version_min" in t.metrics]
+        found = [t.oldest_version for t in self.trajectories if t.oldest_version is not None]
         return min(found) if found else self.dispatch_version
 
 

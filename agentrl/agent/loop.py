@@ -200,9 +200,10 @@ class Episode:
             raise EpisodeEnd(TrajectoryFinish.ENGINE_ERROR) from exc
         finally:
             self.gen_time += time.perf_counter() - start
-        self.weight_versions.append(result.weight_version)
+        versions = result.token_versions()
+        self.weight_versions.extend(versions or [result.weight_version])
         turns_before = len(self.builder.turns)
-        turn = self.builder.append_sampled(result.output_ids, result.logprobs, extend=continue_turn)
+        turn = self.builder.append_sampled(result.output_ids, result.logprobs, extend=continue_turn, versions=versions)
         if len(self.builder.turns) > turns_before:
             self.counts["assistant_turns"] += 1
         ids = result.output_ids
@@ -240,7 +241,8 @@ class Episode:
             self.counts["user_turns"] += 1
         self.messages.extend(messages)
         b = self.builder
-        self.earlier_segments.append(TrajectorySegment(b.prompt_ids, b.response_ids, b.response_mask, b.logprobs, b.turns))
+        self.earlier_segments.append(TrajectorySegment(b.prompt_ids, b.response_ids, b.response_mask, b.logprobs, b.turns,
+                                                      b.token_versions))
         self._earlier_tokens += len(b) + len(ids)
         self.builder = TrajectoryBuilder(prompt_ids)
         self.counts["template_segments"] += 1
@@ -429,7 +431,7 @@ class AgentLoop:
             agent_name=self.name, prompt_ids=b.prompt_ids, response_ids=b.response_ids, response_mask=b.response_mask,
             logprobs=b.logprobs, turns=b.turns, messages=ep.messages, finish_reason=finish, reward=reward,
             reward_info=info, tool_calls=ep.tool_calls, metrics=metrics, policy_version=ep.ctx.policy_version,
-            ground_truth=row.ground_truth, earlier_segments=ep.earlier_segments,
+            ground_truth=row.ground_truth, earlier_segments=ep.earlier_segments, token_versions=b.token_versions,
         )
 
     def _solution_text(self, ep: Episode) -> str:

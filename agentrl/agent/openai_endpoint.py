@@ -212,9 +212,10 @@ class EndpointSession:
             self.gen_time += time.perf_counter() - start
         if result.finish_reason is FinishReason.ABORT:
             self._end(TrajectoryFinish.ABORT, status=503)
-        self.weight_versions.append(result.weight_version)
+        versions = result.token_versions()
+        self.weight_versions.extend(versions or [result.weight_version])
         self.assistant_turns += 1
-        turn = segment.builder.append_sampled(result.output_ids, result.logprobs)
+        turn = segment.builder.append_sampled(result.output_ids, result.logprobs, versions=versions)
         self.calls.append(CallRecord(len(self.segments) - 1, prompt, list(result.output_ids), list(result.logprobs),
                                      result.finish_reason.value, merged))
         ids = result.output_ids

@@ -11,7 +11,8 @@ Layout: ``<root>/<split>-step<step:06d>-w<writer:03d>.parquet``. One row per tra
 
 The schema version sits in each file's metadata (``agentrl_schema_version``). Version 1 (the
 files agentrl 0.1 wrote, one per step: no ``writer_id`` and no ``row``) is read too, and files
-before version 4 read with no ``earlier_segments``.
+before version 4 read with no ``earlier_segments``, before version 5 with no ``token_versions`` (the
+weight version of each response token: an empty list, unknown).
 
 A shard is written to a hidden temporary file in the same directory in row groups, fsynced,
 then renamed over its final name (and the directory fsynced), so a reader sees a whole shard
@@ -47,8 +48,8 @@ if TYPE_CHECKING:  # pyarrow.dataset (and the pandas it imports, ~0.5 s) loads w
 __all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
            "trajectories_to_table", "shard_name"]
 
-SCHEMA_VERSION = "4"  # 3: each tool call's metrics; 4: earlier segments
-READABLE_VERSIONS = ("1", "2", "3", "4")
+SCHEMA_VERSION = "5"  # 3: each tool call's metrics; 4: earlier segments; 5: token versions
+READABLE_VERSIONS = ("1", "2", "3", "4", "5")
 VERSION_KEY = b"agentrl_schema_version"
 
 _TURN = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64()), ("reward", pa.float64())])
@@ -56,7 +57,8 @@ _CALL = pa.struct([("turn", pa.int64()), ("name", pa.string()), ("arguments", pa
                    ("result", pa.string()), ("error", pa.string()), ("reward", pa.float64()), ("duration_s", pa.float64()),
                    ("metrics", pa.string())])
 _SEGMENT = pa.struct([("prompt_ids", pa.list_(pa.int64())), ("response_ids", pa.list_(pa.int64())),
-                      ("response_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float64())), ("turns", pa.list_(_TURN))])
+                      ("response_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float64())), ("turns", pa.list_(_TURN)),
+                      ("token_versions", pa.list_(pa.int64()))])
 SCHEMA = pa.schema(
     [
         ("step", pa.int64()), ("split", pa.string()), ("writer_id", pa.int64()),
@@ -69,6 +71,7 @@ SCHEMA = pa.schema(
         ("metrics", pa.string()), ("policy_version", pa.int64()), ("ground_truth", pa.string()),
         ("row", pa.string()),  # the dataset row as JSON; null when the writer did not have it
         ("earlier_segments", pa.list_(_SEGMENT)),  # Trajectory.earlier_segments (none before version 4)
+        ("token_versions", pa.list_(pa.int64())),  # Trajectory.token_versions (none before version 5)
     ],
     metadata={VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -165,9 +168,10 @@ def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | Non
         "row": None if row is None else row.model_dump_json(),
         "earlier_segments": [
             {"prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
-             "logprobs": g.logprobs, "turns": [_encode_turn(x) for x in g.turns]}
+             "logprobs": g.logprobs, "turns": [_encode_turn(x) for x in g.turns], "token_versions": g.token_versions}
             for g in t.earlier_segments
         ],
+        "token_versions": t.token_versions,
     }
 
 
@@ -196,9 +200,10 @@ def _decode(r: dict[str, Any]) -> Trajectory:
         metrics=json.loads(r["metrics"]), policy_version=r["policy_version"], ground_truth=r["ground_truth"],
         earlier_segments=[
             TrajectorySegment(g["prompt_ids"], g["response_ids"], g["response_mask"], g["logprobs"],
-                              [_decode_turn(x) for x in g["turns"]])
+                              [_decode_turn(x) for x in g["turns"]], g.get("token_versions") or [])
             for g in r.get("earlier_segments") or []  # none before schema version 4
         ],
+        token_versions=r.get("token_versions") or [],  # none before schema version 5
     )
 
 

@@ -72,12 +72,23 @@ class GenerateResult:
     prompt_tokens: int = 0
     weight_version: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V the engine reused from an earlier request (prefix cache)
+    # the weight version that sampled each output token, when they differ (a request resumed across
+    # a weight update); empty: every token was sampled at ``weight_version``
+    output_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"output_ids ({len(self.output_ids)}) and logprobs ({len(self.logprobs)}) differ in length"
             )
+        if self.output_versions and len(self.output_versions) != len(self.output_ids):
+            raise ValueError(
+                f"output_ids ({len(self.output_ids)}) and output_versions ({len(self.output_versions)}) differ in length"
+            )
+
+    def token_versions(self) -> list[int]:
+        """The weight version of every output token."""
+        return list(self.output_versions) if self.output_versions else [self.weight_version] * len(self.output_ids)
 
 
 @runtime_checkable

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 from agentrl.errors import AgentrlError, ConfigError, DataError
 from agentrl.rundir import RunDir
 from agentrl.data.rollout_store import RolloutStore, StoredTrajectory, TrajectoryFilter
-from agentrl.trajectory import Trajectory, TrajectoryFinish
+from agentrl.trajectory import NO_VERSION, Trajectory, TrajectoryFinish
 
 __all__ = ["cli_main", "open_store", "parse_steps", "format_trajectory", "metrics_by_step"]
 
@@ -167,6 +167,10 @@ def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool
         f"  tokens: prompt {len(t.prompt_ids)}, response {len(t.response_ids)} ({sampled} sampled, "
         f"{len(t.response_ids) - sampled} observed)",
     ]
+    versions = Counter(v for part in [*t.earlier_segments, t] for v, m in zip(part.token_versions, part.response_mask)
+                       if m and v != NO_VERSION)
+    if versions:  # stores before schema version 5 kept none
+        lines.append("  sampled at weight version: " + ", ".join(f"v{v} ×{k}" for v, k in sorted(versions.items())))
 
     def block(label: str, ids: list[int], mask: list[int]) -> None:
         lines.append(label)

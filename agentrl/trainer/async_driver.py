@@ -102,9 +102,13 @@ def _fits(versions: list[int], next_version: int, max_staleness: int, batch_size
     return True
 
 
+def _or(value: int | None, fallback: int) -> int:
+    return fallback if value is None else value
+
+
 def staleness_metrics(groups: Sequence[FinishedGroup], version: int, max_staleness: int) -> dict[str, float]:
     """Per trained trajectory: staleness mean and max and the count at each staleness 0..eta."""
-    values = [version - int(t.metrics.get("weight_version_min", g.oldest_version)) for g in groups for t in g.trajectories]
+    values = [version - _or(t.oldest_version, g.oldest_version) for g in groups for t in g.trajectories]
     n = max(len(values), 1)
     metrics = {"async/staleness_mean": sum(values) / n, "async/staleness_max": float(max(values, default=0))}
     metrics.update({f"async/staleness_hist/{k}": float(values.count(k)) for k in range(max_staleness + 1)})

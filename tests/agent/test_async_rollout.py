@@ -77,3 +77,44 @@ def test_a_batch_that_fails_as_a_whole_is_reported_to_the_taker(tiny_tokenizer, 
         assert background.in_flight == 0
     finally:
         background.close()
+
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+
+
+def test_every_sampled_token_carries_the_weight_version_that_sampled_it_and_observed_tokens_none(tiny_tokenizer, make_ctx):
+    """A sync between the two turns of an episode: the first turn's tokens are version 3, the
+    second's version 4, the tool's observation -1; the group's oldest version is the first's."""
+    import asyncio
+
+    def script(row_id, i, request):
+        engine.weight_version = 3 + i
+        return [CALL, "#### 408"][i]
+
+    engine = ScriptedEngine(tiny_tokenizer, script)
+    [t] = asyncio.run(RolloutRunner(make_ctx(engine), LoopTable("tool_agent")).run([("a", make_row())], n=1, seed=0))
+    first, tool, second = [t.turns[k] for k in range(3)]
+    assert (first.role, tool.role, second.role) == ("assistant", "tool", "assistant")
+    assert t.token_versions[first.start : first.end] == [3] * first.length
+    assert t.token_versions[tool.start : tool.end] == [-1] * tool.length
+    assert t.token_versions[second.start : second.end] == [4] * second.length
+    assert len(t.token_versions) == len(t.response_ids) and t.oldest_version == 3
+    assert (t.metrics["weight_version_min"], t.metrics["weight_version_max"]) == (3.0, 4.0)
+
+
+def test_an_engines_per_token_versions_reach_the_trajectory_token_for_token(tiny_tokenizer, make_ctx):
+    """A request resumed across a weight update (partial rollouts) reports a version per token."""
+    import asyncio
+    import dataclasses
+
+    class Resumed(ScriptedEngine):
+        async def generate(self, request):
+            result = await super().generate(request)
+            n = len(result.output_ids)
+            return dataclasses.replace(result, weight_version=9, output_versions=[7] * (n // 2) + [9] * (n - n // 2))
+
+    engine = Resumed(tiny_tokenizer, lambda row_id, i, request: "#### 408")
+    [t] = asyncio.run(RolloutRunner(make_ctx(engine), LoopTable("tool_agent")).run([("a", make_row())], n=1, seed=0))
+    n = t.turns[0].length
+    assert t.token_versions[:n] == [7] * (n // 2) + [9] * (n - n // 2) and t.oldest_version == 7
+    assert t.metrics["weight_version_min"] == 7.0

@@ -19,14 +19,15 @@ def test_show_prints_turns_tool_calls_rewards_and_marks_masked_tokens(scripted_s
     assert out[0] == "═ train step 1 · r1 #0 · reward 1 · finish interaction_done"
     assert out[1] == "  group train1/1:r1 · other/src · loop tool_agent · policy version 0 · ground truth '12'"
     assert out[2] == "  tokens: prompt 162, response 77 (33 sampled, 44 observed)"
-    assert out[3:8] == [
+    assert out[3] == "  sampled at weight version: v0 ×33"
+    assert out[4:9] == [
         "  ── assistant [0, 23) 23 sampled tokens",
         "    │ <tool_call>↵",
         '    │ {"name": "calculator", "arguments": {"expression": "7 + 5"}}↵',
         "    │ </tool_call><|im_end|>",
         """    ⮑ call calculator({"expression": "7 + 5"}) → '12'""",
     ]
-    assert out[8] == "  ── tool [23, 38) 15 observed tokens (masked)"
+    assert out[9] == "  ── tool [23, 38) 15 observed tokens (masked)"
     assert "    ┆ 12↵" in out
     assert "  ── assistant [38, 43) 5 sampled tokens · turn reward 0" in out
     assert "    ┆ Your response is incorrect! You need to reflect on your answer and try again.<|im_end|>↵" in out
@@ -103,6 +104,21 @@ def test_show_puts_a_turns_reasoning_apart_from_its_answer():
     assert out[j + 1 : j + 5] == ["    reasoning:", "    │ </think>↵", "    answer:", "    │ #### 3"]
     assert out[out.index(f"  ── tool [{a}, {b}) {len(tool)} observed tokens (masked)") + 1] == "    ┆ 3↵"
     assert split_reasoning("#### 3") is None
+
+
+def test_show_counts_the_sampled_tokens_of_each_weight_version_over_every_segment():
+    from agentrl.data.rollout_store import StoredTrajectory
+    from agentrl.replay.cli import format_trajectory
+    from agentrl.trajectory import Trajectory, TrajectorySegment, Turn
+
+    t = Trajectory(row_id="r", group_id="g", sample_index=0, data_source="d", agent_name="tool_agent", prompt_ids=[1],
+                   response_ids=[5, 6, 7, 8], response_mask=[1, 0, 1, 1], logprobs=[0.0] * 4,
+                   turns=[Turn("assistant", 0, 1), Turn("tool", 1, 2), Turn("assistant", 2, 4)], messages=[],
+                   finish_reason="stop", token_versions=[3, -1, 4, 4],
+                   earlier_segments=[TrajectorySegment([1], [9, 9], [1, 1], [0.0, 0.0], [Turn("assistant", 0, 2)], [2, 3])])
+    out = format_trajectory(StoredTrajectory(split="train", step=0, writer_id=0, trajectory=t, row=None), None).splitlines()
+    assert out[3] == "  sampled at weight version: v2 ×1, v3 ×2, v4 ×2"
+    assert t.oldest_version == 2
 
 
 def test_show_names_a_program_error_and_counts_them_by_exception_type(tmp_path, capsys):

@@ -36,8 +36,10 @@ def odd_trajectory(**changes) -> Trajectory:
                                    raw="...", result="2", reward=0.5, duration_s=0.001, metrics={"exit_code": 0.0, "wall_s": 0.25})],
         metrics={"turns": 2.0, "tool_errors/bad_json": 1.0}, policy_version=7, ground_truth=None,
         earlier_segments=[TrajectorySegment([4, 5], [9, 9, 3], [1, 0, 1], [-0.5, 0.0, -1e-9],
-                                  [Turn("assistant", 0, 1, None), Turn("tool", 1, 2), Turn("assistant", 2, 3, 0.75)]),
+                                  [Turn("assistant", 0, 1, None), Turn("tool", 1, 2), Turn("assistant", 2, 3, 0.75)],
+                                            [3, -1, 4]),
                           TrajectorySegment([6], [], [], [], [])],
+        token_versions=[5, 6, -1, -1],
     )
     return dataclasses.replace(t, **changes)
 
@@ -67,12 +69,29 @@ def test_a_shard_of_an_unknown_schema_version_is_refused_naming_the_file(tmp_pat
 
 
 def test_version_1_files_of_the_rollout_command_are_read_without_rows(tmp_path):
-    t = odd_trajectory(earlier_segments=[])  # version 1 kept no earlier segments
+    t = odd_trajectory(earlier_segments=[], token_versions=[])  # version 1 kept no earlier segments nor token versions
     for call in t.tool_calls:
         call.metrics = {}  # version 1 kept no per-call metrics; they read back empty
     write_trajectories([t], tmp_path / "rollout-00000.parquet", step=5, split="train")
     [stored] = RolloutStore(tmp_path).iter_stored()
     assert stored.trajectory == t and (stored.split, stored.step, stored.writer_id, stored.row) == ("train", 5, 0, None)
+
+
+def test_version_4_files_read_with_no_token_versions(tmp_path):
+    path = RolloutStore(tmp_path).write_step(2, [odd_trajectory()])
+    t4 = odd_trajectory(token_versions=[])
+    for g in t4.earlier_segments:
+        g.token_versions = []
+    older = trajectories_to_table([t4], step=2)
+    segment_type = pa.list_(pa.struct([f for f in older.schema.field("earlier_segments").type.value_type
+                                       if f.name != "token_versions"]))
+    older = older.drop_columns(["token_versions"]).set_column(
+        older.schema.get_field_index("earlier_segments") - 1, "earlier_segments",
+        pa.array([[{k: v for k, v in g.items() if k != "token_versions"} for g in row]
+                  for row in older.column("earlier_segments").to_pylist()], type=segment_type))
+    pq.write_table(older.replace_schema_metadata({"agentrl_schema_version": "4"}), path)
+    [stored] = RolloutStore(tmp_path).iter_stored()
+    assert stored.trajectory == t4 and stored.trajectory.oldest_version is None
 
 
 def test_version_3_files_read_with_no_earlier_segments(tmp_path):
@@ -82,6 +101,7 @@ def test_version_3_files_read_with_no_earlier_segments(tmp_path):
     pq.write_table(older, path)
     [stored] = RolloutStore(tmp_path).iter_stored()
     assert stored.trajectory == odd_trajectory(earlier_segments=[])
+    assert stored.trajectory.token_versions == [5, 6, -1, -1] and stored.trajectory.oldest_version == 5
 
 
 def _store_with_variety(tmp_path) -> RolloutStore:
