@@ -86,6 +86,8 @@ class RolloutSetup:
     api_key: str | None = field(repr=False)  # sglang: the servers' key (managed: their launch's; external: $AGENTRL_API_KEY)
     # rollout.max_staleness: > 0 rolls out on a thread of its own while the trainer trains (docs/async.md)
     max_staleness: int = 0
+    # rollout.partial: a weight update interrupts running requests, which resume under the new weights
+    partial: bool = False
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None, server_urls: tuple[str, ...] = (),
@@ -131,4 +133,5 @@ class RolloutSetup:
             max_retries=cfg.engine.max_retries,
             api_key=api_key,
             max_staleness=rollout.max_staleness,
+            partial=rollout.partial,
         )

@@ -252,6 +252,9 @@ def _check_async(cfg: TrainConfig) -> list[tuple[str, str]]:
     """Asynchronous training (``rollout.max_staleness`` > 0) runs on the built-in engine, without
     dynamic sampling (its refills are drawn within one step)."""
     if cfg.rollout.max_staleness == 0:
+        if cfg.rollout.partial:
+            return [("rollout.partial", "partial rollouts interrupt requests at a weight sync during the rollout, which only "
+                                        "happens in asynchronous training: set rollout.max_staleness > 0 or rollout.partial=false")]
         return []
     problems = []
     if cfg.engine.backend != "builtin":

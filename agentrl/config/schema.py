@@ -136,6 +136,11 @@ class RolloutConfig(Section):
     stale_groups: Literal["drop", "wait"] = "drop"
     # async: the longest the trainer waits for the next finished group before the run fails
     max_wait_s: float = Field(1800.0, gt=0)
+    # async: partial rollouts (verl partial_rollout, slime --partial-rollout, AReaL interruptible
+    # generation): a weight sync interrupts the engine's running requests, which resume under the
+    # new weights keeping the tokens and logprobs sampled so far (each token keeps its version);
+    # false: a sync waits for the running requests to finish under the old weights
+    partial: bool = False
 
 
 class AgentConfig(Section):

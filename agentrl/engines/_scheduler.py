@@ -67,6 +67,8 @@ class Sequence:
     prefilled: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each output token
+    interruptions: int = 0  # weight updates it was interrupted by and resumed after (partial rollouts)
 
 
 @dataclass(eq=False, slots=True)
@@ -111,9 +113,10 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = 0
         self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)
-        self.counters = {"steps": 0, "generated": 0, "prefill": 0, "reused": 0}
+        self.counters = {"steps": 0, "generated": 0, "prefill": 0, "reused": 0, "interrupted": 0, "resumed": 0}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.busy_s = 0.0  # seconds in steps
 
     def apply_aborts(self, rids: set[str], everything: bool) -> None:
         hit = lambda seq: everything or seq.rid in rids  # noqa: E731
@@ -122,6 +125,19 @@ class Scheduler:
             seq.resolve(self.result(seq, FinishReason.ABORT))
         for seq in [s for s in self.running if hit(s)]:
             self.finish(seq, FinishReason.ABORT)
+
+    def interrupt_running(self) -> None:
+        """Partial rollouts: take every running request off its slot before a weight update and
+        put it back at the head of the queue, keeping its sampled tokens, logprobs and versions.
+        Re-admitted, it is prefilled again (prompt and tokens so far) under the new weights and
+        goes on sampling from where it stopped, its ``max_new_tokens`` counted over all its tokens."""
+        for seq in reversed(list(self.running)):
+            self.running.remove(seq)
+            self.slots.release(seq.slot, [])  # its K/V came from the old weights
+            seq.slot, seq.cached, seq.reused, seq.prefilled = -1, 0, 0, False
+            seq.interruptions += 1
+            self.counters["interrupted"] += 1
+            self.waiting.appendleft(seq)
 
     def apply_update(self, update: WeightUpdate) -> None:
         self.forward.weights_changed()  # before the copy: a failed copy may have written some
@@ -192,12 +208,14 @@ class Scheduler:
             return
         finished: list[tuple[Sequence, GenerateResult]] = []
         matched: int | str | None
+        self.counters["resumed"] += sum(1 for seq in admitted if seq.interruptions)
         for seq, token, logprob in zip(stepping, tokens, logprobs):
             seq.cached = len(seq.tokens)
             seq.prefilled = True
             seq.tokens.append(token)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
+            seq.versions.append(self.weight_version)
             # Length is checked before stop tokens, as SGLang does: a stop token sampled as the
             # last allowed token ends the request with reason LENGTH.
             if len(seq.output_ids) >= seq.request.sampling.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
@@ -217,11 +235,13 @@ class Scheduler:
         counters["generated"] += len(stepping)
         counters["prefill"] += prefill_tokens
         counters["reused"] += reused
+        ended = time.perf_counter()
+        self.busy_s += ended - started
         self.step_log.append(
             StepRecord(
                 step=counters["steps"],
                 started=started,
-                ended=time.perf_counter(),
+                ended=ended,
                 decode_rids=tuple(s.rid for s in decoding),
                 prefill_rids=tuple(s.rid for s in admitted),
                 finished_rids=tuple(seq.rid for seq, _ in finished),
@@ -289,4 +309,6 @@ class Scheduler:
             prompt_tokens=len(seq.request.input_ids),
             weight_version=self.weight_version,
             cached_tokens=seq.reused,
+            # a version per token only where they differ (a request resumed across an update)
+            output_versions=list(seq.versions) if any(v != self.weight_version for v in seq.versions) else [],
         )

@@ -32,7 +32,10 @@ single greedy/sampling switch for the whole batch.
 Weight updates drain: once an update is requested no request is admitted, the running ones
 finish under the old weights, the new weights are copied in place, retained prefixes are
 dropped (their K/V belong to the old weights), ``weight_version`` moves on and admission resumes.
-So every result is produced by exactly one weight version, which it reports.
+So every result is produced by exactly one weight version, which it reports. With
+``partial=True`` (partial rollouts, ``rollout.partial``) an update does not wait: the running
+requests are interrupted, keeping their sampled tokens and logprobs, and resume under the new
+weights (prompt and tokens so far prefilled again), each token's version in ``output_versions``.
 
 Where the steps run: by default on a background thread, so the caller's event loop stays free
 (``agentrl serve`` parses HTTP while the engine steps). ``steps_on="event_loop"`` runs them as a
@@ -85,6 +88,9 @@ class EngineStats:
     reused_tokens: int
     weight_version: int
     kv_cache_bytes: int
+    interrupted_requests: int = 0  # running requests a weight update interrupted (partial rollouts)
+    resumed_requests: int = 0  # ... and re-admitted under the new weights
+    busy_s: float = 0.0  # seconds spent in steps (forward and sampling)
 
 
 class BuiltinEngine:
@@ -112,6 +118,7 @@ class BuiltinEngine:
         steps_on: str = "thread",
         tokenizer: Any = None,
         decode_graphs: bool | None = None,
+        partial: bool = False,
     ):
         if steps_on not in ("thread", "event_loop"):
             raise ValueError(f"steps_on must be 'thread' or 'event_loop', got {steps_on!r}")
@@ -179,6 +186,9 @@ class BuiltinEngine:
         # libgomp cuts its spin-waiting short when it manages more threads than there are cores.
         self._idle_exit_s = idle_exit_s
         self.steps_on = steps_on
+        # partial rollouts: a weight update interrupts the running requests instead of draining
+        # them; they resume under the new weights keeping what they sampled (Scheduler.interrupt_running)
+        self.partial = partial
         self._worker: threading.Thread | asyncio.Task | None = None
         if steps_on == "thread":
             with self._cv:
@@ -325,6 +335,9 @@ class BuiltinEngine:
             reused_tokens=counters["reused"],
             weight_version=scheduler.weight_version,
             kv_cache_bytes=scheduler.cache.nbytes(),
+            interrupted_requests=counters["interrupted"],
+            resumed_requests=counters["resumed"],
+            busy_s=scheduler.busy_s,
         )
 
     def close(self) -> None:
@@ -438,6 +451,8 @@ class BuiltinEngine:
         aborts, self._abort_rids = self._abort_rids, set()
         abort_all, self._abort_all = self._abort_all, False
         flush, self._flush_requested = self._flush_requested, False
+        if self._updates and self.partial and self._scheduler.running:
+            self._scheduler.interrupt_running()
         updates = list(self._updates) if not self._scheduler.running else []
         if updates:
             self._updates.clear()

@@ -217,4 +217,6 @@ class AsyncDriver:
             "async/in_flight_groups": float(len(self.in_flight)),
             "async/trainer_idle_fraction": waited / wall,
         })
+        # the engine's busy fraction and the requests a sync interrupted and resumed, since the last step
+        metrics.update(t.actor.call_rank0("engine_stats"))
         return metrics

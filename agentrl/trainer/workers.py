@@ -21,6 +21,7 @@ calls them; ``cluster.py`` starts Ray and plans each group's resources.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Sequence
 
 import torch
@@ -109,6 +110,8 @@ class ActorWorker(Worker):
                                         api_key=setup.api_key)
         else:
             self.engine = self._builtin_engine(setup)
+        # engine_stats reports what happened between calls, from here on
+        self._last_engine_stats = (time.perf_counter(), self.engine.stats()) if hasattr(self.engine, "stats") else None
         self.contexts = {
             validation: build_context(self.engine, self.tokenizer, setup, validation=validation) for validation in (False, True)
         }
@@ -145,6 +148,7 @@ class ActorWorker(Worker):
             # the rollout's event loop runs on this process's training thread: one OpenMP team
             # for both (see "Where the steps run" in builtin.py)
             steps_on="thread" if asynchronous else "event_loop",
+            partial=asynchronous and setup.partial,
         )
 
     def _run_async(self, coro):
@@ -363,7 +367,16 @@ class ActorWorker(Worker):
         if not hasattr(self.engine, "stats"):  # SGLang: the servers keep their own counters
             return {"engine/weight_version": float(self.engine.weight_version)}
         stats = self.engine.stats()
-        return {"engine/weight_version": float(stats.weight_version), "engine/generated_tokens": float(stats.generated_tokens)}
+        now = time.perf_counter()
+        last = getattr(self, "_last_engine_stats", None)
+        self._last_engine_stats = (now, stats)
+        metrics = {"engine/weight_version": float(stats.weight_version), "engine/generated_tokens": float(stats.generated_tokens)}
+        if last is not None:  # since the last call: a step's share of time the engine stepped, requests interrupted
+            then, before = last
+            metrics["engine/busy_fraction"] = (stats.busy_s - before.busy_s) / max(now - then, 1e-9)
+            metrics["engine/interrupted_requests"] = float(stats.interrupted_requests - before.interrupted_requests)
+            metrics["engine/resumed_requests"] = float(stats.resumed_requests - before.resumed_requests)
+        return metrics
 
     def close(self) -> None:
         background = getattr(self, "background", None)

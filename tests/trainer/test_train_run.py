@@ -203,8 +203,8 @@ def test_an_asynchronous_run_trains_within_its_staleness_bound(tmp_path):
     every trained sample is at most one version old, some are exactly one, and the policy moves."""
     changed = {"trainer.save_freq": "0", "trainer.test_freq": "0", "trainer.export_hf": "false"}
     args = [a for a in SHORT if a.split("=")[0] not in changed] + [f"{k}={v}" for k, v in changed.items()]
-    done = run_cli(args + ["rollout.max_staleness=1", "actor.rollout_correction.level=token", f"trainer.runs_root={tmp_path}",
-                           "trainer.run_name=async"], cwd=tmp_path)
+    done = run_cli(args + ["rollout.max_staleness=1", "rollout.partial=true", "actor.rollout_correction.level=token",
+                           f"trainer.runs_root={tmp_path}", "trainer.run_name=async"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = metrics_by_step(tmp_path / "async")
     assert sorted(steps) == [1, 2, 3]
@@ -215,7 +215,14 @@ def test_an_asynchronous_run_trains_within_its_staleness_bound(tmp_path):
     for row in steps.values():  # every trained trajectory counted once in the histogram: 4 groups x 2 samples
         assert row["async/staleness_hist/0"] + row["async/staleness_hist/1"] == 8
         assert "rollout_corr/weight_mean" in row
+        assert 0 < row["engine/busy_fraction"] <= 1 and row["engine/resumed_requests"] <= row["engine/interrupted_requests"]
     assert "no off-policy correction" not in done.stdout + done.stderr
+    from agentrl.data.rollout_store import RolloutStore
+
+    trained = list(RolloutStore(tmp_path / "async" / "rollouts").iter_trajectories())
+    for t in trained:  # every sampled token carries the version that sampled it
+        assert len(t.token_versions) == len(t.response_ids)
+        assert all((v >= 0) == bool(m) for v, m in zip(t.token_versions, t.response_mask)), t.group_id
     stored = sorted(p.name for p in (tmp_path / "async" / "rollouts").glob("train-*.parquet"))
     assert stored == [f"train-step00000{k}-w000.parquet" for k in (1, 2, 3)]
 
