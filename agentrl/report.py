@@ -1,7 +1,9 @@
-"""A static HTML report: plots over steps and sample trajectories, turn by turn.
+"""A static HTML report: the run's result, plots over steps and sample trajectories, turn by turn.
 
-One self-contained page, no network resources and no plotting library: each plot is an inline
-SVG drawn here. Trajectories are shown token by token; a sampled token (trained on, mask 1)
+One self-contained page, no network resources and no plotting library. It opens with what the
+run was for (held-out success and tool use before and after, the command, its wall time); each
+plot is an inline SVG drawn here, with labelled ticks along both axes and its legend below the
+axes; the raw summary follows the plots. Trajectories are shown token by token; a sampled token (trained on, mask 1)
 sits on white, an observed one (prompt, tool results, user turns, template glue: mask 0) on
 grey, and hovering a token shows its id and logprob. ``agentrl replay report`` and the
 quickstart's ``report.html`` both use :func:`render_report`.
