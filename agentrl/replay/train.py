@@ -82,34 +82,42 @@ def train_from_store(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # one rank per group: the groups in this process, as agentrl train does (trainer.workers)
     in_process = runs_in_process(cfg)
-    started_ray = False if in_process else init_local_ray(cfg.trainer.ship_code)
     Group = InProcessGroup if in_process else WorkerGroup
-    env = worker_env(threads=threads_per_worker(cfg))
-    dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
-                stacks_dir=str(out_dir))
-    plan = {} if in_process else plan_groups(cfg, actor_cpus=0.01)  # GPUs, and the bundles the groups share
-    actor = Group(ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
-                        model_path=model_path, config=cfg.actor, total_steps=total, temperature=cfg.rollout.temperature,
-                        share_prompts=cfg.model.share_prompt_forward, **dist)
-    groups = Groups(actor=actor)
-    if cfg.use_reference:
-        groups.reference = Group(ReferenceWorker, world_size=cfg.actor.world_size, env=env, name="reference", **placed(plan, "reference", actor),
-                                       model_path=model_path, temperature=cfg.rollout.temperature,
-                                       share_prompts=cfg.model.share_prompt_forward, **dist)
-    if cfg.critic.enable:
-        groups.critic = Group(CriticWorker, world_size=cfg.critic.world_size, env=env, name="critic", **placed(plan, "critic", actor),
-                                    model_path=model_path, config=cfg.critic, total_steps=total,
-                                    share_prompts=cfg.model.share_prompt_forward, **dist)
-    kl = cfg.algorithm.kl_ctrl
-    kl_ctrl = AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else FixedKLController(kl.kl_coef)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    run = RunDir(out_dir)
-    run.write_config(cfg)
-    log = MetricsLogger(run.path, cfg.logging)
-    step = TrainingStep(cfg, groups, pad_token_id=pad_id, kl_ctrl=kl_ctrl)
+    # everything started here is stopped on every path, a group that fails to start included:
+    # the groups already running, and the Ray this call started
+    started: list[Any] = []
+    started_ray = False
+    log: MetricsLogger | None = None
     done = 0
     last: dict[str, float] = {}
     try:
+        started_ray = False if in_process else init_local_ray(cfg.trainer.ship_code)
+        env = worker_env(threads=threads_per_worker(cfg))
+        dist = dict(device=cfg.trainer.device, seed=cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s,
+                    stacks_dir=str(out_dir))
+        plan = {} if in_process else plan_groups(cfg, actor_cpus=0.01)  # GPUs, and the bundles the groups share
+        actor = Group(ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
+                      model_path=model_path, config=cfg.actor, total_steps=total, temperature=cfg.rollout.temperature,
+                      share_prompts=cfg.model.share_prompt_forward, **dist)
+        started.append(actor)
+        groups = Groups(actor=actor)
+        if cfg.use_reference:
+            groups.reference = Group(ReferenceWorker, world_size=cfg.actor.world_size, env=env, name="reference",
+                                     **placed(plan, "reference", actor), model_path=model_path,
+                                     temperature=cfg.rollout.temperature, share_prompts=cfg.model.share_prompt_forward, **dist)
+            started.append(groups.reference)
+        if cfg.critic.enable:
+            groups.critic = Group(CriticWorker, world_size=cfg.critic.world_size, env=env, name="critic",
+                                  **placed(plan, "critic", actor), model_path=model_path, config=cfg.critic, total_steps=total,
+                                  share_prompts=cfg.model.share_prompt_forward, **dist)
+            started.append(groups.critic)
+        kl = cfg.algorithm.kl_ctrl
+        kl_ctrl = AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else FixedKLController(kl.kl_coef)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run = RunDir(out_dir)
+        run.write_config(cfg)
+        log = MetricsLogger(run.path, cfg.logging)
+        step = TrainingStep(cfg, groups, pad_token_id=pad_id, kl_ctrl=kl_ctrl)
         for _ in range(epochs):
             for source_step in stored_steps:
                 trajectories = list(store.iter_trajectories(TrajectoryFilter(split=split, steps=(source_step, source_step + 1))))
@@ -121,10 +129,10 @@ def train_from_store(
         if cfg.trainer.export_hf:
             actor.call_all("export_hf", str(run.policy))
     finally:
-        log.close()
-        for group in (groups.actor, groups.reference, groups.critic):
-            if group is not None:
-                group.kill()
+        if log is not None:
+            log.close()
+        for group in started:
+            group.kill()
         if started_ray:
             import ray
 

@@ -113,9 +113,14 @@ class WorkerGroup:
 
         self._spawn = spawn
         self._starting: list[Any] | None = None
-        spawn()
-        if wait:
-            self.wait_ready()
+        try:
+            spawn()
+            if wait:
+                self.wait_ready()
+        except BaseException:  # a group that failed to start leaves no ranks or bundles behind
+            self.workers = getattr(self, "workers", [])
+            self.kill()
+            raise
 
     @property
     def starting(self) -> bool:

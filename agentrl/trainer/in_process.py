@@ -57,8 +57,13 @@ class InProcessGroup:
         # the first group makes the one-rank process group the others join; a group the caller
         # had made before (a notebook's, a test's) is theirs to keep
         self._owns_process_group = not dist.is_initialized()
-        self.worker = cls(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
-                          collective_timeout_s=collective_timeout_s, **kwargs)
+        try:
+            self.worker = cls(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
+                              collective_timeout_s=collective_timeout_s, **kwargs)
+        except BaseException:  # a rank that failed to start leaves no process group behind
+            self.worker = None
+            self.kill()
+            raise
 
     starting = False  # the rank is built when the group is
 

@@ -199,3 +199,33 @@ def test_a_training_worker_killed_mid_run_restarts_the_groups_then_ends_the_run_
     # the second loss ends the run (step 3 running, or its final validation on a fast machine)
     assert re.search(r"(step 3 of 3|final validation after step 3): a worker of the actor group died", output.split("restart 1 of")[1]), tail(log)
     assert {p.name for p in (run_dir / "checkpoints").iterdir()} >= {"step_1", "step_2"}
+
+
+class FailsOnRankOne(Sleeper):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if self.rank == 1:
+            raise RuntimeError("rank 1 cannot load its model")
+
+
+def test_a_group_that_fails_to_start_leaves_no_ranks_or_bundles_behind():
+    import ray
+    from ray._private import state
+
+    from agentrl.trainer.groups import WorkerGroup
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}  # so workers import this module
+        with pytest.raises(Exception, match="rank 1 cannot load its model"):
+            WorkerGroup(FailsOnRankOne, world_size=2, num_cpus=0.5, env=env, name="actor")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            alive = [a for a in state.actors().values() if a["State"] != "DEAD"]
+            groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+            if not alive and not groups:
+                break
+            time.sleep(0.2)
+        assert alive == [] and groups == []  # rank 0, which started, and both bundles are gone
+    finally:
+        ray.shutdown()
