@@ -265,14 +265,22 @@ def _check_async(cfg: TrainConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def _check_rollout_correction(cfg: TrainConfig) -> list[tuple[str, str]]:
+    rc = cfg.actor.rollout_correction
+    if rc.method == "decoupled" and rc.level != "token":
+        return [("actor.rollout_correction.level", f"method=decoupled (decoupled PPO) weighs each token: set level=token, not {rc.level}")]
+    return []
+
+
 CHECKS: tuple[Check, ...] = (
     _check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_workers, _check_files, _check_plugins,
-    _check_async,
+    _check_async, _check_rollout_correction,
 )
 # what only a command that trains uses: its batch relations, the critic, the reward shaping of
 # the trainer and its workers (a rollout with data.train_batch_size=8 is not refused for the
 # actor's mini-batch of 16)
-TRAINING_CHECKS = frozenset({_check_batch_sizes, _check_critic, _check_overlong_buffer, _check_workers, _check_async})
+TRAINING_CHECKS = frozenset({_check_batch_sizes, _check_critic, _check_overlong_buffer, _check_workers, _check_async,
+                             _check_rollout_correction})
 
 
 def _problems(cfg: TrainConfig, *, check_files: bool, training: bool) -> list[tuple[str, str]]:

@@ -260,9 +260,14 @@ class OptimConfig(Section):
 
 
 class RolloutCorrectionConfig(Section):
-    # Truncated importance sampling of trainer vs engine logprobs (algorithms/recipes.py, rollout_correction_weights)
+    # Off-policy correction of trainer vs engine logprobs (algorithms/recipes.py, rollout_correction_weights)
     level: Literal["token", "sequence"] | None = None  # null: off
-    cap: float = Field(2.0, gt=0)  # verl's rollout_is_threshold
+    # tis: truncated importance sampling, weights capped at cap (verl rollout_is); decoupled: AReaL's
+    # decoupled PPO (use_decoupled_loss; verl's decoupled mode): the PPO ratio against the proximal
+    # policy (the trainer's recomputation at the consuming step) times the behaviour weight
+    # proximal / engine, tokens whose weight exceeds cap masked (AReaL behav_imp_weight_cap); token level
+    method: Literal["tis", "decoupled"] = "tis"
+    cap: float = Field(2.0, gt=0)  # verl's rollout_is_threshold, AReaL's behav_imp_weight_cap
     outlier_threshold: float | None = Field(None, gt=1)  # ratios outside [1/t, t] get weight 0
 
 

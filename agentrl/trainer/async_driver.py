@@ -133,7 +133,7 @@ class AsyncDriver:
             trainer.log.console(
                 f"warning: rollout.max_staleness={self.eta} trains on samples of older policies with no off-policy "
                 "correction: set actor.rollout_correction.level=token (truncated importance sampling against the "
-                "engine's logprobs; docs/async.md)")
+                "engine's logprobs), with actor.rollout_correction.method=decoupled for decoupled PPO (docs/training.md)")
 
     def admit(self) -> None:
         t = self.trainer

@@ -257,7 +257,7 @@ class ActorWorker(Worker):
             rc = cfg.rollout_correction
             if rc.level is not None:  # truncated IS: the trainer's logprobs against the engine's
                 weights, rc_metrics = rollout_correction_weights(
-                    old, m.engine_logprobs, mask, rc.level, rc.cap, rc.outlier_threshold)
+                    old, m.engine_logprobs, mask, rc.level, rc.cap, rc.outlier_threshold, rc.method)
             loss, pg = policy_loss(
                 cfg.policy_loss, logprobs, old, m.advantages, mask, clip_ratio_low=low, clip_ratio_high=high,
                 clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, norm_length=cfg.loss_scale_factor,

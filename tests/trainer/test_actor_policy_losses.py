@@ -67,6 +67,8 @@ CASES = [
     dict(policy_loss="cispo", loss_agg_mode="seq-mean-token-sum-norm",
          rollout_correction=RolloutCorrectionConfig(level="sequence", cap=2.0, outlier_threshold=50.0)),
     dict(policy_loss="vanilla", loss_agg_mode="token-mean", rollout_correction=RolloutCorrectionConfig(level="token")),
+    dict(policy_loss="vanilla", loss_agg_mode="token-mean",
+         rollout_correction=RolloutCorrectionConfig(level="token", method="decoupled", cap=1.5)),
 ]
 
 
@@ -90,7 +92,7 @@ def test_gradient_is_the_same_for_one_or_two_unequal_micro_batches(actor, case):
     weights = None
     if rc.level is not None:
         weights, _ = rollout_correction_weights(old, batch.engine_logprobs, batch.response_mask, rc.level, rc.cap,
-                                                     rc.outlier_threshold)
+                                                     rc.outlier_threshold, rc.method)
     cfg = actor.config
     want, _ = policy_loss(
         cfg.policy_loss, old, old, batch.advantages, batch.response_mask,

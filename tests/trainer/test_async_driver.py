@@ -162,3 +162,9 @@ def test_the_async_switch_is_refused_where_it_cannot_run_naming_the_key():
         load_config("train", ["rollout.max_staleness=1", "algorithm.filter_groups.enable=true"], check_files=False)
     with pytest.raises(ConfigError, match="rollout.stale_groups"):
         load_config("train", ["rollout.stale_groups=later"], check_files=False)
+    with pytest.raises(ConfigError, match="rollout.partial.*set rollout.max_staleness > 0"):
+        load_config("train", ["rollout.partial=true"], check_files=False)
+    assert load_config("train", ["rollout.max_staleness=1", "rollout.partial=true"], check_files=False).rollout.partial
+    with pytest.raises(ConfigError, match="actor.rollout_correction.level.*method=decoupled.*set level=token, not sequence"):
+        load_config("train", ["actor.rollout_correction.method=decoupled", "actor.rollout_correction.level=sequence"],
+                    check_files=False)

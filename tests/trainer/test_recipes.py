@@ -103,6 +103,34 @@ def test_sequence_level_rollout_correction_is_the_product_of_token_ratios():
     assert_close(m["truncated_fraction"], T(1 / 3))
 
 
+def test_decoupled_ppo_weighs_tokens_by_proximal_over_behaviour_and_masks_those_over_the_cap():
+    # proximal / behaviour = [3, .5, 1.5, padding]: the 3 is over the cap 2, masked (not truncated to 2)
+    old = torch.log(T([[3.0, 0.5, 1.5, 7.0]]))
+    mask = T([[1.0, 1.0, 1.0, 0.0]])
+    w, m = rollout_correction_weights(old, torch.zeros(1, 4), mask, "token", cap=2.0, method="decoupled")
+    assert_close(w, T([[0.0, 0.5, 1.5, 0.0]]))
+    assert_close(m["masked_fraction"], T(1 / 3))
+    assert_close(m["truncated_fraction"], T(0.0))
+    with pytest.raises(ValueError, match="decoupled PPO weighs each token: level must be 'token', got 'sequence'"):
+        rollout_correction_weights(old, torch.zeros(1, 4), mask, "sequence", method="decoupled")
+
+
+@pytest.mark.parametrize("method", ["tis", "decoupled"])
+def test_every_importance_weight_is_exactly_1_when_the_behaviour_policy_is_the_proximal_one(method):
+    """eta = 0 with the engine's logprobs equal to the trainer's: behaviour weights exactly 1, and
+    the PPO ratio of the on-policy update (old = the forward's own logprobs) exactly 1."""
+    from agentrl.trainer.algorithms.losses import ppo_policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(3, 5, generator=g) * 4
+    mask = T([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [0.0] + [1.0] * 4])
+    w, m = rollout_correction_weights(logprobs, logprobs.clone(), mask, "token", cap=2.0, method=method)
+    assert torch.equal(w, mask)  # 1 exactly on every sampled token
+    assert m["corrected_fraction"].item() == 0.0
+    _, pg = ppo_policy_loss(logprobs, logprobs.detach(), torch.randn(3, 5, generator=g), mask, rollout_is_weights=w)
+    assert pg["ppo_kl"].item() == 0.0 and pg["clipfrac"].item() == 0.0
+
+
 def test_rollout_correction_masks_outliers_with_weight_zero():
     # token: ratios [1.5, 10, 1/20] with threshold 5: the last two are outliers
     old = torch.log(T([[1.5, 10.0, 0.05]]))

@@ -31,6 +31,7 @@ def rollout_correction_weights(
     level: str = "token",
     cap: float = 2.0,
     outlier_threshold: float | None = None,
+    method: str = "tis",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # weights (B, T) detached, 0 off the mask; metrics
     """Truncated importance sampling for the gap between the engine that sampled and the trainer
     (verl's ``compute_rollout_correction_weights``): w = trainer prob / engine prob, per token
@@ -43,6 +44,11 @@ def rollout_correction_weights(
     distribution gap to correct. They stay in the aggregation's denominator, so the loss keeps
     its normalisation across micro-batches.
 
+    ``method="decoupled"`` (AReaL's decoupled PPO, token level only): ``old_logprobs`` are the
+    proximal policy's (the trainer's recomputation at the consuming step) and the engine's the
+    behaviour policy's; a token's weight is their ratio, and a token whose weight exceeds ``cap``
+    gets weight 0 (masked, counted in masked_fraction) instead of being truncated.
+
     metrics: truncated_fraction (tokens whose weight was capped), masked_fraction (tokens masked
     as outliers), corrected_fraction (either), weight_mean (after correction); fractions are
     over sampled tokens."""
@@ -51,6 +57,10 @@ def rollout_correction_weights(
         raise ValueError(f"rollout correction cap must be positive, got {cap}")
     if outlier_threshold is not None and outlier_threshold <= 1:
         raise ValueError(f"rollout correction outlier_threshold must be > 1, got {outlier_threshold}")
+    if method not in ("tis", "decoupled"):
+        raise ValueError(f"unknown rollout correction method {method!r}; use 'tis' or 'decoupled'")
+    if method == "decoupled" and level != "token":
+        raise ValueError(f"decoupled PPO weighs each token: level must be 'token', got {level!r}")
     log_ratio = (old_logprobs - engine_logprobs).detach() * response_mask  # (B, T)
     if level == "token":
         log_weight = log_ratio.clamp(-20.0, 20.0)
@@ -65,6 +75,9 @@ def rollout_correction_weights(
     truncated = (raw > cap) & (response_mask > 0)
     weights = raw.clamp(max=cap)
     masked = torch.zeros_like(truncated)
+    if method == "decoupled":  # over the cap: masked, not truncated
+        masked, truncated = truncated, torch.zeros_like(truncated)
+        weights = torch.where(masked, torch.zeros_like(raw), raw)
     if outlier_threshold is not None:
         bound = math.log(outlier_threshold)
         masked = (outlier_stat.abs() > bound) & (response_mask > 0)
