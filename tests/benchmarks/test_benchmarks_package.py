@@ -18,7 +18,7 @@ import pytest
 from agentrl import cli
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = ("engine", "agent_loop", "trainer", "trainer_calculator", "first_turn", "forward", "lora", "scaling", "data_reader")
+MODULES = ("engine", "agent_loop", "trainer", "trainer_calculator", "first_turn", "race_batch", "forward", "lora", "scaling", "data_reader")
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -1,0 +1,142 @@
+"""One recorded batch of the calculator race through both trainers' losses.
+
+TRL 1.16's ``GRPOTrainer`` (the race's ``GRPOConfig`` and tools) samples one batch on the race's warm
+start with its own tool loop (``_generate_and_score_completions``: ``--prompts`` prompts x ``--n``
+samples); that batch, token for token (prompts, completions, the tool mask), goes through
+
+* TRL's loss (``compute_loss``, ``loss_type="dapo"``) and its gradient, and
+* agentrl's actor update (``ActorWorker.update``, ``token-mean``, one rank in this process, plain
+  SGD at learning rate 1 with no clipping, so the gradient is read off as the trainer computed it),
+  with agentrl's GRPO advantages of the same 0/1 rewards;
+
+and the two are compared: loss tokens, advantages, gradient norms, the cosine of the two gradients.
+Also the batch's trajectory statistics (sampled tokens, tool use, reward). Prints one JSON object.
+
+    python -m agentrl_benchmarks.race_batch [--seed 0] [--batch 0] [--prompts 8] [--n 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+__all__ = ["main", "compare"]
+
+
+def _trl_trainer(start: Path, work: Path, settings: Any, n: int, prompts: int) -> tuple[Any, list[dict[str, Any]]]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentrl_benchmarks import trainer_calculator as calculator
+
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    rows, reward, parts = calculator.trl_parts(tokenizer, settings)
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), per_device_train_batch_size=prompts * n, num_generations=n, gradient_accumulation_steps=1,
+        max_completion_length=settings.max_new_tokens, max_steps=1, learning_rate=settings.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, epsilon=settings.clip_ratio, beta=0.0, loss_type="dapo",
+        scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, use_cpu=True, report_to="none",
+        seed=settings.seed, disable_tqdm=True, gradient_checkpointing=False, save_strategy="no", **parts["config"],
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, tools=parts["tools"])
+    return trainer, rows
+
+
+def compare(start: Path, work: Path, *, seed: int = 0, batch: int = 0, prompts: int = 8, n: int = 8) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from agentrl.config.schema import ActorConfig, OptimConfig
+    from agentrl.trainer.algorithms.advantages import compute_grpo_advantages
+    from agentrl.trainer.batch import collate_sequences
+    from agentrl.trainer.dist import free_port
+    from agentrl.trainer.rank import mini_batch_denominator
+    from agentrl.trainer.workers import ActorWorker
+    from agentrl_benchmarks.trainer import TASK_DEFAULTS, Settings
+
+    settings = Settings(**{"task": "calculator", **TASK_DEFAULTS["calculator"], "seed": seed, "prompts": prompts * (batch + 1), "steps": 1})
+    trainer, rows = _trl_trainer(start, work, settings, n, prompts)
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([rows[batch * prompts + k] for k in range(prompts) for _ in range(n)])
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop
+    trainer.compute_loss(trainer.model, out).backward()
+    trl_grads = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+
+    rows_n = out["completion_ids"].shape[0]
+    lengths = [int(x) for x in out["completion_mask"].sum(1)]
+    tool_mask = out.get("tool_mask", torch.ones_like(out["completion_mask"]))
+    prompt_ids = [out["prompt_ids"][r][out["prompt_mask"][r].bool()].tolist() for r in range(rows_n)]
+    responses = [out["completion_ids"][r][: lengths[r]].tolist() for r in range(rows_n)]
+    masks = [tool_mask[r][: lengths[r]].tolist() for r in range(rows_n)]
+    trl_advantages = out["advantages"]
+    scores = (trl_advantages > 0).float()  # 0/1 rewards: a sample above its group's mean scored 1
+    ours = compute_grpo_advantages(scores, torch.arange(rows_n) // n)
+
+    actor = ActorWorker(
+        model_path=str(start), total_steps=1, temperature=1.0, rank=0, world_size=1, master_addr="127.0.0.1",
+        master_port=free_port(), device="cpu", seed=seed,
+        config=ActorConfig(optim=OptimConfig(optimizer="SGD", lr=1.0, grad_clip=1e9), ppo_mini_batch_size=rows_n,
+                           ppo_micro_batch_size_per_gpu=rows_n, loss_agg_mode="token-mean",
+                           clip_ratio_low=settings.clip_ratio, clip_ratio_high=settings.clip_ratio),
+    )
+    try:
+        collated = collate_sequences(prompt_ids, responses, masks, pad_token_id=trainer.processing_class.pad_token_id)
+        mask = collated.response_mask
+        current, _ = actor.compute_logprobs(collated, rows_n)
+        collated = collated.replace(old_logprobs=current, advantages=ours[:, None] * mask)
+        actor.update([collated], [mini_batch_denominator(mask, "token-mean")], use_kl_loss=False)
+        our_grads = {name: p.grad.detach().clone() for name, p in actor.model.named_parameters() if p.grad is not None}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    names = sorted(set(trl_grads) & set(our_grads))
+    a = torch.cat([trl_grads[k].flatten() for k in names]).double()
+    b = torch.cat([our_grads[k].flatten() for k in names]).double()
+    call = trainer.processing_class.convert_tokens_to_ids("<tool_call>")
+    calls = [sum(1 for t, m in zip(r, k) if m and t == call) for r, k in zip(responses, masks)]
+    return {
+        "seed": seed, "batch": batch, "trajectories": rows_n,
+        "sampled_tokens_mean": round(float(mask.sum()) / rows_n, 2), "tool_use": round(sum(c > 0 for c in calls) / rows_n, 4),
+        "reward_mean": round(float(trainer._metrics["train"]["reward"][-1]), 4),
+        "groups_with_signal": int(sum(bool(trl_advantages[g * n:(g + 1) * n].abs().sum() > 0) for g in range(prompts))),
+        "loss_tokens": {"trl": int((out["completion_mask"] * tool_mask).sum()), "agentrl": int(mask.sum())},
+        "advantages_max_abs_diff": float((trl_advantages - ours).abs().max()),
+        "parameters": {"compared": len(names), "trl": len(trl_grads), "agentrl": len(our_grads)},
+        "grad_norm": {"trl": round(float(a.norm()), 6), "agentrl": round(float(b.norm()), 6)},
+        "cosine": round(float(torch.nn.functional.cosine_similarity(a, b, dim=0)), 6),
+        "relative_difference": round(float((a - b).norm() / a.norm()), 6),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import torch
+
+    from agentrl_benchmarks.trainer_calculator import warm_start
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=0, help="which batch of the race's prompts (0: its first step's)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--start", type=Path, help="a warm start already built (default: build the race's for --seed)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = args.start or warm_start(Path(tmp) / "start", SimpleNamespace(seed=args.seed))
+        result = compare(start, Path(tmp), seed=args.seed, batch=args.batch, prompts=args.prompts, n=args.n)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""agentrl's GRPO update and TRL's ``GRPOTrainer`` (``loss_type="dapo"``, the calculator race's
+settings) compute the same gradient from one batch.
+
+The race against TRL (``agentrl bench trainer --task calculator``, docs/learning.md) compares
+held-out reward after the same samples; a difference in what either side learns from one batch
+(loss aggregation, advantages, which tokens count, the tool tokens masked out) would show there
+only as a few points over several seeds. Here one fixed batch of multi-turn samples, tool results
+inside the responses masked out, goes through TRL's ``compute_loss`` and through agentrl's actor
+update (one rank in this process, SGD at learning rate 1 without clipping: its step is the
+gradient), each with its own GRPO advantages of the same rewards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from agentrl.config.schema import ActorConfig, OptimConfig
+from agentrl.trainer.algorithms.advantages import compute_grpo_advantages
+from agentrl.trainer.batch import collate_sequences
+from agentrl.trainer.dist import free_port
+from agentrl.trainer.rank import mini_batch_denominator
+from agentrl.trainer.workers import ActorWorker
+
+pytest.importorskip("trl")
+
+GROUP = 4
+REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # two groups of four, both with a signal
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 300, (4 + (i // GROUP),), generator=g).tolist() for i in range(len(REWARDS))]
+    for i in range(1, len(prompts)):  # one prompt per group
+        if i % GROUP:
+            prompts[i] = prompts[i - 1]
+    responses = [torch.randint(5, 300, (6 + i % 3,), generator=g).tolist() for i in range(len(REWARDS))]
+    masks = [[1] * len(r) for r in responses]
+    for i in (0, 3, 5):  # a tool's result inside the response: in the context, not in the loss
+        masks[i][2:4] = [0, 0]
+    return prompts, responses, masks
+
+
+def _trl_gradient(model_dir, prompts, responses, masks) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = GRPOConfig(
+        output_dir="unused", per_device_train_batch_size=len(REWARDS), num_generations=GROUP, gradient_accumulation_steps=1,
+        max_completion_length=16, learning_rate=1e-4, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
+        epsilon=0.2, temperature=1.0, use_cpu=True, report_to="none", save_strategy="no", gradient_checkpointing=False,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * 2), processing_class=tokenizer)
+    pad = tokenizer.pad_token_id
+    width_p, width_c = max(map(len, prompts)), max(map(len, responses))
+    rewards = torch.tensor(REWARDS).view(-1, GROUP)
+    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()  # TRL's "group"
+    inputs = {
+        "prompt_ids": torch.tensor([[pad] * (width_p - len(p)) + p for p in prompts]),
+        "prompt_mask": torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts]),
+        "completion_ids": torch.tensor([r + [pad] * (width_c - len(r)) for r in responses]),
+        "completion_mask": torch.tensor([[1] * len(r) + [0] * (width_c - len(r)) for r in responses]),
+        "tool_mask": torch.tensor([m + [1] * (width_c - len(m)) for m in masks]),
+        "advantages": advantages,
+        "num_items_in_batch": torch.tensor(sum(map(sum, masks))),
+    }
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop
+    trainer.compute_loss(trainer.model, inputs).backward()
+    return {n: p.grad.detach().double() for n, p in trainer.model.named_parameters()}, advantages
+
+
+def _agentrl_gradient(model_dir, prompts, responses, masks, loss_agg_mode: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    advantages = compute_grpo_advantages(torch.tensor(REWARDS), torch.arange(len(REWARDS)) // GROUP)
+    actor = ActorWorker(
+        model_path=str(model_dir), total_steps=1, temperature=1.0, rank=0, world_size=1, master_addr="127.0.0.1",
+        master_port=free_port(), device="cpu", seed=0,
+        config=ActorConfig(optim=OptimConfig(optimizer="SGD", lr=1.0, grad_clip=1e9), ppo_mini_batch_size=len(REWARDS),
+                           ppo_micro_batch_size_per_gpu=len(REWARDS), loss_agg_mode=loss_agg_mode,
+                           clip_ratio_low=0.2, clip_ratio_high=0.2),
+    )
+    try:
+        batch = collate_sequences(prompts, responses, masks, pad_token_id=0)
+        mask = batch.response_mask
+        old, _ = actor.compute_logprobs(batch, len(REWARDS))
+        batch = batch.replace(old_logprobs=old, advantages=advantages[:, None] * mask)
+        actor.update([batch], [mini_batch_denominator(mask, loss_agg_mode)], use_kl_loss=False)
+        return {n: p.grad.detach().double() for n, p in actor.model.named_parameters()}, advantages
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _flat(grads: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([grads[n].flatten() for n in names])
+
+
+@pytest.fixture(scope="module")
+def trl_side(tiny_model_dir):
+    return _trl_gradient(tiny_model_dir, *_batch())
+
+
+def test_agentrl_token_mean_update_is_trls_dapo_update_on_one_batch(tiny_model_dir, trl_side):
+    trl_grads, trl_advantages = trl_side
+    ours, advantages = _agentrl_gradient(tiny_model_dir, *_batch(), "token-mean")
+    assert set(ours) == set(trl_grads)
+    names = sorted(ours)
+    a, b = _flat(trl_grads, names), _flat(ours, names)
+    # the advantages differ only by the std's epsilon (TRL 1e-4, agentrl 1e-6)
+    assert advantages.tolist() == pytest.approx(trl_advantages.tolist(), abs=1e-3)
+    assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.9999
+    assert float(b.norm()) == pytest.approx(float(a.norm()), rel=0.02)
+
+
+def test_a_per_sequence_mean_is_told_apart_from_trls_update(tiny_model_dir, trl_side):
+    """The check above can fail: weighting each sequence alike (rather than each token) moves the
+    update away from TRL's."""
+    trl_grads, _ = trl_side
+    ours, _ = _agentrl_gradient(tiny_model_dir, *_batch(), "seq-mean-token-mean")
+    names = sorted(ours)
+    a, b = _flat(trl_grads, names), _flat(ours, names)
+    assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) < 0.9999 or abs(float(b.norm() / a.norm()) - 1) > 0.02
