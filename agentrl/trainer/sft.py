@@ -52,7 +52,8 @@ def called_tools(conversations: Sequence[list[dict[str, Any]]]) -> dict[str, int
 def tool_schemas(cfg: TrainConfig, conversations: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]] | None:
     """The tools block SFT renders every demonstration with: RL's tools for rows that name none
     (``agent.tool_config_path``'s and ``agent.tool_config``'s) when some are configured, else the
-    tools the demonstrations call themselves; None when there are none. A demonstration calling a
+    tools the demonstrations call themselves (generated ones: also the tools their task's rows
+    name); None when there are none. A demonstration calling a
     tool that the configured tools leave out, or that no tool config or plugin defines, is a
     DataError naming its file, row and the tool."""
     from agentrl.config.verl_files import read_tool_config
@@ -61,6 +62,13 @@ def tool_schemas(cfg: TrainConfig, conversations: Sequence[list[dict[str, Any]]]
     specs = {s.name: s for s in (read_tool_config(cfg.agent.tool_config_path) if cfg.agent.tool_config_path else [])}
     configured = list(dict.fromkeys([*specs, *cfg.agent.tool_config]))
     called = called_tools(conversations)
+    own = list(called)
+    if not cfg.sft.train_files and cfg.data.task is not None:
+        # generated demonstrations: their task's rows name its tools, which RL offers every one of
+        # them, whether or not a demonstration calls one
+        from agentrl_data_prep.tasks import generate
+
+        own = list(dict.fromkeys([*generate(cfg.data.task, 1, seed=cfg.data.seed)[0]["extra_info"]["tools_kwargs"], *own]))
     registry = PluginRegistry(cfg.plugins.prefer)
     for name, index in called.items():
         if configured and name not in configured:
@@ -72,7 +80,7 @@ def tool_schemas(cfg: TrainConfig, conversations: Sequence[list[dict[str, Any]]]
                             "agent.tool_config_path does not define: its schema is needed for the tools block",
                             **_where(cfg, index))
     schemas = []
-    for name in configured or list(called):
+    for name in configured or own:
         spec = specs.get(name)
         if spec is None:
             schemas.append(registry.load("tools", name).schema())

@@ -13,6 +13,10 @@ from agentrl.plugins import PluginRegistry
 from agentrl.trainer.sft import tool_schemas
 
 
+# demonstrations from files (no generating task): their own tools only
+FILES = {"data": {"task": None}}
+
+
 def schema(name: str) -> dict:
     return PluginRegistry().load("tools", name).schema()
 
@@ -27,13 +31,13 @@ PLAIN = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "c
 
 
 def test_demonstrations_calling_another_tool_get_that_tools_block_not_the_calculators():
-    cfg = TrainConfig.model_validate({})
+    cfg = TrainConfig.model_validate(FILES)
     assert tool_schemas(cfg, [PLAIN, calling("check_answer"), calling("gsm8k_answer"), calling("check_answer")]) == [
         schema("check_answer"), schema("gsm8k_answer")]
 
 
 def test_demonstrations_that_call_no_tool_get_no_tools_block():
-    assert tool_schemas(TrainConfig.model_validate({}), [PLAIN, PLAIN]) is None
+    assert tool_schemas(TrainConfig.model_validate(FILES), [PLAIN, PLAIN]) is None
 
 
 def test_configured_tools_are_the_block_as_rl_offers_them():
@@ -57,7 +61,7 @@ def test_a_demonstration_calling_a_tool_the_config_leaves_out_names_its_file_row
 
 def test_a_demonstration_calling_a_tool_nothing_defines_is_an_error_naming_it():
     with pytest.raises(DataError) as info:
-        tool_schemas(TrainConfig.model_validate({}), [PLAIN, PLAIN, calling("weather")])
+        tool_schemas(TrainConfig.model_validate(FILES), [PLAIN, PLAIN, calling("weather")])
     assert str(info.value) == (
         "row 2, field messages: the demonstration calls tool 'weather', which no installed tool plugin provides and "
         "agent.tool_config_path does not define: its schema is needed for the tools block")
@@ -68,5 +72,14 @@ def test_a_tool_of_the_verl_tool_yaml_gives_its_own_schema(tmp_path):
                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
     path = tmp_path / "tools.yaml"
     path.write_text(json.dumps({"tools": [{"class_name": "calculator", "config": {}, "tool_schema": weather}]}))
-    cfg = TrainConfig.model_validate({"agent": {"tool_config_path": str(path)}})
+    cfg = TrainConfig.model_validate({**FILES, "agent": {"tool_config_path": str(path)}})
     assert tool_schemas(cfg, [calling("weather")]) == [weather]
+
+
+def test_generated_demonstrations_get_their_tasks_tools_even_when_none_calls_one():
+    from agentrl_data_prep.tasks import sft_conversations
+
+    cfg = TrainConfig.model_validate({"sft": {"tool_rate": 0.0}})
+    conversations = sft_conversations(cfg.data.task, 4, seed=1, tool_rate=0.0)
+    assert not any(m.get("tool_calls") for c in conversations for m in c)
+    assert tool_schemas(cfg, conversations) == [schema("calculator")]  # as RL offers the task's rows
