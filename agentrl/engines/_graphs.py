@@ -81,7 +81,10 @@ class StaticDecode:
         if not self.graphs:
             return self._step(b)[:n]
         if self.cache.capacity != self._capacity:  # the cache grew: its tensors are new
+            # the old graphs go, and with the last of them their memory pool: capturing into that
+            # pool's handle again trips the CUDA allocator's assertion, so the new graphs take a new one
             self._captured.clear()
+            self._pool = torch.cuda.graph_pool_handle()
             self._capacity = self.cache.capacity
         key = (b, self.cache.capacity)
         held = self._captured.get(key)
