@@ -11,6 +11,11 @@ other floats rounded to 6 decimals with trailing zeros dropped (``1/3`` -> ``0.3
 numbers too small for that in 6 significant digits (``1e-9`` -> ``1e-09``). Every problem is a
 :class:`~agentrl.errors.ToolError` whose message is what the model is shown.
 
+A tool-latency knob for benchmarks (``agent.tool_config.calculator``): ``latency_median_s`` > 0
+makes every call wait a lognormal time with that median and ``latency_p99_s`` as its 99th
+percentile, drawn from ``latency_seed``, the trajectory's instance id and the call's index, so
+two runs of the same data wait the same times (``agentrl bench async``).
+
 Every calculator annotation of the GSM8K training file (23,716) evaluates to its annotated
 value (``tests/agent/test_tools_builtin.py``).
 """
@@ -18,8 +23,12 @@ value (``tests/agent/test_tools_builtin.py``).
 from __future__ import annotations
 
 import ast
+import asyncio
 import math
 import operator
+import random
+import zlib
+from collections import Counter
 from typing import Any, Callable
 
 from agentrl.agent.tool import Tool, ToolResult
@@ -135,6 +144,21 @@ class CalculatorTool(Tool):
     def __init__(self, **config: Any) -> None:
         super().__init__(**config)
         self._steps: dict[str, tuple[list[float], float]] = {}  # instance -> (values not yet reached, reward)
+        self.latency_median_s = float(config.get("latency_median_s", 0.0))
+        self.latency_p99_s = float(config.get("latency_p99_s", self.latency_median_s))
+        if self.latency_median_s < 0 or self.latency_p99_s < self.latency_median_s:
+            raise ValueError(f"calculator: latency_median_s ({self.latency_median_s}) must be >= 0 and latency_p99_s "
+                             f"({self.latency_p99_s}) at least the median")
+        self.latency_seed = int(config.get("latency_seed", 0))
+        self._calls: Counter[str] = Counter()
+
+    def latency_s(self, instance_id: str, call: int) -> float:
+        """The wait of call ``call`` of ``instance_id``: lognormal, median and 99th percentile as configured."""
+        if self.latency_median_s == 0:
+            return 0.0
+        sigma = math.log(self.latency_p99_s / self.latency_median_s) / 2.3263478740408408  # z of the 99th percentile
+        rng = random.Random(zlib.crc32(f"{self.latency_seed}|{instance_id}|{call}".encode()))
+        return rng.lognormvariate(math.log(self.latency_median_s), sigma)
 
     async def create(self, instance_id: str, **create_kwargs: Any) -> None:
         expected = create_kwargs.get("expected_steps")
@@ -142,6 +166,9 @@ class CalculatorTool(Tool):
             self._steps[instance_id] = ([float(v) for v in expected], float(create_kwargs.get("step_reward", 1.0)))
 
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
+        if self.latency_median_s:
+            self._calls[instance_id] += 1
+            await asyncio.sleep(self.latency_s(instance_id, self._calls[instance_id]))
         value = evaluate(arguments["expression"])
         steps = self._steps.get(instance_id)
         if steps is None:
@@ -154,3 +181,4 @@ class CalculatorTool(Tool):
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
         self._steps.pop(instance_id, None)
+        self._calls.pop(instance_id, None)

@@ -247,3 +247,17 @@ def test_word_steps_rows_are_the_word_problems_with_their_steps_checked():
         kwargs = row["extra_info"]["tools_kwargs"]["calculator"]["create_kwargs"]
         assert kwargs == {"expected_steps": [v for _, v in problem.steps], "step_reward": STEP_REWARD}
     assert all(r["extra_info"]["tools_kwargs"]["calculator"]["create_kwargs"] == {} for r in word)
+
+
+def test_calculator_latency_is_lognormal_with_the_configured_median_and_p99_and_repeatable():
+    from agentrl_tools.calculator import CalculatorTool
+
+    tool = CalculatorTool(latency_median_s=0.3, latency_p99_s=6.2, latency_seed=1)
+    waits = sorted(tool.latency_s(f"g{i}", 1) for i in range(20_000))
+    assert waits[10_000] == pytest.approx(0.3, rel=0.05)
+    assert waits[19_800] == pytest.approx(6.2, rel=0.15)
+    assert tool.latency_s("g7", 2) == CalculatorTool(latency_median_s=0.3, latency_p99_s=6.2, latency_seed=1).latency_s("g7", 2)
+    assert tool.latency_s("g7", 2) != tool.latency_s("g7", 3)
+    assert CalculatorTool().latency_s("g7", 1) == 0.0
+    with pytest.raises(ValueError, match=r"latency_p99_s \(0.1\) at least the median"):
+        CalculatorTool(latency_median_s=0.3, latency_p99_s=0.1)
