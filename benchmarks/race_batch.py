@@ -99,9 +99,11 @@ def compare(start: Path, work: Path, *, seed: int = 0, batch: int = 0, prompts: 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    names = sorted(set(trl_grads) & set(our_grads))
+    hand_grads = _by_hand_gradient(start, prompt_ids, responses, masks, ours)
+    names = sorted(set(trl_grads) & set(our_grads) & set(hand_grads))
     a = torch.cat([trl_grads[k].flatten() for k in names]).double()
     b = torch.cat([our_grads[k].flatten() for k in names]).double()
+    h = torch.cat([hand_grads[k].flatten() for k in names]).double()
     call = trainer.processing_class.convert_tokens_to_ids("<tool_call>")
     calls = [sum(1 for t, m in zip(r, k) if m and t == call) for r, k in zip(responses, masks)]
     return {
@@ -115,7 +117,27 @@ def compare(start: Path, work: Path, *, seed: int = 0, batch: int = 0, prompts: 
         "grad_norm": {"trl": round(float(a.norm()), 6), "agentrl": round(float(b.norm()), 6)},
         "cosine": round(float(torch.nn.functional.cosine_similarity(a, b, dim=0)), 6),
         "relative_difference": round(float((a - b).norm() / a.norm()), 6),
+        # the same loss written out, each row on its own (no padding, no shared prompt)
+        "by_hand": {"grad_norm": round(float(h.norm()), 6),
+                    "relative_difference_trl": round(float((a - h).norm() / h.norm()), 6),
+                    "relative_difference_agentrl": round(float((b - h).norm() / h.norm()), 6)},
     }
+
+
+def _by_hand_gradient(start: Path, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]],
+                      advantages: Any) -> dict[str, Any]:
+    """The gradient of -sum(A * logp * mask) / sum(mask) (the ratio is 1 at the sampling policy),
+    each row's logprobs from its own unpadded forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    total = sum(map(sum, masks))
+    for prompt, response, mask, advantage in zip(prompts, responses, masks, advantages.tolist()):
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+        (-(advantage * logp * torch.tensor(mask, dtype=logp.dtype)).sum() / total).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
