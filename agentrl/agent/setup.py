@@ -88,6 +88,7 @@ class RolloutSetup:
     max_staleness: int = 0
     # rollout.partial: a weight update interrupts running requests, which resume under the new weights
     partial: bool = False
+    sync_timeout_s: float = 600.0  # engine.sync_timeout_s: the longest one weight sync may take
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None, server_urls: tuple[str, ...] = (),
@@ -134,4 +135,5 @@ class RolloutSetup:
             api_key=api_key,
             max_staleness=rollout.max_staleness,
             partial=rollout.partial,
+            sync_timeout_s=cfg.engine.sync_timeout_s,
         )

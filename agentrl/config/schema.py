@@ -112,6 +112,9 @@ class EngineConfig(Section):
     max_retries: int = Field(3, ge=0)  # sglang: transport errors and 5xx, per server, before failover
     max_batch_size: int = Field(64, ge=1)  # builtin: sequences decoded together
     weight_sync: Literal["auto", "memory", "disk", "nccl"] = "auto"
+    # the longest one weight sync into the engine(s) may take (a drain of running requests, a
+    # reload from disk); past it the run fails with an error naming the engine, never a hang
+    sync_timeout_s: float = Field(600.0, gt=0)
 
 
 class RolloutConfig(Section):

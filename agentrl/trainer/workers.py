@@ -190,14 +190,36 @@ class ActorWorker(Worker):
             assert directory is not None, "engine.weight_sync=disk: the rollout setup has no weights_dir"
             self.export_hf(directory)
             if self.engine is not None:
-                self._run_async(self.engine.update_weights(path=directory, version=version))
+                self._run_async(self._sync_bounded(self.engine.update_weights(path=directory, version=version), version,
+                                                   f"a reload from {directory}"))
             return
         if self.engine is not None and self.shares_model:
-            asyncio.run(self.engine.weights_changed(version=version))
+            asyncio.run(self._sync_bounded(self.engine.weights_changed(version=version), version, "the weights-changed notice"))
             return
         state = self.policy_state()
         if self.engine is not None:
-            asyncio.run(self.engine.update_weights(state_dict=state, version=version))
+            asyncio.run(self._sync_bounded(self.engine.update_weights(state_dict=state, version=version), version,
+                                           "an in-memory copy"))
+
+    async def _sync_bounded(self, update: Any, version: int, what: str) -> None:
+        """``update`` within ``engine.sync_timeout_s``; past it an ``EngineTimeout`` names the engine and
+        what the sync was waiting for."""
+        from agentrl.errors import EngineTimeout
+
+        limit = self.rollout_setup.sync_timeout_s if self.rollout_setup is not None else 600.0
+        try:
+            await asyncio.wait_for(update, limit)
+        except asyncio.TimeoutError:
+            engine = self.engine
+            urls = getattr(self.rollout_setup, "server_urls", ()) if getattr(self.rollout_setup, "engine_backend", "") == "sglang" else ()
+            where = f"the SGLang server(s) {', '.join(urls)}" if urls else f"the built-in engine of the actor's rank 0"
+            waiting = ""
+            if hasattr(engine, "stats"):
+                stats = engine.stats()
+                waiting = f" ({stats.running} requests running, {stats.waiting} waiting: a sync drains the running ones first)"
+            raise EngineTimeout(
+                f"weight sync to version {version} ({what}) into {where} did not finish within "
+                f"engine.sync_timeout_s={limit} s{waiting}") from None
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
