@@ -55,15 +55,20 @@ def classify_exception(exc: BaseException, session: EndpointSession) -> tuple[Tr
 
 
 def _in_transport(exc: BaseException) -> bool:
-    """Whether ``exc``, or an exception it was raised from, is a failure to reach the endpoint."""
-    import httpx
-
+    """Whether ``exc``, or an exception it was raised from, is a failure to reach the endpoint.
+    The HTTP libraries are looked up, never imported here: a first import on this thread while a
+    program's thread uses the library would show that thread a partly initialised module."""
+    transport: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, asyncio.TimeoutError)
+    for name in ("httpx", "httpx2"):  # the program's HTTP client, if it has imported one
+        error = getattr(sys.modules.get(name), "TransportError", None)
+        if isinstance(error, type):
+            transport += (error,)
     openai = sys.modules.get("openai")  # imported by the program when it uses the client
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, (ConnectionError, TimeoutError, asyncio.TimeoutError, httpx.TransportError)):
+        if isinstance(current, transport):
             return True
         if openai is not None and (isinstance(current, openai.APIConnectionError) or (
                 isinstance(current, openai.APIStatusError) and current.status_code >= 500)):

@@ -46,13 +46,15 @@ def client_of(task):
     return openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
 
 
-def ask(task, streamed: bool, **kwargs):
-    """One request; (content, tool calls, finish reason), assembled from the stream when streamed."""
+def ask(task, streamed: bool, pieces: list | None = None, **kwargs):
+    """One request; (content, tool calls, finish reason), assembled from the stream when streamed
+    (the content deltas appended to ``pieces``)."""
     client = client_of(task)
     if not streamed:
         choice = client.chat.completions.create(model=task.model, messages=task.messages, **kwargs).choices[0]
         return choice.message.content, choice.message.tool_calls, choice.finish_reason
-    content, calls, finish, pieces = "", [], None, []
+    content, calls, finish = "", [], None
+    pieces = [] if pieces is None else pieces
     for chunk in client.chat.completions.create(model=task.model, messages=task.messages, stream=True, **kwargs):
         if not chunk.choices:
             continue
@@ -61,7 +63,6 @@ def ask(task, streamed: bool, **kwargs):
         content += delta.content or ""
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
-    ask.pieces = pieces
     return content, calls or None, finish
 
 
@@ -74,11 +75,12 @@ def test_a_malformed_call_comes_back_as_the_models_text_and_is_recorded(streamed
               "not_an_object": [NOT_AN_OBJECT]}
     engine = ScriptedEngine(tiny_tokenizer, script)
     ctx = make_ctx(engine)
-    answers = {}
+    answers, pieces = {}, {}
 
     def program(task):
-        content, calls, finish = ask(task, streamed, tools=[CALCULATOR])
-        answers[task.row.extra_info.index] = (content, calls, finish)
+        index = task.row.extra_info.index
+        content, calls, finish = ask(task, streamed, pieces.setdefault(index, []), tools=[CALCULATOR])
+        answers[index] = (content, calls, finish)
         return content
 
     rows = [(rid, make_row(agent="openai_agent", index=i)) for i, rid in enumerate(script)]
@@ -101,7 +103,7 @@ def test_a_malformed_call_comes_back_as_the_models_text_and_is_recorded(streamed
     # the call with arguments of the wrong type named a real tool
     assert [k for k in m if k.startswith("tool/")] == ["tool/calculator/calls"] and m["tool/calculator/calls"] == 1.0
     if streamed:  # the text streams as content; no tool_calls delta was sent
-        assert "".join(ask.pieces) == NOT_AN_OBJECT
+        assert ["".join(pieces[i]) for i in range(4)] == [script[rid][0] for rid in script]
 
 
 def test_a_well_formed_call_still_comes_back_as_tool_calls(tiny_tokenizer, make_ctx):
@@ -228,10 +230,10 @@ def test_a_multi_token_stop_string_ends_generation_token_exactly(streamed, tiny_
     text = "#### 408\n\n\nand more the model would write"
     engine = ScriptedEngine(tiny_tokenizer, {"r0": [text]})
     ctx = make_ctx(engine)
-    seen = {}
+    seen, pieces = {}, []
 
     def program(task):
-        seen["answer"] = ask(task, streamed, stop=["\n\n\n"])
+        seen["answer"] = ask(task, streamed, pieces, stop=["\n\n\n"])
         return seen["answer"][0]
 
     (t,) = run(loop_with(program), ctx, [("r0", row())])
@@ -242,7 +244,7 @@ def test_a_multi_token_stop_string_ends_generation_token_exactly(streamed, tiny_
     assert t.response_ids == sampled and t.response_mask == [1] * len(sampled) and t.logprobs == [-0.5] * len(sampled)
     assert t.finish_reason == "stop" and t.reward == 1.0
     if streamed:  # no part of the stop string was ever sent
-        assert not any("\n" in piece for piece in ask.pieces)
+        assert "".join(pieces) == "#### 408" and not any("\n" in piece for piece in pieces)
 
 
 def test_a_stop_string_split_across_two_tokens_cuts_inside_a_token(tiny_tokenizer, make_ctx):
