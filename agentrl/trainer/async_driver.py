@@ -129,6 +129,8 @@ class AsyncDriver:
         self.in_flight: dict[str, int] = {}  # group id -> dispatch version
         self.rows: dict[str, tuple[str, Any]] = {}  # group id -> its (row id, row), for the store
         self.finished: list[FinishedGroup] = []
+        # rows to dispatch before the dataset's next ones: those in flight at the checkpoint resumed from
+        self.pending: list[tuple[str, Any]] = []
         if cfg.actor.rollout_correction.level is None:
             trainer.log.console(
                 f"warning: rollout.max_staleness={self.eta} trains on samples of older policies with no off-policy "
@@ -140,7 +142,10 @@ class AsyncDriver:
         cfg: TrainConfig = t.cfg
         for _ in range(batches_to_admit(dispatched=self.dispatched, retired=self.retired, batch_size=self.batch_size,
                                         max_staleness=self.eta)):
-            rows = t.dataset.next_batch()
+            if self.pending:
+                rows, self.pending = self.pending[: self.batch_size], self.pending[self.batch_size :]
+            else:
+                rows = t.dataset.next_batch()
             k = self.batches
             seed = zlib.crc32(f"{cfg.trainer.seed}|{k}|train".encode()) & 0x7FFFFFFF  # run.py's _seed_for
             ids = t.actor.call_rank0("submit_rollout", rows, n=cfg.rollout.n, seed=seed, group_prefix=f"train{k}/",
@@ -150,6 +155,20 @@ class AsyncDriver:
                 self.rows[group_id] = row
             self.batches += 1
             self.dispatched += len(ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint records: the rows dispatched and not yet trained or dropped (in flight
+        or finished and waiting), in dispatch order, and the batch counter (group ids stay unique)."""
+        return {"batches": self.batches,
+                "in_flight_rows": [[row_id, row.model_dump_json()] for row_id, row in [*self.rows.values(), *self.pending]]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the rows in flight at the checkpoint are dispatched again first, under the
+        resumed policy; nothing of theirs was trained, so nothing is trained twice."""
+        from agentrl.data.row import Row
+
+        self.batches = int(state["batches"])
+        self.pending = [(row_id, Row.model_validate_json(raw)) for row_id, raw in state["in_flight_rows"]]
 
     def take(self, step: int) -> tuple[list[FinishedGroup], list[FinishedGroup], float]:
         """The step's groups, the groups dropped as stale meanwhile, and the seconds waited."""

@@ -292,6 +292,8 @@ class Trainer:
             if self.critic is not None:
                 self.critic.call_all("save", str(directory))
             state = {"step": step, "data": self.dataset.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": torch.get_rng_state().tolist()}
+            if self.driver is not None:  # asynchronous: the rows in flight, dispatched again at resume
+                state["async"] = self.driver.state_dict()
             (directory / TRAINER_STATE).write_text(json.dumps(state))
         return self.run.checkpoint(step)
 
@@ -305,6 +307,8 @@ class Trainer:
         if self.critic is not None:
             self.critic.call_all("load", str(directory))
         self.dataset.load_state_dict(state["data"])
+        if self.driver is not None and "async" in state:
+            self.driver.load_state_dict(state["async"])
         self.kl_ctrl.value = state["kl_coef"]
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
         self.start_step = state["step"]

@@ -168,3 +168,72 @@ def test_the_async_switch_is_refused_where_it_cannot_run_naming_the_key():
     with pytest.raises(ConfigError, match="actor.rollout_correction.level.*method=decoupled.*set level=token, not sequence"):
         load_config("train", ["actor.rollout_correction.method=decoupled", "actor.rollout_correction.level=sequence"],
                     check_files=False)
+
+
+class _Actor:
+    """Rank 0's rollout calls: every submitted group finishes at the next look."""
+
+    def __init__(self):
+        self.submitted: list[tuple[str, str]] = []  # (group id, row id)
+
+    def call_rank0(self, method, *args, **kwargs):
+        if method == "submit_rollout":
+            rows, prefix = args[0], kwargs["group_prefix"]
+            ids = [f"{prefix}{i}:{row_id}" for i, (row_id, _) in enumerate(rows)]
+            self.submitted += [(g, row_id) for g, (row_id, _) in zip(ids, rows)]
+            return ids
+        assert method == "finished_rollouts"
+        done, self.submitted = self.submitted, []
+        return [FinishedGroup(g, kwargs.get("version", 0), group(g, 0).trajectories) for g, _ in done]
+
+
+def _trainer(dataset):
+    from types import SimpleNamespace
+
+    from agentrl.config import load_config
+
+    cfg = load_config("train", ["rollout.max_staleness=1", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                                "actor.rollout_correction.level=token"],
+                      check_files=False)
+    return SimpleNamespace(cfg=cfg, actor=_Actor(), dataset=dataset, weight_version=0, log=SimpleNamespace(console=print))
+
+
+def test_a_resumed_driver_dispatches_the_rows_in_flight_at_the_checkpoint_first_and_trains_each_row_once():
+    """Killed after a checkpoint with groups in flight (dispatched, not trained): the resumed
+    driver sends those rows again before the dataset's next ones; over the epoch every row is
+    trained exactly once."""
+    from agentrl.data.dataset import rows_from_dicts
+    from agentrl.trainer.async_driver import AsyncDriver
+
+    rows = rows_from_dicts([{"data_source": "d", "prompt": [{"role": "user", "content": f"q{i}"}],
+                             "reward_model": {"ground_truth": str(i)}, "extra_info": {"index": i}} for i in range(8)])
+
+    class Data:
+        def __init__(self, offset=0):
+            self.offset = offset
+
+        def next_batch(self):
+            batch, self.offset = rows[self.offset : self.offset + 2], self.offset + 2
+            return batch
+
+    def trained_ids(driver, step):
+        groups, dropped, _ = driver.take(step)
+        assert not dropped
+        for g in groups:  # as train_step does once they are stored
+            driver.rows.pop(g.group_id)
+        return [g.group_id.split(":", 1)[1] for g in groups]
+
+    first = AsyncDriver(_trainer(Data()))
+    trained = trained_ids(first, 0)  # admits (eta + 1) x B = 4 rows, trains 2
+    state = first.state_dict()  # the checkpoint after step 1
+    in_flight = [row_id for row_id, _ in state["in_flight_rows"]]
+    assert trained == [rows[0][0], rows[1][0]] and in_flight == [rows[2][0], rows[3][0]]
+    dispatched_at_checkpoint = first.trainer.dataset.offset
+    # the process dies here; the resumed one restores the dataset position and the driver's state
+    second = AsyncDriver(_trainer(Data(dispatched_at_checkpoint)))
+    second.load_state_dict(state)
+    assert [r for r, _ in second.pending] == in_flight and second.pending[0][1] == rows[2][1]
+    for step in range(1, 4):
+        trained += trained_ids(second, step)
+    assert sorted(trained) == sorted(row_id for row_id, _ in rows) and len(trained) == 8
+    assert second.batches > state["batches"] and all(g.startswith("train") for g in second.in_flight)
