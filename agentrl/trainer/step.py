@@ -204,6 +204,7 @@ def with_earlier_segments(trajectories: Sequence[Trajectory]) -> tuple[list[Traj
                 rows.append(dataclasses.replace(
                     t, group_id=f"{t.group_id}#{t.sample_index}/segment{k}", prompt_ids=seg.prompt_ids,
                     response_ids=seg.response_ids, response_mask=seg.response_mask, logprobs=seg.logprobs,
+                    token_versions=seg.token_versions,
                     turns=[dataclasses.replace(x, reward=None) for x in seg.turns], reward=0.0, tool_calls=[],
                     earlier_segments=[]))
                 parent.append(first + i)

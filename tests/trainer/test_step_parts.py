@@ -105,7 +105,7 @@ def test_the_tool_use_rate_is_the_share_of_trajectories_with_a_call_not_the_call
 def test_earlier_segments_train_with_their_trajectorys_advantage_outside_the_group_statistics():
     a = traj("g", 0, [("assistant", 2, None)], reward=1.0)
     a.earlier_segments = [TrajectorySegment([7, 8, 9], [4, 4, 4, 6], [1, 1, 0, 1], [-0.2, -0.3, 0.0, -0.4],
-                                 [Turn("assistant", 0, 2, 0.5), Turn("tool", 2, 3), Turn("assistant", 3, 4)])]
+                                 [Turn("assistant", 0, 2, 0.5), Turn("tool", 2, 3), Turn("assistant", 3, 4)], [5, 5, -1, 6])]
     b = traj("g", 1, [("assistant", 2, None)], reward=0.0)
     c, d = traj("h", 0, [("assistant", 1, None)], reward=0.0), traj("h", 1, [("assistant", 1, None)], reward=0.0)
     rows, parent, blocks = with_earlier_segments([a, b, c, d])
@@ -114,6 +114,7 @@ def test_earlier_segments_train_with_their_trajectorys_advantage_outside_the_gro
     assert mini_batch_starts(blocks, 1) == [0, 3] and mini_batch_starts(blocks, 2) == [0]
     seg = rows[2]
     assert (seg.prompt_ids, seg.response_ids, seg.response_mask, seg.reward) == ([7, 8, 9], [4, 4, 4, 6], [1, 1, 0, 1], 0.0)
+    assert seg.token_versions == [5, 5, -1, 6]  # the segment's own, not its trajectory's
     assert seg.turns[0].reward is None and not seg.earlier_segments  # its turn reward is not counted twice
     cfg = cfg_with(adv_estimator="grpo")
     batch, _ = compute_advantages(collate(rows, pad_token_id=0), cfg, kl_coef=None)
