@@ -177,12 +177,13 @@ class LaunchedServers:
 
 def launch_servers(specs: Sequence[ServerSpec], *, ready_timeout_s: float = 600.0, log_dir: str | Path | None = None) -> LaunchedServers:
     """Start every server, then wait for all of them; on any failure stop them all and raise."""
+    for spec in specs:  # refused before anything is made
+        require_key_off_loopback(spec.host, spec.api_key, program="launch_servers")
     log_root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="agentrl-servers-"))
     log_root.mkdir(parents=True, exist_ok=True)
     started: list[ServerProcess] = []
     try:
         for spec in specs:
-            require_key_off_loopback(spec.host, spec.api_key, program="launch_servers")
             log_path = log_root / f"server-{spec.port}.log"
             env = {**os.environ, **spec.env}
             env.pop(API_KEY_ENV, None)  # this process's own key is not the server's
@@ -212,6 +213,8 @@ def launch_servers(specs: Sequence[ServerSpec], *, ready_timeout_s: float = 600.
     except BaseException:
         for server in started:
             server.stop(grace_s=2.0)
+        if not started and not log_dir:  # no server started: no log to keep
+            shutil.rmtree(log_root, ignore_errors=True)
         raise
     return LaunchedServers(started, temp_log_dir=None if log_dir else log_root)
 

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -87,15 +88,17 @@ def test_a_client_without_the_key_gets_an_error_that_says_so(server):
         asyncio.run(call())
 
 
-def test_serving_beyond_loopback_without_a_key_is_refused_with_how_to_set_one(model_dir):
+def test_serving_beyond_loopback_without_a_key_is_refused_with_how_to_set_one(model_dir, tmp_path, monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     done = subprocess.run([sys.executable, "-m", "agentrl.engines.serve", "--model", str(model_dir), "--host", "0.0.0.0"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2
     assert "--host 0.0.0.0 is not a loopback address and no API key is set" in done.stderr
     assert f"export {API_KEY_ENV}=" in done.stderr
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(ValueError, match="not a loopback address and no API key is set"):
         launch_servers([ServerSpec(["true"], port=1, host="10.1.2.3")], ready_timeout_s=5)
+    assert list(tmp_path.iterdir()) == []  # refused before its log directory was made
     assert [is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "localhost", "0.0.0.0", "10.0.0.1", "example.com")] == [
         True, True, True, True, False, False, False]  # fmt: skip
 
