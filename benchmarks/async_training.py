@@ -12,7 +12,9 @@ over the training steps' wall time, the trainer's idle fraction, the engine's bu
 the staleness histogram, and reward against samples and against wall-clock per step),
 ``summary`` (per configuration: the means over seeds, the speed-up over the synchronous run,
 the mean reward per sample and its standard deviation over seeds) and ``settings``.
-``--beside-cpu-job`` runs a busy process beside every run (two jobs sharing the cores).
+``--beside-cpu-job`` runs a busy process beside every run (two jobs sharing the cores);
+``--threads`` sets every run's ``OMP_NUM_THREADS`` (default 1: torch's spin-waiting thread teams
+slow a step many times over when another job shares the cores, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path) -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    if args.threads:  # torch's intra-op threads: spin-waiting teams collapse on a shared machine
+        env["OMP_NUM_THREADS"] = str(args.threads)
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *extra, f"trainer.runs_root={root}",
                            f"trainer.run_name={name}"], capture_output=True, text=True, env=env, timeout=args.timeout_s)
     if done.returncode != 0:
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft", action="store_true", help="keep the quickstart's SFT warm start (off: RL from the tiny base)")
     parser.add_argument("--beside-cpu-job", action="store_true", help="a busy process shares the cores with every run")
     parser.add_argument("--timeout-s", type=float, default=3600)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (0: inherit)")
     args = parser.parse_args(argv)
     configs = [("sync", 0, False)] + [
         (f"eta{eta}" + ("_partial" if p == "on" else ""), eta, p == "on")
