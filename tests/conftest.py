@@ -61,13 +61,15 @@ def _measured_slow() -> frozenset[str]:
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the quick tier (-m "not slow") sees these marks
 def pytest_collection_modifyitems(session, config, items):
+    measured = _measured_slow()
+    for item in items:  # measured slow: its file goes with the heavy ones, and the quick tier leaves it out
+        if item.nodeid in measured:
+            item.add_marker(pytest.mark.slow)
     weights: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::", 1)[0]
         weights[module] = min(weights.get(module, 3), _module_weight(item))
     items.sort(key=lambda item: weights[item.nodeid.split("::", 1)[0]])  # stable: a file's tests stay in order
-    # the quick tier leaves out what starts Ray or real SGLang and what was measured slow
-    measured = _measured_slow()
-    for item in items:
-        if item.nodeid in measured or item.get_closest_marker("ray") or item.get_closest_marker("sglang"):
+    for item in items:  # the quick tier also leaves out what starts Ray or the real SGLang server
+        if item.get_closest_marker("ray") or item.get_closest_marker("sglang"):
             item.add_marker(pytest.mark.slow)
