@@ -48,7 +48,8 @@ def test_a_mutation_applied_for_real_is_caught_and_the_file_restored(tmp_path):
     copy = tmp_path / "checkout"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
         ".git", ".venv", ".whl", ".mypy_cache", "__pycache__", ".pytest_cache", ".hypothesis", "runs", "outputs", "docs"))
-    target = copy / "agentrl" / "trainer" / "algorithms.py"
+    mutation = next(m for m in _script().MUTATIONS if m.name == "kl_k3_drops_the_minus_one")
+    target = copy / mutation.file
     before = target.read_bytes()
     done = subprocess.run([sys.executable, str(copy / "scripts" / "mutation_check.py"), "--only", "kl_k3_drops_the_minus_one"],
                           cwd=copy, capture_output=True, text=True, timeout=300)
