@@ -42,7 +42,7 @@ def _batch():
     return prompts, responses, masks
 
 
-def _trl_gradient(model_dir, prompts, responses, masks) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _trl_gradient(model_dir, out_dir, prompts, responses, masks) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -50,7 +50,7 @@ def _trl_gradient(model_dir, prompts, responses, masks) -> tuple[dict[str, torch
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = GRPOConfig(
-        output_dir="unused", per_device_train_batch_size=len(REWARDS), num_generations=GROUP, gradient_accumulation_steps=1,
+        output_dir=str(out_dir), per_device_train_batch_size=len(REWARDS), num_generations=GROUP, gradient_accumulation_steps=1,
         max_completion_length=16, learning_rate=1e-4, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
         epsilon=0.2, temperature=1.0, use_cpu=True, report_to="none", save_strategy="no", gradient_checkpointing=False,
     )
@@ -101,8 +101,8 @@ def _flat(grads: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def trl_side(tiny_model_dir):
-    return _trl_gradient(tiny_model_dir, *_batch())
+def trl_side(tiny_model_dir, tmp_path_factory):
+    return _trl_gradient(tiny_model_dir, tmp_path_factory.mktemp("trl"), *_batch())
 
 
 def test_agentrl_token_mean_update_is_trls_dapo_update_on_one_batch(tiny_model_dir, trl_side):
