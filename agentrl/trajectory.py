@@ -180,8 +180,8 @@ class Trajectory:
         """The oldest weight version among the sampled tokens of every segment; from the
         ``weight_version_min`` metric when no token has a version (a trajectory of a store before
         schema version 5); None when neither says."""
-        found = [v for part in [*self.earlier_segments, self] for v, m in zip(part.token_versions, part.response_mask)
-                 if m and v != NO_VERSION]
+        parts: list[TrajectorySegment | Trajectory] = [*self.earlier_segments, self]
+        found = [v for part in parts for v, m in zip(part.token_versions, part.response_mask) if m and v != NO_VERSION]
         if found:
             return min(found)
         return int(self.metrics["weight_version_min"]) if "weight_version_min" in self.metrics else None

@@ -85,10 +85,10 @@ class RolloutSetup:
     max_retries: int  # sglang: transport errors and 5xx, per server
     api_key: str | None = field(repr=False)  # sglang: the servers' key (managed: their launch's; external: $AGENTRL_API_KEY)
     # rollout.max_staleness: > 0 rolls out on a thread of its own while the trainer trains (docs/async.md)
-    max_staleness: int = 0
+    max_staleness: int
     # rollout.partial: a weight update interrupts running requests, which resume under the new weights
-    partial: bool = False
-    sync_timeout_s: float = 600.0  # engine.sync_timeout_s: the longest one weight sync may take
+    partial: bool
+    sync_timeout_s: float  # engine.sync_timeout_s: the longest one weight sync may take
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None, server_urls: tuple[str, ...] = (),
