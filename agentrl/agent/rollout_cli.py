@@ -65,7 +65,8 @@ def cli_main(argv: list[str]) -> int:
         setup = RolloutSetup.from_config(cfg, server_urls=tuple(servers.urls) if servers is not None else (),
                                          api_key=servers.api_key if servers is not None else None)
 
-        builtin = BuiltinEngine(model_path, max_batch_size=setup.engine_max_batch_size, seed=setup.seed) if setup.engine_backend == "builtin" else None
+        builtin = BuiltinEngine(model_path, max_batch_size=setup.engine_max_batch_size, seed=setup.seed,
+                                decode_graphs=setup.engine_decode_graphs) if setup.engine_backend == "builtin" else None
 
         async def generate():
             # SGLangEngine's HTTP clients belong to the event loop they are created on: this one

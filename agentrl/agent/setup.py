@@ -74,6 +74,7 @@ class RolloutSetup:
     plugin_prefer: dict[str, dict[str, str]]  # plugins.prefer: which distribution wins a name
     max_concurrency: int  # trajectories in flight
     engine_max_batch_size: int  # builtin engine: sequences decoded together
+    engine_decode_graphs: bool | None  # builtin engine: CUDA-graph decode steps (None: on for CUDA)
     seed: int  # the builtin engine's sampling generator
     weight_sync: Literal["memory", "disk"]  # how the trainer's weights reach a colocated engine
     weights_dir: str | None  # the checkpoint directory of weight_sync=disk (set by the trainer)
@@ -125,6 +126,7 @@ class RolloutSetup:
             plugin_prefer={k: dict(v) for k, v in cfg.plugins.prefer.items()},
             max_concurrency=rollout.max_concurrency,
             engine_max_batch_size=cfg.engine.max_batch_size,
+            engine_decode_graphs=cfg.engine.decode_graphs,
             seed=cfg.trainer.seed,
             weight_sync=weight_sync,
             weights_dir=weights_dir,

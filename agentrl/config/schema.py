@@ -111,6 +111,9 @@ class EngineConfig(Section):
     request_timeout_s: float = Field(300.0, gt=0)  # sglang: one /generate call
     max_retries: int = Field(3, ge=0)  # sglang: transport errors and 5xx, per server, before failover
     max_batch_size: int = Field(64, ge=1)  # builtin: sequences decoded together
+    # builtin: decode-only steps on a static layout replayed as CUDA graphs (null: on for CUDA, off
+    # on the CPU; true on the CPU runs the same layout without graphs; docs/gpu.md)
+    decode_graphs: bool | None = None
     weight_sync: Literal["auto", "memory", "disk", "nccl"] = "auto"
     # the longest one weight sync into the engine(s) may take (a drain of running requests, a
     # reload from disk); past it the run fails with an error naming the engine, never a hang

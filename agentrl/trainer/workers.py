@@ -144,7 +144,7 @@ class ActorWorker(Worker):
         )
         return BuiltinEngine(
             self.model if self.shares_model else self.model_path, device=str(self.device), dtype=self.param_dtype,
-            max_batch_size=setup.engine_max_batch_size, seed=setup.seed,
+            max_batch_size=setup.engine_max_batch_size, seed=setup.seed, decode_graphs=setup.engine_decode_graphs,
             # the rollout's event loop runs on this process's training thread: one OpenMP team
             # for both (see "Where the steps run" in builtin.py)
             steps_on="thread" if asynchronous else "event_loop",

@@ -61,7 +61,7 @@ def test_the_setup_carries_each_command_line_value_to_limits_sampling_tools_and_
         "agent.max_assistant_turns=3", "agent.max_user_turns=2", "data.max_response_length=300", "rollout.max_new_tokens=40",
         "agent.max_tool_response_tokens=17", "agent.trajectory_timeout_s=9.5", "agent.malformed_call_policy=end",
         "agent.malformed_call_penalty=-0.5", "agent.program_error_reward=-0.25", "rollout.temperature=0.7", "rollout.val_temperature=0.1", "rollout.top_p=0.9",
-        "rollout.top_k=5", "rollout.max_concurrency=7", "engine.max_batch_size=3", "trainer.seed=11", "engine.weight_sync=disk",
+        "rollout.top_k=5", "rollout.max_concurrency=7", "engine.max_batch_size=3", "engine.decode_graphs=true", "trainer.seed=11", "engine.weight_sync=disk",
         "agent.default_loop=react", "agent.tool_parser=react", "agent.max_parallel_calls=2", "agent.tool_timeout_s=4",
         "plugins.prefer.tools.calculator=agentrl",
     ])  # fmt: skip
@@ -76,6 +76,7 @@ def test_the_setup_carries_each_command_line_value_to_limits_sampling_tools_and_
     assert (setup.tool_names, setup.max_parallel_calls, setup.tool_timeout_s) == ((), 2, 4.0)  # no tool configured: none by default
     assert setup.plugin_prefer == {"tools": {"calculator": "agentrl"}}
     assert (setup.max_concurrency, setup.engine_max_batch_size, setup.seed) == (7, 3, 11)
+    assert setup.engine_decode_graphs is True
     assert (setup.weight_sync, setup.weights_dir) == ("disk", "/w")
 
 
