@@ -21,3 +21,20 @@ def make_row(question: str = "What is 12 * 34?", answer: str = "408", *, agent: 
             "agent_name": agent,
         }
     )
+
+
+def loop_with(program: Any) -> Any:
+    """An ``openai_agent`` loop running ``program`` (the tests' agent program) for every row."""
+    from agentrl_agent_loops.openai_agent import OpenAIAgentLoop
+
+    return type("TestLoop", (OpenAIAgentLoop,), {"program": staticmethod(program)})()
+
+
+def run_rows(loop: Any, ctx: Any, rows: list[tuple[str, Row]]) -> list[Any]:
+    """Run ``loop`` on every ``(row_id, row)`` at once, each in a group of its own."""
+    import asyncio
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(*(loop.run(row, ctx, row_id=rid, group_id=f"g:{rid}") for rid, row in rows))
+
+    return asyncio.run(go())

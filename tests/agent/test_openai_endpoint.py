@@ -9,24 +9,13 @@ import json
 
 import openai
 import pytest
-from agent_helpers import make_row
+from agent_helpers import loop_with, make_row
+from agent_helpers import run_rows as run
 
 from agentrl.agent.scripted import ScriptedEngine
-from agentrl_agent_loops.openai_agent import OpenAIAgentLoop
 from agentrl_agent_programs.gsm8k_calculator import CALCULATOR
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
-
-
-def loop_with(program):
-    return type("TestLoop", (OpenAIAgentLoop,), {"program": staticmethod(program)})()
-
-
-def run(loop, ctx, rows):
-    async def go():
-        return await asyncio.gather(*(loop.run(row, ctx, row_id=rid, group_id=f"g:{rid}") for rid, row in rows))
-
-    return asyncio.run(go())
 
 
 def row():

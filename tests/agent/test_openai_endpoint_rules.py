@@ -12,30 +12,19 @@ import logging
 
 import openai
 import pytest
-from agent_helpers import make_row
+from agent_helpers import loop_with, make_row
+from agent_helpers import run_rows as run
 
 from agentrl.agent import openai_endpoint
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.errors import EngineError
 from agentrl.trainer.step import INFRA_FAILURES, failure_metrics, trajectory_metrics, usable_trajectories
-from agentrl_agent_loops.openai_agent import OpenAIAgentLoop
 from agentrl_agent_programs.gsm8k_calculator import CALCULATOR
 
 BROKEN_JSON = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}\n</tool_call>'
 UNKNOWN_TOOL = '<tool_call>\n{"name": "calculater", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
 WRONG_TYPE = '<tool_call>\n{"name": "calculator", "arguments": {"expression": 408}}\n</tool_call>'
 NOT_AN_OBJECT = '<tool_call>\n{"name": "calculator", "arguments": "12 * 34"}\n</tool_call>'
-
-
-def loop_with(program):
-    return type("TestLoop", (OpenAIAgentLoop,), {"program": staticmethod(program)})()
-
-
-def run(loop, ctx, rows):
-    async def go():
-        return await asyncio.gather(*(loop.run(row, ctx, row_id=rid, group_id=f"g:{rid}") for rid, row in rows))
-
-    return asyncio.run(go())
 
 
 def row():
