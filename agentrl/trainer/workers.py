@@ -190,36 +190,16 @@ class ActorWorker(Worker):
             assert directory is not None, "engine.weight_sync=disk: the rollout setup has no weights_dir"
             self.export_hf(directory)
             if self.engine is not None:
-                self._run_async(self._sync_bounded(self.engine.update_weights(path=directory, version=version), version,
-                                                   f"a reload from {directory}"))
+                self._run_async(_bounded_sync(self, self.engine.update_weights(path=directory, version=version), version,
+                                              f"a reload from {directory}"))
             return
         if self.engine is not None and self.shares_model:
-            asyncio.run(self._sync_bounded(self.engine.weights_changed(version=version), version, "the weights-changed notice"))
+            asyncio.run(_bounded_sync(self, self.engine.weights_changed(version=version), version, "the weights-changed notice"))
             return
         state = self.policy_state()
         if self.engine is not None:
-            asyncio.run(self._sync_bounded(self.engine.update_weights(state_dict=state, version=version), version,
-                                           "an in-memory copy"))
-
-    async def _sync_bounded(self, update: Any, version: int, what: str) -> None:
-        """``update`` within ``engine.sync_timeout_s``; past it an ``EngineTimeout`` names the engine and
-        what the sync was waiting for."""
-        from agentrl.errors import EngineTimeout
-
-        limit = self.rollout_setup.sync_timeout_s if self.rollout_setup is not None else 600.0
-        try:
-            await asyncio.wait_for(update, limit)
-        except asyncio.TimeoutError:
-            engine = self.engine
-            urls = getattr(self.rollout_setup, "server_urls", ()) if getattr(self.rollout_setup, "engine_backend", "") == "sglang" else ()
-            where = f"the SGLang server(s) {', '.join(urls)}" if urls else f"the built-in engine of the actor's rank 0"
-            waiting = ""
-            if hasattr(engine, "stats"):
-                stats = engine.stats()
-                waiting = f" ({stats.running} requests running, {stats.waiting} waiting: a sync drains the running ones first)"
-            raise EngineTimeout(
-                f"weight sync to version {version} ({what}) into {where} did not finish within "
-                f"engine.sync_timeout_s={limit} s{waiting}") from None
+            asyncio.run(_bounded_sync(self, self.engine.update_weights(state_dict=state, version=version), version,
+                                      "an in-memory copy"))
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
@@ -549,3 +529,25 @@ def rank_is_zero(rank: int) -> bool:
 
 def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
+
+
+async def _bounded_sync(worker: "ActorWorker", update: Any, version: int, what: str) -> None:
+    """``update`` within ``engine.sync_timeout_s``; past it an ``EngineTimeout`` names the engine and
+    what the sync was waiting for. A function, not a method: one coroutine method makes Ray run
+    every method of the actor on an event loop, where ``asyncio.run`` fails."""
+    from agentrl.errors import EngineTimeout
+
+    limit = worker.rollout_setup.sync_timeout_s if worker.rollout_setup is not None else 600.0
+    try:
+        await asyncio.wait_for(update, limit)
+    except asyncio.TimeoutError:
+        engine = worker.engine
+        urls = getattr(worker.rollout_setup, "server_urls", ()) if getattr(worker.rollout_setup, "engine_backend", "") == "sglang" else ()
+        where = f"the SGLang server(s) {', '.join(urls)}" if urls else f"the built-in engine of the actor's rank 0"
+        waiting = ""
+        if hasattr(engine, "stats"):
+            stats = engine.stats()
+            waiting = f" ({stats.running} requests running, {stats.waiting} waiting: a sync drains the running ones first)"
+        raise EngineTimeout(
+            f"weight sync to version {version} ({what}) into {where} did not finish within "
+            f"engine.sync_timeout_s={limit} s{waiting}") from None

@@ -10,7 +10,7 @@ import pytest
 from agentrl.engines.base import GenerateRequest, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
 from agentrl.errors import EngineTimeout
-from agentrl.trainer.workers import ActorWorker
+from agentrl.trainer.workers import _bounded_sync
 from enginetest import load_reference
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -28,7 +28,7 @@ async def test_a_sync_that_waits_on_a_long_request_past_the_limit_fails_naming_t
         with pytest.raises(EngineTimeout, match=r"weight sync to version 4 \(an in-memory copy\) into the built-in engine of "
                                                 r"the actor's rank 0 did not finish within engine.sync_timeout_s=0.3 s "
                                                 r"\(1 requests running, 0 waiting: a sync drains the running ones first\)"):
-            await ActorWorker._sync_bounded(worker, engine.update_weights(state, version=4), 4, "an in-memory copy")
+            await _bounded_sync(worker, engine.update_weights(state, version=4), 4, "an in-memory copy")
         await engine.abort_all()
         await running
     finally:

@@ -25,3 +25,15 @@ def test_the_actor_builds_its_engine_with_the_configs_decode_graphs(monkeypatch)
                                        device=torch.device("cpu"), model_path="/m")
         ActorWorker._builtin_engine(worker, setup)
         assert seen["decode_graphs"] is value
+
+
+def test_no_worker_class_has_a_coroutine_method():
+    # Ray runs every method of an actor class with one `async def` method on an event loop, where
+    # the workers' own asyncio.run (rollouts, weight syncs) fails: a CI run's Ray trainings all died so
+    import inspect
+
+    from agentrl.trainer.workers import CriticWorker, ReferenceWorker
+
+    for cls in (ActorWorker, ReferenceWorker, CriticWorker):
+        coroutines = [name for name, member in inspect.getmembers(cls) if inspect.iscoroutinefunction(member)]
+        assert coroutines == [], f"{cls.__name__}: {coroutines}"
