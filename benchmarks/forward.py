@@ -47,7 +47,7 @@ def _sft_batch(tokenizer, seed: int):
 
     cfg = load_config("train", [])
     conversations = sft_conversations(cfg.data.task, 32, seed=seed, informal_rate=cfg.sft.informal_rate)
-    examples = tokenize_conversations(tokenizer, conversations, tools=tool_schemas(cfg), max_length=cfg.sft.max_length)
+    examples = tokenize_conversations(tokenizer, conversations, tools=tool_schemas(cfg, conversations), max_length=cfg.sft.max_length)
     return sft_batches(examples, batch_size=32, pad_token_id=tokenizer.pad_token_id, epochs=1, seed=seed)[0]
 
 
