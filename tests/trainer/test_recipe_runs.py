@@ -41,7 +41,7 @@ def test_dapo_run_draws_again_when_groups_are_uniform_and_stores_every_draw(tmp_
 
     stored = pq.read_table(run / "rollouts").to_pydict()
     for step, m in steps.items():
-        n = sum(1 for s, split in zip(stored["step"], stored["split"]) if s == step - 1 and split == "train")
+        n = sum(1 for s, split in zip(stored["step"], stored["split"]) if s == step and split == "train")
         assert n == 2 * 2 * m["dynamic_sampling/gen_batches"]  # every draw's trajectories, kept or not
     config = (run / "config.yaml").read_text()
     assert "clip_ratio_high: 0.28" in config and "loss_agg_mode: token-mean" in config
