@@ -480,7 +480,7 @@ def part_weight_sync(config, args, device, dtype, state) -> dict:
         directory = Path(tmp)
         if worker is not None:
             _, export_s = timed(lambda: worker.export_hf(str(directory)))
-            how = "ActorWorker.export_hf (policy_state + from_config + save_pretrained)"
+            how = "ActorWorker.export_hf (policy_state + hf_export.write_hf_checkpoint)"
         else:
             _, export_s = timed(lambda: source.save_pretrained(directory))
             how = "save_pretrained of a bf16 model"

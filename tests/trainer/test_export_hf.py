@@ -1,5 +1,6 @@
-"""``ActorWorker.export_hf`` writes the policy's own weights (the model is built on the meta device
-and given the state's tensors, never a fresh initialisation): a 1-rank gloo actor on the tiny model."""
+"""``ActorWorker.export_hf`` writes the policy's own weights (straight from its state through
+``hf_export.write_hf_checkpoint``, no model built, never a fresh initialisation): a 1-rank gloo
+actor on the tiny model."""
 
 from __future__ import annotations
 
