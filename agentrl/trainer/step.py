@@ -297,15 +297,17 @@ def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> 
     for t in trajectories:
         m[f"{prefix}finish/{t.finish_reason}"] = m.get(f"{prefix}finish/{t.finish_reason}", 0.0) + 1.0 / n
         for key, value in t.metrics.items():
-            if key.startswith(("tool_errors/", "program_errors/")):  # counts: malformed calls by kind, program exceptions by type
+            # counts: malformed calls by kind, program exceptions by type, environment failures by kind
+            if key.startswith(("tool_errors/", "program_errors/", "env_errors/")):
                 m[f"{prefix}{key}"] = m.get(f"{prefix}{key}", 0.0) + value
     m.update(tool_call_metrics(trajectories, prefix))
-    # what interactions (interaction/<key>, summed over the trajectory's turns) and custom loops
-    # (loop/<key>) emit: the mean over the trajectories that report the key
+    # what interactions (interaction/<key>, summed over the trajectory's turns), custom loops
+    # (loop/<key>) and environments (env/<reward function>, agentrl.environments) emit: the mean
+    # over the trajectories that report the key
     emitted: dict[str, list[float]] = {}
     for t in trajectories:
         for key, value in t.metrics.items():
-            if key.startswith(("interaction/", "loop/")):
+            if key.startswith(("interaction/", "loop/", "env/")):
                 emitted.setdefault(key, []).append(float(value))
     m.update({f"{prefix}{key}": sum(v) / len(v) for key, v in emitted.items()})
     # the retry task: success at the second attempt (first answer judged wrong, second right)
