@@ -59,6 +59,10 @@ class TrajectoryFinish(str, Enum):
       (a framework that gave up on the model's output): a scored episode, rewarded
       ``agent.program_error_reward`` and kept in the loss; the exception's type is in
       ``reward_info["exception_type"]`` and counted in ``program_errors/<type>``.
+    * ``environment_error``: the environment the row belongs to (``agentrl.environments``: an
+      OpenEnv server, a verifiers or TRL environment) failed: its server died or did not answer
+      in time, or its own code raised. An infrastructure failure like ``engine_error``: kept,
+      counted in ``failures/environment_error``, left out of the loss; error in ``reward_info``.
     """
 
     STOP = "stop"
@@ -74,6 +78,7 @@ class TrajectoryFinish(str, Enum):
     ABORT = "abort"
     LOOP_ERROR = "loop_error"
     PROGRAM_ERROR = "program_error"
+    ENVIRONMENT_ERROR = "environment_error"
 
     def __str__(self) -> str:  # the value, in f-strings and metric names too (as enum.StrEnum)
         return self.value

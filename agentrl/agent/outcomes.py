@@ -4,8 +4,8 @@ each failing kind in full, and whether the job failed.
 ``agentrl rollout`` and the replay re-run print this and exit nonzero when the share of failed
 trajectories exceeds ``rollout.max_failure_rate``: a run whose every trajectory ended in
 ``loop_error`` must not look like success. Failed means the episode could not run to an end of
-its own (the loop, the engine or the interaction raised, or the engine aborted); a trajectory
-that hit a length or turn limit finished normally.
+its own (the loop, the engine, the interaction or the environment failed, or the engine
+aborted); a trajectory that hit a length or turn limit finished normally.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ __all__ = ["FAILED", "FinishSummary", "summarize_finishes"]
 
 FAILED = frozenset({
     TrajectoryFinish.LOOP_ERROR, TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.INTERACTION_ERROR, TrajectoryFinish.ABORT,
+    TrajectoryFinish.ENVIRONMENT_ERROR,
 })
 
 

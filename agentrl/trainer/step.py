@@ -105,11 +105,13 @@ def is_on_policy(cfg: TrainConfig) -> bool:
 
 
 # Finishes that say the infrastructure failed, not the policy: the engine failed a request after
-# its retries (a server died, timed out, answered 5xx), aborted it, or the loop itself raised.
+# its retries (a server died, timed out, answered 5xx), aborted it, the loop itself raised, or
+# the row's environment failed (its server died or timed out, its code raised).
 # Such trajectories stay in the store (with ``reward_info["error"]``) but are left out of the loss;
 # their group is re-normalised over the members that remain (the advantages group by
 # ``group_id`` over the trajectories collated).
-INFRA_FAILURES = frozenset({TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.ABORT, TrajectoryFinish.LOOP_ERROR})
+INFRA_FAILURES = frozenset({TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.ABORT, TrajectoryFinish.LOOP_ERROR,
+                            TrajectoryFinish.ENVIRONMENT_ERROR})
 
 
 class RolloutFailed(AgentrlError):
