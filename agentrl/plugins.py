@@ -14,6 +14,7 @@ an error until the config says which distribution wins (``plugins.prefer``).
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata as metadata
 import json
 import os
@@ -32,6 +33,7 @@ GROUPS: tuple[str, ...] = (
     "agentrl.data_source_rewards",  # name: a data source; value: its reward function (reward.by_data_source wins)
     "agentrl.tool_parsers",
     "agentrl.agents",
+    "agentrl.environments",  # verifiers / OpenEnv / TRL environments (agentrl.environments.spec.resolve)
 )
 
 # verl's names for the built-in loops, accepted wherever a loop name is.
@@ -156,6 +158,32 @@ class PluginRegistry:
             self._loaded[key] = _import_target(spec)
         return self._loaded[key]
 
+    def load_object(self, group: str, name: str) -> Any:
+        """What ``name`` names: an entry point of ``group``, else ``pkg.mod:attr``, else the
+        module ``pkg.mod``. A missing or failing import is a ``PluginError`` that names the
+        module and, when the import failed on another module, the package that is missing."""
+        if name in self.names(group):
+            return self.load(group, name)
+        module, _, attr = name.partition(":")
+        try:
+            obj: Any = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or module
+            if missing == module or module.startswith(missing + "."):
+                known = ", ".join(self.names(group)) or "none installed"
+                raise PluginError(f"{name!r} is neither an entry point in group {_group_name(group)} (known: {known}) "
+                                  f"nor an importable module (no module named {missing!r})") from exc
+            raise PluginError(f"module {module!r} (for {name!r}) failed to import: the package {missing.split('.')[0]!r} "
+                              f"is not installed ({exc})") from exc
+        except Exception as exc:  # any failure inside the module's import
+            raise PluginError(f"module {module!r} (for {name!r}) failed to import: {type(exc).__name__}: {exc}") from exc
+        for part in attr.split(".") if attr else ():
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise PluginError(f"module {module!r} has no attribute {attr!r} (for {name!r})") from None
+        return obj
+
     def import_problem(self, group: str, name: str) -> str | None:
         """Why an installed plugin cannot be imported, or None when it imports (or is not
         installed: naming unknown plugins is the caller's membership check). Failures are
@@ -163,7 +191,12 @@ class PluginRegistry:
         key = (_group_name(group), name)
         if key not in self._import_problems:
             problem, canonical = None, self.canonical(group, name)
-            if canonical in self.names(group):
+            if key[0] == "agentrl.environments":  # a module name is as good as an entry point here
+                try:
+                    self.load_object(group, name)
+                except PluginError as exc:
+                    problem = str(exc)
+            elif canonical in self.names(group):
                 try:
                     self.load(group, canonical)
                 except PluginError as exc:

@@ -39,8 +39,9 @@ def test_installed_entry_points_are_exactly_those_in_pyproject():
     installed = {(s.group, s.name, s.target) for s in discover() if s.distribution == "agentrl"}
     assert installed == expected
     # every group has built-ins except data_source_rewards: a declared reward would override
-    # reward.default for that data source, which agentrl's own data must not do
-    assert {group for group, _, _ in expected} == set(GROUPS) - {"agentrl.data_source_rewards"}
+    # reward.default for that data source, which agentrl's own data must not do; and environments:
+    # agentrl ships none (they are the user's installed verifiers / OpenEnv / TRL environments)
+    assert {group for group, _, _ in expected} == set(GROUPS) - {"agentrl.data_source_rewards", "agentrl.environments"}
 
 
 def test_every_builtin_plugin_loads_and_has_its_kind():

@@ -34,8 +34,8 @@ from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import Limits
 from agentrl.agent.tool_parsers import ParsedTurn, ToolParser
 from agentrl.agent.tools_runtime import CallOutcome, InteractionPool, InteractionSession, ToolBox, ToolSession
-from agentrl.config.schema import RewardComponents
-from agentrl.data.row import Row
+from agentrl.config.schema import EnvironmentConfig, RewardComponents
+from agentrl.data.row import EnvironmentRef, Row
 from agentrl.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.errors import EngineError
 from agentrl.rewards import score_to_float
@@ -70,9 +70,20 @@ class LoopContext:
     parser_by_loop: Mapping[str, ToolParser] = field(default_factory=dict)  # loop name -> its parser
     policy_version: int = 0
     reward_components: RewardComponents = field(default_factory=RewardComponents)  # reward.components
+    # the config's environment section (agentrl.environments): the ref of rows that name none, library settings
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
     def parser_for(self, loop_name: str) -> ToolParser:
         return self.parser_by_loop.get(loop_name, self.parser)
+
+    @property
+    def default_environment(self) -> EnvironmentRef | None:
+        """The config's environment ref (None when ``environment.library`` is null)."""
+        return EnvironmentRef.from_config(self.environment)
+
+    def environment_ref(self, row: Row) -> EnvironmentRef | None:
+        """The environment a row runs in: its own ``extra_info.environment``, else the config's."""
+        return row.environment_ref(self.default_environment)
 
 
 class EpisodeEnd(Exception):

@@ -1,7 +1,9 @@
 """``RolloutRunner``: many trajectories in flight on one asyncio loop.
 
 Each row is run ``n`` times (one group: GRPO/RLOO compare the samples of a row); the loop is
-chosen per row by ``agent_name`` (verl's names accepted), else the configured default.
+chosen per row by ``agent_name`` (verl's names accepted), else by the library of the row's
+environment (``extra_info.environment``, else the config's ``environment``: verifiers ->
+``verifiers_env``, openenv -> ``openenv_env``, trl -> ``trl_env``), else the configured default.
 Trajectories come back in a deterministic order (row order, then sample index), each with its
 own seed derived from (seed, group, sample), so results do not depend on scheduling. A loop
 that raises does not lose its trajectory silently: it comes back with ``finish_reason``
@@ -142,6 +144,7 @@ def build_context(
         sampling=sampling,
         reward_fn=RewardTable(setup.reward, registry.prefer),
         reward_components=setup.reward.components,
+        environment=setup.environment,
     )
 
 
@@ -196,7 +199,7 @@ class RolloutRunner:
         return [t for t in results if t is not None]
 
     async def _run_one(self, row_id: str, row: Row, group_id: str, sample: int, seed: int | None) -> Trajectory:
-        loop = self.loops.get(row.agent_name)
+        loop = self.loops.get(row.loop_name(self.ctx.default_environment))
         traj_seed = None if seed is None else zlib.crc32(f"{seed}|{group_id}|{sample}".encode()) & 0x7FFFFFFF
         try:
             return await loop.run(row, self.ctx, row_id=row_id, group_id=group_id, sample_index=sample, seed=traj_seed)

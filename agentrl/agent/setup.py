@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agentrl.config.schema import AgentConfig, RewardConfig, RolloutConfig, TrainConfig
+from agentrl.config.schema import AgentConfig, EnvironmentConfig, RewardConfig, RolloutConfig, TrainConfig
 from agentrl.config.verl_files import InteractionSpec, ToolSpec, read_interaction_config, read_tool_config
 from agentrl.engines.base import SamplingParams
 
@@ -90,6 +90,8 @@ class RolloutSetup:
     # rollout.partial: a weight update interrupts running requests, which resume under the new weights
     partial: bool
     sync_timeout_s: float  # engine.sync_timeout_s: the longest one weight sync may take
+    # the config's environment section: the ref of rows that name none, and each library's settings
+    environment: EnvironmentConfig
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, weights_dir: str | None = None, server_urls: tuple[str, ...] = (),
@@ -138,4 +140,5 @@ class RolloutSetup:
             max_staleness=rollout.max_staleness,
             partial=rollout.partial,
             sync_timeout_s=cfg.engine.sync_timeout_s,
+            environment=cfg.environment.model_copy(deep=True),
         )

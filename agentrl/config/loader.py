@@ -248,6 +248,26 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def _check_environment(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """The config's environment (the one of rows that name none) is found and its library's
+    loop installed, before any data or model is loaded; rows' own refs are checked with the data."""
+    from agentrl.config.schema import ENVIRONMENT_EXTRAS, ENVIRONMENT_LOOPS
+    from agentrl.plugins import PluginRegistry
+
+    env = cfg.environment
+    if env.library is None:
+        return []
+    registry = PluginRegistry(cfg.plugins.prefer)
+    problems = []
+    loop = ENVIRONMENT_LOOPS[env.library]
+    if loop not in registry.names("agent_loops"):
+        problems.append(("environment.library", f"the {env.library} loop {loop!r} is not installed (known loops: "
+                                                f"{', '.join(registry.names('agent_loops'))})"))
+    if env.name is not None and (problem := registry.import_problem("environments", env.name)) is not None:
+        problems.append(("environment.name", f"{problem} (the library installs with pip install 'agentrl[{ENVIRONMENT_EXTRAS[env.library]}]')"))
+    return problems
+
+
 def _check_async(cfg: TrainConfig) -> list[tuple[str, str]]:
     """Asynchronous training (``rollout.max_staleness`` > 0) runs on the built-in engine, without
     dynamic sampling (its refills are drawn within one step)."""
@@ -274,7 +294,7 @@ def _check_rollout_correction(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 CHECKS: tuple[Check, ...] = (
     _check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_workers, _check_files, _check_plugins,
-    _check_async, _check_rollout_correction,
+    _check_environment, _check_async, _check_rollout_correction,
 )
 # what only a command that trains uses: its batch relations, the critic, the reward shaping of
 # the trainer and its workers (a rollout with data.train_batch_size=8 is not refused for the

@@ -38,6 +38,10 @@ __all__ = [
     "TrainerConfig",
     "LoggingConfig",
     "PluginsConfig",
+    "EnvironmentLibrary",
+    "ENVIRONMENT_LOOPS",
+    "ENVIRONMENT_EXTRAS",
+    "EnvironmentConfig",
     "TrainConfig",
 ]
 
@@ -428,6 +432,28 @@ class PluginsConfig(Section):
     prefer: dict[str, dict[str, str]] = Field(default_factory=dict)
 
 
+EnvironmentLibrary = Literal["verifiers", "openenv", "trl"]
+# The agent loop that runs a row of each library when the row names no agent_name.
+ENVIRONMENT_LOOPS: dict[str, str] = {"verifiers": "verifiers_env", "openenv": "openenv_env", "trl": "trl_env"}
+# The optional-dependency extra of agentrl that installs each library (pip install 'agentrl[<extra>]').
+ENVIRONMENT_EXTRAS: dict[str, str] = {"verifiers": "verifiers", "openenv": "openenv", "trl": "trl-env"}
+
+
+class EnvironmentConfig(Section):
+    # The environment of every row that names none in extra_info.environment (a row's own wins;
+    # docs/environments/index.md). library null: rows without a ref run as without environments.
+    library: EnvironmentLibrary | None = None
+    # an entry point name in group agentrl.environments, a module `pkg.mod`, or `pkg.mod:attr`
+    name: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)  # the library's constructor / load_environment kwargs
+
+    @model_validator(mode="after")
+    def _name_needs_library(self) -> "EnvironmentConfig":
+        if self.name is not None and self.library is None:
+            raise ValueError(f"environment.name {self.name!r} needs environment.library (one of verifiers, openenv, trl)")
+        return self
+
+
 class TrainConfig(Section):
     """The whole config of `agentrl train` (and, with their own defaults, rollout and sft)."""
 
@@ -444,6 +470,7 @@ class TrainConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
 
     @model_validator(mode="after")
     def _resolve_derived(self) -> "TrainConfig":

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
-from agentrl.data.row import Row
+from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
 
 __all__ = ["MAX_REPORTED", "row_uid", "file_tags", "parse_row", "row_plugin_problems", "validate_files", "RowDataset", "rows_from_dicts"]
@@ -81,12 +81,14 @@ def validate_files(
     import_problem: Callable[[str, str], str | None] | None = None,
     max_reported: int = MAX_REPORTED,
     known_agents: Collection[str] | None = None,
+    default_environment: EnvironmentRef | None = None,
 ) -> list[DataError]:
     """Every problem in ``paths``, in file and row order: missing or unreadable files, rows that
     fail validation, and (for each ``known_*`` given) rows naming a plugin that is not among
     them: an ``agent_name`` (or, for rows without one, ``default_agent``), a tool (the keys of
     ``extra_info.tools_kwargs``), an interaction (``extra_info.interaction_kwargs.name``) or an
-    agent program (``extra_info.agent_program``, the ``openai_agent`` loop's).
+    agent program (``extra_info.agent_program``, the ``openai_agent`` loop's), or the loop of its
+    environment's library (``extra_info.environment``, else ``default_environment``: the config's).
     ``import_problem(group, name)`` (``PluginRegistry.import_problem``), when given, is asked
     about each plugin a row names, so one that is installed but fails to import is reported at
     the first row naming it, before any model is loaded. At most ``max_reported`` problems are
@@ -105,11 +107,11 @@ def validate_files(
                 except DataError as err:
                     found.add(err)
                     continue
-                if row.agent_name is None:
+                if row.loop_name(default_environment) is None:
                     first_defaulted = first_defaulted or (path, index)
                     defaulted += 1
                 for field, problem in row_plugin_problems(row, known, known_tools, known_interactions, import_problem,
-                                                          agents=known_agents):
+                                                          agents=known_agents, default_environment=default_environment):
                     found.add(DataError(problem, file=path, row=index, field=field))
         except DataError as err:
             found.add(err)
@@ -130,14 +132,24 @@ def row_plugin_problems(
     import_problem: Callable[[str, str], str | None] | None = None,
     *,
     agents: Collection[str] | None = None,
+    default_environment: EnvironmentRef | None = None,
 ) -> Iterator[tuple[str, str]]:
     """``(field, problem)`` for each plugin the row names that is not among the known names of
     its kind (a kind whose names are None is not checked) or, asked through ``import_problem``,
     fails to import: its ``agent_name``, its tools (the keys of ``extra_info.tools_kwargs``), its
-    interaction and its agent program (``extra_info.agent_program``)."""
+    interaction, its agent program (``extra_info.agent_program``), and its environment
+    (``extra_info.environment``: the name, and its library's loop when the row names no
+    ``agent_name``; the config's ``default_environment`` is checked once, by the config loader)."""
     named = []
     if row.agent_name is not None:
         named.append(("agent_name", "agent_loops", "agent_name", row.agent_name, loops))
+    own = row.extra_info.environment
+    ref = row.environment_ref(default_environment)
+    if row.agent_name is None and ref is not None:
+        where = "extra_info.environment.library" if own is not None else "environment.library"
+        named.append((where, "agent_loops", f"{ref.library} loop", ref.loop, loops))
+    if own is not None and own.name is not None:
+        named.append(("extra_info.environment.name", "environments", f"{own.library} environment", own.name, None))
     named += [(f"extra_info.tools_kwargs.{name}", "tools", "tool", name, tools) for name in row.extra_info.tools_kwargs]
     spec = row.extra_info.interaction_kwargs
     if spec is not None and spec.name is not None:
@@ -149,7 +161,8 @@ def row_plugin_problems(
         if known is not None and name not in known:
             yield field, f"unknown {kind} {name!r} (known: {', '.join(sorted(known)) or 'none'})"
         elif import_problem is not None and (problem := import_problem(group, name)) is not None:
-            yield field, f"{kind} {name!r} cannot be loaded: {problem}"
+            hint = f" (the library installs with pip install 'agentrl[{own.extra}]')" if group == "environments" and own else ""
+            yield field, f"{kind} {name!r} cannot be loaded: {problem}{hint}"
 
 
 class _Problems:

@@ -1,6 +1,7 @@
 """Reading and writing row parquet files with pyarrow, in record batches.
 
-Free-form nested values - ``extra_info.tools_kwargs``, ``extra_info.interaction_kwargs``, the
+Free-form nested values - ``extra_info.tools_kwargs``, ``extra_info.interaction_kwargs``,
+``extra_info.environment``, the
 ``tool_calls`` of a prompt message and an SFT ``messages`` column - are stored as JSON text:
 Arrow structs need one schema for every row (and cannot be empty), while these differ from row
 to row (each tool has its own create kwargs). Reading accepts both JSON text and verl's structs.
@@ -24,11 +25,11 @@ if TYPE_CHECKING:
 
 __all__ = ["JSON_FIELDS", "ROW_GROUP_SIZE", "write_rows", "iter_raw_rows", "decode_row", "count_rows", "open_parquet"]
 
-JSON_FIELDS = (("extra_info", "tools_kwargs"), ("extra_info", "interaction_kwargs"), ("prompt", "*", "tool_calls"), ("messages",))
+JSON_FIELDS = (("extra_info", "tools_kwargs"), ("extra_info", "interaction_kwargs"), ("extra_info", "environment"), ("prompt", "*", "tool_calls"), ("messages",))
 # Rows per row group when writing: the unit a shuffled dataset decodes to reach one row, so it
 # bounds both the memory of its cache and the work of a random read.
 ROW_GROUP_SIZE = 1024
-_EXTRA_JSON = ("tools_kwargs", "interaction_kwargs")
+_EXTRA_JSON = ("tools_kwargs", "interaction_kwargs", "environment")
 _STRUCTS = ("extra_info", "reward_model")
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from agentrl.data.dataset import file_tags, parse_row, row_uid, validate_files
 from agentrl.data.io import iter_raw_rows, write_rows
-from agentrl.data.row import Row
+from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ def prepare_data(cfg: "TrainConfig", data_dir: Path) -> tuple[list[str], list[tu
         known_interactions=set(registry.names("interactions")) | set(yaml_interactions),
         import_problem=registry.import_problem,  # a plugin that fails to import stops the run here, not at its first row
         known_agents=registry.names("agents"),
+        default_environment=EnvironmentRef.from_config(cfg.environment),  # rows without their own run in it
     )
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)

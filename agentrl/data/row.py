@@ -2,7 +2,8 @@
 
 A row is one prompt plus everything the agent layer needs to run and score it: the chat
 messages, the ground truth for the reward, per-tool create kwargs, the interaction to attach
-and, optionally, which agent loop runs it.
+and, optionally, which agent loop runs it, or the environment (a verifiers environment, an
+OpenEnv server, a TRL environment class) that it belongs to (``extra_info.environment``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["Message", "RewardModelSpec", "InteractionKwargs", "ToolKwargs", "ExtraInfo", "Row"]
+from agentrl.config.schema import ENVIRONMENT_EXTRAS, ENVIRONMENT_LOOPS, EnvironmentConfig, EnvironmentLibrary
+
+__all__ = ["Message", "RewardModelSpec", "InteractionKwargs", "ToolKwargs", "EnvironmentRef", "ENVIRONMENT_LOOPS",
+           "ENVIRONMENT_EXTRAS", "ExtraInfo", "Row"]
 
 
 class Message(BaseModel):
@@ -55,6 +59,40 @@ class InteractionKwargs(BaseModel):
     name: str | None = None
 
 
+class EnvironmentRef(BaseModel):
+    """Which environment a row belongs to: ``extra_info.environment`` of a row, else the config's
+    ``environment`` section. ``name`` is an entry point in group ``agentrl.environments``, a
+    module ``pkg.mod`` or ``pkg.mod:attr`` (``agentrl.environments.spec.resolve``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    library: EnvironmentLibrary
+    name: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _null_args(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @property
+    def loop(self) -> str:
+        """The agent loop that runs this library's rows."""
+        return ENVIRONMENT_LOOPS[self.library]
+
+    @property
+    def extra(self) -> str:
+        """agentrl's optional-dependency extra that installs the library."""
+        return ENVIRONMENT_EXTRAS[self.library]
+
+    @classmethod
+    def from_config(cls, config: EnvironmentConfig) -> "EnvironmentRef | None":
+        """The config section's ref, or None when it names no library."""
+        if config.library is None:
+            return None
+        return cls(library=config.library, name=config.name, args=dict(config.args))
+
+
 class ExtraInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -62,8 +100,9 @@ class ExtraInfo(BaseModel):
     split: str | None = None
     tools_kwargs: dict[str, ToolKwargs] = Field(default_factory=dict)
     interaction_kwargs: InteractionKwargs | None = None
+    environment: EnvironmentRef | None = None  # the row's environment (wins over the config's)
 
-    @field_validator("tools_kwargs", "interaction_kwargs", mode="before")
+    @field_validator("tools_kwargs", "interaction_kwargs", "environment", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any, info: Any) -> Any:
         # parquet writers turn absent structs into {} or None; both mean "not set".
@@ -87,6 +126,18 @@ class Row(BaseModel):
     @property
     def ground_truth(self) -> str | None:
         return self.reward_model.ground_truth
+
+    def environment_ref(self, default: EnvironmentRef | None = None) -> EnvironmentRef | None:
+        """The row's environment ref (``extra_info.environment``), else ``default`` (the config's)."""
+        return self.extra_info.environment if self.extra_info.environment is not None else default
+
+    def loop_name(self, default: EnvironmentRef | None = None) -> str | None:
+        """The loop this row asks for: its ``agent_name``, else its environment's library loop,
+        else None (the configured default loop)."""
+        if self.agent_name is not None:
+            return self.agent_name
+        ref = self.environment_ref(default)
+        return ref.loop if ref is not None else None
 
     def messages(self) -> list[dict[str, Any]]:
         """The prompt as plain dicts, the form chat templates take."""

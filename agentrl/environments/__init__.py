@@ -3,3 +3,7 @@
 Each library has its own adapter module here (``verifiers``, ``openenv``, ``trl``), imported only
 when a run names that library, so agentrl imports without any of them installed.
 """
+
+from agentrl.environments.spec import LIBRARY_EXTRAS, LIBRARY_LOOPS, EnvironmentRef, cached, config_ref, resolve
+
+__all__ = ["EnvironmentRef", "LIBRARY_LOOPS", "LIBRARY_EXTRAS", "resolve", "cached", "config_ref"]
