@@ -19,6 +19,7 @@ from typing import Any, Literal
 from agentrl.config.schema import AgentConfig, EnvironmentConfig, RewardConfig, RolloutConfig, TrainConfig
 from agentrl.config.verl_files import InteractionSpec, ToolSpec, read_interaction_config, read_tool_config
 from agentrl.engines.base import SamplingParams
+from agentrl.engines.process import default_engine_threads
 
 __all__ = ["Limits", "RolloutSetup"]
 
@@ -90,6 +91,8 @@ class RolloutSetup:
     # rollout.partial: a weight update interrupts running requests, which resume under the new weights
     partial: bool
     sync_timeout_s: float  # engine.sync_timeout_s: the longest one weight sync may take
+    engine_process: bool  # builtin engine: in a process of its own (engine.process, resolved)
+    engine_threads: int  # builtin engine in its own process: its torch threads (engine.threads, resolved here)
     # the config's environment section: the ref of rows that name none, and each library's settings
     environment: EnvironmentConfig
 
@@ -140,5 +143,7 @@ class RolloutSetup:
             max_staleness=rollout.max_staleness,
             partial=rollout.partial,
             sync_timeout_s=cfg.engine.sync_timeout_s,
+            engine_process=engine.process if engine.process is not None else rollout.max_staleness > 0,
+            engine_threads=engine.threads or default_engine_threads(),
             environment=cfg.environment.model_copy(deep=True),
         )

@@ -122,6 +122,13 @@ class EngineConfig(Section):
     # the longest one weight sync into the engine(s) may take (a drain of running requests, a
     # reload from disk); past it the run fails with an error naming the engine, never a hang
     sync_timeout_s: float = Field(600.0, gt=0)
+    # builtin: in a process of its own (engines/process.py: its own threads and weight copy, engine
+    # steps never hold the tools' event loop) or in the trainer's; null: its own process in
+    # asynchronous training (rollout.max_staleness > 0), the trainer's otherwise
+    process: bool | None = None
+    # builtin in its own process: its torch threads (null: OMP_NUM_THREADS where the environment
+    # sets it, else half the cores; the trainer's ranks share the rest, trainer.threads_per_worker)
+    threads: int | None = Field(None, ge=1)
 
 
 class RolloutConfig(Section):

@@ -67,7 +67,8 @@ def threads_per_worker(cfg: TrainConfig) -> int:
     """Torch threads of each training worker: ``trainer.threads_per_worker``; else
     ``OMP_NUM_THREADS`` where this process's environment sets it (whoever started the job bounded
     its threads: two jobs sharing a machine, a test suite on one worker per core); else the
-    machine's cores shared by the actor's ranks. Why the bound matters: two jobs whose threads
+    machine's cores shared by the actor's ranks (less the threads of a built-in engine in its own
+    process, ``engine.threads``). Why the bound matters: two jobs whose threads
     together exceed the cores each ran several times slower than the two of them with one thread
     each, as each job's OpenMP threads spin while waiting (docs/benchmarks.md)."""
     if cfg.trainer.threads_per_worker:
@@ -75,7 +76,12 @@ def threads_per_worker(cfg: TrainConfig) -> int:
     bound = os.environ.get("OMP_NUM_THREADS", "")
     if bound.isdigit() and int(bound) >= 1:
         return int(bound)
-    return max(1, (os.cpu_count() or 2) // cfg.actor.world_size)
+    cores = os.cpu_count() or 2
+    if cfg.engine.backend == "builtin" and (cfg.engine.process if cfg.engine.process is not None else cfg.rollout.max_staleness > 0):
+        from agentrl.engines.process import default_engine_threads  # the engine's own process takes its share
+
+        cores = max(1, cores - (cfg.engine.threads or default_engine_threads()))
+    return max(1, cores // cfg.actor.world_size)
 
 
 def worker_env(threads: int) -> dict[str, str]:

@@ -137,11 +137,24 @@ class ActorWorker(Worker):
         # Asynchronous training (rollout.max_staleness > 0) never shares: the trainer updates its
         # weights while the engine samples, so the engine holds its own copy, steps on its own
         # thread and takes each new version through update_weights (which drains running requests).
+        # engine.process (the default in asynchronous training): the engine in a process of its
+        # own, with its own threads and weight copy (engines/process.py); a sync goes through a
+        # shared file mapping (memory) or the exported checkpoint (disk)
         asynchronous = setup.max_staleness > 0
         self.shares_model = (
             setup.weight_sync == "memory" and not isinstance(self.model, FSDPModule) and self.lora is None
             and all(p.dtype == self.param_dtype for p in self.model.parameters()) and not asynchronous
+            and not setup.engine_process
         )
+        if setup.engine_process:
+            from agentrl.engines.process import EngineProcess
+
+            return EngineProcess(
+                self.model_path, threads=setup.engine_threads, sync_timeout_s=setup.sync_timeout_s,
+                name="the built-in engine process of the actor's rank 0", device=str(self.device), dtype=self.param_dtype,
+                max_batch_size=setup.engine_max_batch_size, seed=setup.seed, decode_graphs=setup.engine_decode_graphs,
+                partial=asynchronous and setup.partial,
+            )
         return BuiltinEngine(
             self.model if self.shares_model else self.model_path, device=str(self.device), dtype=self.param_dtype,
             max_batch_size=setup.engine_max_batch_size, seed=setup.seed, decode_graphs=setup.engine_decode_graphs,
@@ -543,7 +556,7 @@ async def _bounded_sync(worker: "ActorWorker", update: Any, version: int, what: 
     except asyncio.TimeoutError:
         engine = worker.engine
         urls = getattr(worker.rollout_setup, "server_urls", ()) if getattr(worker.rollout_setup, "engine_backend", "") == "sglang" else ()
-        where = f"the SGLang server(s) {', '.join(urls)}" if urls else f"the built-in engine of the actor's rank 0"
+        where = f"the SGLang server(s) {', '.join(urls)}" if urls else getattr(engine, "name", "the built-in engine of the actor's rank 0")
         waiting = ""
         if hasattr(engine, "stats"):
             stats = engine.stats()
