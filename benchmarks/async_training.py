@@ -12,9 +12,19 @@ over the training steps' wall time, the trainer's idle fraction, the engine's bu
 the staleness histogram, and reward against samples and against wall-clock per step),
 ``summary`` (per configuration: the means over seeds, the speed-up over the synchronous run,
 the mean reward per sample and its standard deviation over seeds) and ``settings``.
-``--beside-cpu-job`` runs a busy process beside every run (two jobs sharing the cores);
-``--threads`` sets every run's ``OMP_NUM_THREADS`` (default 1: torch's spin-waiting thread teams
-slow a step many times over when another job shares the cores, docs/benchmarks.md).
+``--sft``: every run starts from the quickstart's warm start (SFT on a demonstrator who seldom
+calls the calculator, so RL has something to learn: calling it), built once and shared (or taken
+from ``--warm-start DIR``); without it the runs start from the calculator-skilled base, which
+already solves the task. Configurations run in the order listed for the first seed, reversed
+for the next, and so on (a machine whose load drifts favours neither end).
+``--beside-cpu-job`` runs a second CPU job beside every run (two jobs sharing the cores):
+``busy``, one Python busy loop, or ``torch``, a matrix-product loop with torch's default thread
+count; ``--threads`` sets every run's ``OMP_NUM_THREADS`` (default 1: torch's spin-waiting
+thread teams slow a step many times over when another job shares the cores, docs/benchmarks.md).
+``summary`` also says, per asynchronous configuration, whether it meets issue 36's floors
+(``FLOORS``: eta 1 at least 1.5x the synchronous trajectories/s, eta 4 at least 2.5x; eta 2,
+which the issue leaves out, is held to eta 1's), each with its reward per sample within one
+standard deviation (the synchronous runs' over seeds) of the synchronous mean.
 """
 
 from __future__ import annotations
@@ -30,7 +40,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "overrides", "summarize_run", "summarize"]
+__all__ = ["main", "overrides", "summarize_run", "summarize", "run_order", "FLOORS"]
+
+# issue 36: the least speed-up over the synchronous trajectories/s, per max_staleness
+FLOORS = {1: 1.5, 2: 1.5, 4: 2.5}
 
 
 def overrides(*, eta: int, partial: bool, seed: int, args: argparse.Namespace) -> list[str]:
@@ -42,10 +55,12 @@ def overrides(*, eta: int, partial: bool, seed: int, args: argparse.Namespace) -
         f"data.train_batch_size={args.batch_size}", f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.batch_size}",
         f"actor.ppo_micro_batch_size_per_gpu={math.gcd(8, args.batch_size * args.n)}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"data.max_response_length={args.max_response_length}",
-        f"agent.max_assistant_turns={args.max_turns}", f"sft.enable={str(args.sft).lower()}",
+        f"agent.max_assistant_turns={args.max_turns}", "sft.enable=false",
         f"+{calc}.latency_median_s={args.latency_median_s}", f"+{calc}.latency_p99_s={args.latency_p99_s}",
         f"+{calc}.latency_seed={seed}", f"trainer.seed={seed}", f"rollout.max_staleness={eta}",
     ]
+    if getattr(args, "warm_start", None):
+        out.append(f"model.path={args.warm_start}")
     if eta > 0:
         out += [f"rollout.partial={str(partial).lower()}", "actor.rollout_correction.level=token"]
     return out
@@ -74,7 +89,9 @@ def summarize_run(rows: list[dict[str, Any]], *, eta: int, samples_per_step: int
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per configuration: means over seeds, speed-up over the synchronous configuration."""
+    """Per configuration: means over seeds, speed-up over the synchronous configuration, and
+    whether an asynchronous one meets its floor (``FLOORS``) with its reward per sample within
+    one standard deviation (the synchronous runs' over seeds) of the synchronous mean."""
     by: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         by.setdefault(run["config"], []).append(run)
@@ -86,12 +103,30 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      "reward_per_sample": statistics.fmean(rewards),
                      "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0, "seeds": len(group)}
     sync = out.get("sync")
+    etas = {run["config"]: run["eta"] for run in runs}
     for name, s in out.items():
         s["speedup"] = s["trajectories_per_s"] / sync["trajectories_per_s"] if sync else None
+        if sync and etas[name] > 0:
+            s["floor"] = FLOORS[max(k for k in FLOORS if k <= etas[name])]
+            s["reward_within_sync_sd"] = abs(s["reward_per_sample"] - sync["reward_per_sample"]) <= sync["reward_std"]
+            s["meets_floors"] = s["speedup"] >= s["floor"] and s["reward_within_sync_sd"]
     return out
 
 
-def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path) -> list[dict[str, Any]]:
+def run_order(configs: list[Any], seeds: list[int]) -> list[tuple[int, Any]]:
+    """(seed, configuration) in running order: the configurations as listed for the first seed,
+    reversed for the second, and so on."""
+    return [(seed, c) for i, seed in enumerate(seeds) for c in (configs if i % 2 == 0 else configs[::-1])]
+
+
+# the second CPU job of --beside-cpu-job
+BESIDE = {
+    "busy": "while True: pass",
+    "torch": "import torch\nx = torch.randn(512, 512)\nwhile True: x = torch.tanh(x @ x)",
+}
+
+
+def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path, metrics: bool = True) -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     if args.threads:  # torch's intra-op threads: spin-waiting teams collapse on a shared machine
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -99,6 +134,8 @@ def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path) ->
                            f"trainer.run_name={name}"], capture_output=True, text=True, env=env, timeout=args.timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"agentrl train ({name}) failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
+    if not metrics:
+        return []
     rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "reward/mean" in r]
 
@@ -117,8 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--latency-median-s", type=float, default=0.3)
     parser.add_argument("--latency-p99-s", type=float, default=6.2)
-    parser.add_argument("--sft", action="store_true", help="keep the quickstart's SFT warm start (off: RL from the tiny base)")
-    parser.add_argument("--beside-cpu-job", action="store_true", help="a busy process shares the cores with every run")
+    parser.add_argument("--sft", action="store_true",
+                        help="start every run from the quickstart's SFT warm start, built once (off: the skilled base)")
+    parser.add_argument("--warm-start", default=None, help="with --sft: this warm-start policy directory instead of building one")
+    parser.add_argument("--beside-cpu-job", nargs="?", const="busy", choices=["busy", "torch"], default=None,
+                        help="a second CPU job shares the cores with every run: a Python busy loop (busy, the default) "
+                             "or a torch matrix-product loop at torch's default thread count (torch)")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (0: inherit)")
     args = parser.parse_args(argv)
@@ -126,25 +167,32 @@ def main(argv: list[str] | None = None) -> int:
         (f"eta{eta}" + ("_partial" if p == "on" else ""), eta, p == "on")
         for eta in (int(e) for e in args.etas.split(",") if e) for p in args.partial.split(",") if p]
     seeds = [int(s) for s in args.seeds.split(",")]
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.beside_cpu_job else None
+    busy = subprocess.Popen([sys.executable, "-c", BESIDE[args.beside_cpu_job]]) if args.beside_cpu_job else None
     runs = []
+    load_before = os.getloadavg()
     try:
         from agentrl_benchmarks._scratch import scratch_dir
 
         with scratch_dir("agentrl-bench-async") as tmp:
-            for seed in seeds:
-                for name, eta, partial in configs:
-                    start = time.perf_counter()
-                    rows = _train(args, f"{name}-s{seed}", overrides(eta=eta, partial=partial, seed=seed, args=args), Path(tmp))
-                    run = summarize_run(rows, eta=eta, samples_per_step=args.batch_size * args.n)
-                    runs.append({"config": name, "eta": eta, "partial": partial, "seed": seed,
-                                 "process_wall_s": time.perf_counter() - start, **run})
+            if args.sft and not args.warm_start:
+                _train(args, "warm", ["trainer.total_steps=0", "trainer.save_freq=0", "trainer.test_freq=0",
+                                      "trainer.val_before_train=false", "trainer.export_hf=false",
+                                      "trainer.save_rollouts=false", "logging.progress=false"], Path(tmp), metrics=False)
+                args.warm_start = str(Path(tmp) / "warm" / "sft_policy")
+            for seed, (name, eta, partial) in run_order(configs, seeds):
+                start = time.perf_counter()
+                rows = _train(args, f"{name}-s{seed}", overrides(eta=eta, partial=partial, seed=seed, args=args), Path(tmp))
+                run = summarize_run(rows, eta=eta, samples_per_step=args.batch_size * args.n)
+                runs.append({"config": name, "eta": eta, "partial": partial, "seed": seed,
+                             "process_wall_s": time.perf_counter() - start, "load_average_after": os.getloadavg()[0], **run})
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # each run as it ends
     finally:
         if busy is not None:
             busy.kill()
             busy.wait()
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     settings["cpu_count"] = os.cpu_count()
+    settings["load_average_before"], settings["load_average_after"] = load_before[0], os.getloadavg()[0]
     print(json.dumps({"runs": runs, "summary": summarize(runs), "settings": settings}, indent=1))
     return 0
 

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from agentrl_benchmarks.async_training import overrides, summarize, summarize_run
+from agentrl_benchmarks.async_training import overrides, run_order, summarize, summarize_run
 
 
 def _args(**changes) -> argparse.Namespace:
@@ -43,6 +43,38 @@ def test_a_runs_figures_come_from_its_steps():
     sync = summarize_run([{"timing/step_s": 4.0, "timing/rollout_s": 3.0, "tokens/per_s": 5.0, "reward/mean": 1.0}],
                          eta=0, samples_per_step=8)
     assert sync["trainer_idle_fraction"] == 0.75 and sync["engine_busy_fraction"] is None
-    summary = summarize([{"config": "sync", **sync}, {"config": "eta1", **run}, {"config": "eta1", **dict(run, reward_per_sample=1.0)}])
+    summary = summarize([{"config": "sync", "eta": 0, **sync}, {"config": "eta1", "eta": 1, **run},
+                         {"config": "eta1", "eta": 1, **dict(run, reward_per_sample=1.0)}])
     assert summary["eta1"]["speedup"] == 2.0 / 2.0 and summary["sync"]["speedup"] == 1.0
     assert summary["eta1"]["reward_per_sample"] == 0.75 and summary["eta1"]["reward_std"] == pytest.approx(0.3535533905932738)
+
+
+def test_the_summary_holds_each_eta_to_its_floor_and_the_reward_to_one_sync_sd():
+    def run(config, eta, per_s, reward):
+        return {"config": config, "eta": eta, "trajectories_per_s": per_s, "tokens_per_s": 1.0, "reward_per_sample": reward}
+
+    sync = [run("sync", 0, 2.0, 0.5), run("sync", 0, 2.0, 0.7)]  # reward mean 0.6, sd 0.1414
+    summary = summarize(sync + [run("eta1", 1, 3.0, 0.6), run("eta1", 1, 3.0, 0.6),  # 1.5x: just at its floor
+                                run("eta2", 2, 2.9, 0.6), run("eta4", 4, 5.0, 0.45), run("eta4", 4, 5.0, 0.45),
+                                run("eta3", 3, 3.0, 0.6)])
+    assert "floor" not in summary["sync"]
+    assert (summary["eta1"]["floor"], summary["eta2"]["floor"], summary["eta3"]["floor"], summary["eta4"]["floor"]) == \
+        (1.5, 1.5, 1.5, 2.5)
+    assert summary["eta1"]["meets_floors"] and summary["eta3"]["meets_floors"]
+    assert not summary["eta2"]["meets_floors"] and summary["eta2"]["reward_within_sync_sd"]  # 1.45x
+    assert summary["eta4"]["speedup"] == 2.5 and not summary["eta4"]["reward_within_sync_sd"]  # 0.15 below: over one sd
+    assert not summary["eta4"]["meets_floors"]
+
+
+def test_configurations_alternate_their_order_from_seed_to_seed():
+    assert run_order(["sync", "eta1", "eta4"], [0, 1, 2]) == [
+        (0, "sync"), (0, "eta1"), (0, "eta4"), (1, "eta4"), (1, "eta1"), (1, "sync"), (2, "sync"), (2, "eta1"), (2, "eta4")]
+
+
+def test_the_warm_start_replaces_the_base_model_of_every_configuration():
+    from agentrl.config import load_config
+
+    cfg = load_config("train", overrides(eta=1, partial=False, seed=0, args=_args(warm_start="/w/sft_policy")),
+                      check_files=False)
+    assert (cfg.model.path, cfg.sft.enable) == ("/w/sft_policy", False)
+    assert load_config("train", overrides(eta=1, partial=False, seed=0, args=_args()), check_files=False).model.path is None
