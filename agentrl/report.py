@@ -5,7 +5,11 @@ run was for (held-out success and tool use before and after, the command, its wa
 plot is an inline SVG drawn here, with labelled ticks along both axes and its legend below the
 axes; the raw summary follows the plots. Trajectories are shown token by token; a sampled token (trained on, mask 1)
 sits on white, an observed one (prompt, tool results, user turns, template glue: mask 0) on
-grey, and hovering a token shows its id and logprob. ``agentrl replay report`` and the
+grey, and hovering a token shows its id and logprob. An asynchronous run (``rollout.max_staleness``
+> 0) adds the staleness of the trained samples, per step as stacked bars (trajectories at each
+staleness 0..eta) and as mean and max, the trainer's idle and the engine's busy share of each
+step, the weight sync's seconds, the groups dropped as stale and in flight, and the requests that
+partial rollouts interrupted and resumed. ``agentrl replay report`` and the
 quickstart's ``report.html`` both use :func:`render_report`.
 """
 
@@ -52,7 +56,14 @@ PLOTS: tuple[Plot, ...] = (
     Plot("finish reasons (fraction)", prefixes=("finish/",)),
     Plot("SFT loss", ("sft/loss",)),
     Plot("logprob mismatch |Δ| (engine vs trainer)", ("logprob_mismatch/mean", "replay/logprob_mismatch/mean")),
+    # asynchronous training (rollout.max_staleness > 0); the staleness histogram per step comes first
+    Plot("staleness of the trained samples (policy versions)", ("async/staleness_mean", "async/staleness_max")),
+    Plot("time shares of the step: trainer idle, engine busy", ("async/trainer_idle_fraction", "engine/busy_fraction")),
+    Plot("weight sync (s)", ("timing/weight_sync_s",)),
+    Plot("groups dropped as stale and in flight (per step)", ("async/dropped_groups", "async/in_flight_groups")),
+    Plot("partial rollouts: requests interrupted and resumed (per step)", ("engine/interrupted_requests", "engine/resumed_requests")),
 )
+STALENESS = "staleness of the trained samples (policy versions)"
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
@@ -81,17 +92,21 @@ def _nice_ticks(lo: float, hi: float, *, integers: bool = False, count: int = 6)
     return [round(k * step, 12) for k in range(first, last + 1)]
 
 
-def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step") -> str:
-    """A line plot: labelled ticks along both axes, the legend below the axes (never over the lines)."""
+def _frame(title: str, xs: list[float], ys: list[float], legend: int, x_label: str, *, pad: float = 0.0):
+    """A plot's frame: title, axes with labelled ticks (``pad``: the x axis runs that far past the
+    first and last x, for bars) and
+    room for ``legend`` entries below the axes. Returns the SVG parts so far, the x and y scales,
+    where the legend starts and the left edge."""
     w, left, right, top, plot_h = 480, 52, 14, 24, 170
-    points = [p for values in series.values() for p in values]
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
     x_ticks = _nice_ticks(min(xs), max(xs), integers=all(x == int(x) for x in xs))
     y_ticks = _nice_ticks(min(ys + [0.0]), max(ys + [0.0]))
     x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
+    if pad:  # bars: the axis runs half a bar's room past the first and last, ticks inside it
+        x0, x1 = min(xs) - pad, max(xs) + pad
+        x_ticks = [x for x in x_ticks if x0 <= x <= x1]
     bottom_axis = top + plot_h
     legend_top = bottom_axis + 40
-    h = legend_top + 14 * len(series) + 4
+    h = legend_top + 14 * legend + 4
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * (w - left - right)
@@ -112,6 +127,13 @@ def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str 
     out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom_axis}" stroke="#999"/>')
     out.append(f'<text class="axis-label" x="{(left + w - right) / 2:.1f}" y="{bottom_axis + 29}" font-size="11" '
                f'text-anchor="middle">{html.escape(x_label)}</text>')
+    return out, sx, sy, legend_top, left
+
+
+def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step") -> str:
+    """A line plot: labelled ticks along both axes, the legend below the axes (never over the lines)."""
+    points = [p for values in series.values() for p in values]
+    out, sx, sy, legend_top, left = _frame(title, [p[0] for p in points], [p[1] for p in points], len(series), x_label)
     for i, (name, values) in enumerate(series.items()):
         color = COLORS[i % len(COLORS)]
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
@@ -125,10 +147,56 @@ def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str 
     return "".join(out)
 
 
+def _stacked_bars(title: str, columns: dict[float, list[tuple[str, str, float]]], x_label: str = "step") -> str:
+    """Stacked bars, one a step: ``columns[x]`` holds (key, legend label, value) bottom to top,
+    the same keys in every column; the legend (one entry a key) below the axes."""
+    xs = sorted(columns)
+    totals = [sum(v for _, _, v in columns[x]) for x in xs]
+    keys = list(dict.fromkeys((key, label) for x in xs for key, label, _ in columns[x]))
+    out, sx, sy, legend_top, left = _frame(title, xs, totals, len(keys), x_label, pad=0.5)
+    gap = min((b - a for a, b in zip(xs, xs[1:])), default=1.0)
+    width = min(0.7 * (sx(xs[0] + gap) - sx(xs[0])), 24.0)
+    color = {key: COLORS[i % len(COLORS)] for i, (key, _) in enumerate(keys)}
+    for x in xs:
+        base = 0.0
+        for key, label, value in columns[x]:
+            y_top, y_bottom = sy(base + value), sy(base)
+            out.append(f'<rect class="bar" data-key="{html.escape(key)}" x="{sx(x) - width / 2:.1f}" y="{y_top:.1f}" '
+                       f'width="{width:.1f}" height="{y_bottom - y_top:.1f}" fill="{color[key]}">'
+                       f'<title>{html.escape(x_label)} {x:g} · {html.escape(label)}: {value:g}</title></rect>')
+            base += value
+    for i, (key, label) in enumerate(keys):
+        row = legend_top + 14 * i
+        out.append(f'<g class="legend-entry"><rect x="{left + 4}" y="{row - 9}" width="10" height="10" fill="{color[key]}"/>'
+                   f'<text x="{left + 24}" y="{row}" font-size="11" fill="{color[key]}">{html.escape(label)}</text></g>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+STALENESS_HIST = "async/staleness_hist/"
+
+
+def _staleness_histogram(rows: Sequence[dict[str, Any]]) -> str | None:
+    """Asynchronous runs (``rollout.max_staleness`` > 0): per step, the trained trajectories at
+    each staleness 0..eta (``async/staleness_hist/<k>``), stacked."""
+    columns: dict[float, list[tuple[str, str, float]]] = {}
+    for row in rows:
+        hist = sorted((int(k[len(STALENESS_HIST):]), k) for k in row if k.startswith(STALENESS_HIST)
+                      and k[len(STALENESS_HIST):].isdigit())
+        step = row.get("step")
+        if hist and isinstance(step, (int, float)):
+            columns[float(step)] = [(key, f"staleness {k}" + (" (on-policy)" if k == 0 else ""), float(row[key])) for k, key in hist]
+    if not columns:
+        return None
+    return _stacked_bars("staleness histogram per step (trajectories)", columns)
+
+
 def _plots(rows: Sequence[dict[str, Any]]) -> list[str]:
     available = sorted({k for row in rows for k in row})
     svgs = []
     for plot in PLOTS:
+        if plot.title == STALENESS and (histogram := _staleness_histogram(rows)) is not None:
+            svgs.append(histogram)  # an asynchronous run's staleness: the histogram per step, then mean and max
         series = {key: values for key in plot.series_keys(available) if (values := _series(rows, key))}
         if series:
             svgs.append(_svg(plot.title, series))

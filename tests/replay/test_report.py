@@ -102,3 +102,47 @@ def test_plots_label_the_x_axis_along_its_length_and_keep_the_legend_below_the_a
     assert all(float(y) > bottom + 20 for y, _ in legend)  # below the tick labels and the axis label
     ys = [float(p.split(",")[1]) for p in re.search(r'data-key="reward/mean"[^>]*points="([^"]*)"', svg)[1].split()]
     assert max(ys) <= bottom and min(ys) >= float(area[2])
+
+
+def async_rows():
+    """Three steps of an asynchronous run at eta = 1: 8 trained trajectories a step."""
+    hist = [(8, 0), (5, 3), (2, 6)]
+    return [{"step": s + 1, "reward/mean": 0.5, "async/staleness_hist/0": float(h0), "async/staleness_hist/1": float(h1),
+             "async/staleness_mean": h1 / 8, "async/staleness_max": float(h1 > 0), "async/trainer_idle_fraction": 0.1 * s,
+             "engine/busy_fraction": 0.9 - 0.1 * s, "timing/weight_sync_s": 0.01, "async/dropped_groups": float(s == 2),
+             "async/in_flight_groups": 4.0, "engine/interrupted_requests": 2.0 * s, "engine/resumed_requests": 2.0 * s}
+            for s, (h0, h1) in enumerate(hist)]
+
+
+def test_an_async_runs_report_stacks_each_steps_staleness_histogram_and_plots_its_async_metrics():
+    page = render_report(async_rows(), [], "async")
+    titles = re.findall(r'<svg class="plot"[^>]*aria-label="([^"]*)"', page)
+    assert titles == ["reward (mean)", "staleness histogram per step (trajectories)",
+                      "staleness of the trained samples (policy versions)", "time shares of the step: trainer idle, engine busy",
+                      "weight sync (s)", "groups dropped as stale and in flight (per step)",
+                      "partial rollouts: requests interrupted and resumed (per step)"]
+    keys = set(re.findall(r'<polyline class="series" data-key="([^"]*)"', page))
+    assert {"async/staleness_mean", "async/staleness_max", "async/trainer_idle_fraction", "engine/busy_fraction",
+            "timing/weight_sync_s", "async/dropped_groups", "async/in_flight_groups", "engine/interrupted_requests",
+            "engine/resumed_requests"} <= keys
+    svg = page[page.index('aria-label="staleness histogram per step'):]
+    svg = svg[:svg.index("</svg>")]
+    area = [float(v) for v in re.search(r'<rect class="area" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)"', svg).groups()]
+    bottom = area[1] + area[3]
+    bars = re.findall(r'<rect class="bar" data-key="async/staleness_hist/(\d)" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" '
+                      r'height="([\d.]+)"[^>]*><title>step (\d) · staleness \d[^:]*: (\d+)</title>', svg)
+    assert [(k, step, count) for k, _, _, _, _, step, count in bars] == [
+        ("0", "1", "8"), ("1", "1", "0"), ("0", "2", "5"), ("1", "2", "3"), ("0", "3", "2"), ("1", "3", "6")]
+    assert re.findall(r'<text class="tick y"[^>]*>([^<]*)</text>', svg) == ["0", "2", "4", "6", "8"]
+    assert re.findall(r'<text class="tick x"[^>]*>([^<]*)</text>', svg) == ["1", "2", "3"]
+    unit = area[3] / 8  # the y axis runs 0..8 trajectories
+    for i in range(0, len(bars), 2):  # staleness 0 stands on the axis, staleness 1 on top of it
+        (_, x0, y0, w0, h0, _, c0), (_, x1, y1, w1, h1, _, c1) = bars[i], bars[i + 1]
+        assert abs(float(h0) - int(c0) * unit) < 0.1 and abs(float(h1) - int(c1) * unit) < 0.1
+        assert abs(float(y0) + float(h0) - bottom) < 0.1 and abs(float(y1) + float(h1) - float(y0)) < 0.1
+        assert x0 == x1 and w0 == w1 and area[0] < float(x0) and float(x0) + float(w0) < area[0] + area[2]
+    legend = re.findall(r'<g class="legend-entry">.*?<text x="[\d.]+" y="([\d.]+)"[^>]*>([^<]*)</text></g>', svg)
+    assert [name for _, name in legend] == ["staleness 0 (on-policy)", "staleness 1"]
+    assert all(float(y) > bottom + 20 for y, _ in legend)
+    # a synchronous run's metrics have none of it
+    assert "staleness" not in render_report(metric_rows(), [], "sync")

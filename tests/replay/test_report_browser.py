@@ -30,8 +30,10 @@ PROBE = """<script>
 const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
 const plots = [...document.querySelectorAll("svg.plot")].map(svg => ({
   title: svg.getAttribute("aria-label"),
+  frame: box(svg), heading: box(svg.querySelector("text")),
   area: box(svg.querySelector("rect.area")),
   lines: [...svg.querySelectorAll("polyline.series")].map(p => [p.dataset.key, p.getTotalLength(), box(p)]),
+  bars: [...svg.querySelectorAll("rect.bar")].map(r => [r.dataset.key, box(r)]),
   legend: [...svg.querySelectorAll(".legend-entry")].map(g => [g.textContent, box(g)]),
   xticks: [...svg.querySelectorAll("text.tick.x")].map(t => [t.textContent, box(t)]),
   yticks: [...svg.querySelectorAll("text.tick.y")].map(t => [t.textContent, box(t)]),
@@ -106,3 +108,33 @@ def test_the_report_opens_in_chromium_without_errors_headline_first_and_its_plot
         assert all(b[1] >= area[3] for b in boxes)
         assert all(left[2] < right[0] for left, right in zip(boxes, boxes[1:]))
         assert len(plot["yticks"]) >= 3 and all(b[2] <= area[0] for _, b in plot["yticks"])
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install -y chromium)")
+def test_an_async_runs_staleness_histogram_draws_its_bars_inside_the_axes_with_the_legend_below(tmp_path):
+    rows = [{"step": s, "reward/mean": 0.5, "async/staleness_hist/0": float(8 - s % 5), "async/staleness_hist/1": float(s % 5),
+             "async/staleness_mean": (s % 5) / 8, "async/staleness_max": float(s % 5 > 0), "async/trainer_idle_fraction": 0.2,
+             "engine/busy_fraction": 0.7, "timing/weight_sync_s": 0.01, "async/dropped_groups": 0.0, "async/in_flight_groups": 4.0,
+             "engine/interrupted_requests": 1.0, "engine/resumed_requests": 1.0} for s in range(1, 21)]
+    probe, _ = open_in_chromium(render_report(rows, [], "async"), tmp_path)
+    assert probe["errors"] == []
+    [histogram] = [p for p in probe["plots"] if p["bars"]]
+    assert histogram["title"] == "staleness histogram per step (trajectories)"
+    area = histogram["area"]
+    assert len(histogram["bars"]) == 40 and {key for key, _ in histogram["bars"]} == {"async/staleness_hist/0", "async/staleness_hist/1"}
+    for key, bar in histogram["bars"]:
+        assert area[0] < bar[0] and bar[2] < area[2] and area[1] - 1 <= bar[1] and bar[3] <= area[3] + 1, key
+    # one column a step: the bars of a step share their left edge, the columns stand apart
+    lefts = sorted({round(bar[0], 1) for _, bar in histogram["bars"]})
+    width = histogram["bars"][0][1][2] - histogram["bars"][0][1][0]
+    assert len(lefts) == 20 and width > 4 and all(b - a > width for a, b in zip(lefts, lefts[1:]))
+    assert [text for text, _ in histogram["legend"]] == ["staleness 0 (on-policy)", "staleness 1"]
+    assert all(p["heading"][2] <= p["frame"][2] for p in probe["plots"]), [p["title"] for p in probe["plots"]]  # titles whole
+    assert not [text for text, legend in histogram["legend"] if overlaps(legend, area)]
+    assert [text for text, _ in histogram["xticks"]] == ["5", "10", "15", "20"]
+    for plot in probe["plots"]:  # the async line plots: drawn inside their axes, legend below
+        box = plot["area"]
+        for key, length, line in plot["lines"]:
+            assert length > 100, (plot["title"], key)
+            assert box[0] - 1 <= line[0] and line[2] <= box[2] + 1 and box[1] - 1 <= line[1] and line[3] <= box[3] + 1, key
+        assert not [text for text, legend in plot["legend"] if overlaps(legend, plot["area"])], plot["title"]
