@@ -86,7 +86,12 @@ class EngineTimeout(EngineError):
 
 
 class ToolError(AgentrlError):
-    """A tool call failed; the message is what the model is shown."""
+    """A tool call failed; the model is shown ``Error: <message>``, or ``shown`` when given (a
+    library's own wording of a failed call, e.g. TRL's ``{'error': '...'}``)."""
+
+    def __init__(self, *args: object, shown: str | None = None):
+        super().__init__(*args)
+        self.shown = shown
 
 
 class ToolArgumentError(ToolError):

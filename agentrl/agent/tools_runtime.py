@@ -276,7 +276,8 @@ class ToolSession:
                 duration_s=time.perf_counter() - start,
             )
         except ToolError as exc:
-            return CallOutcome(call, f"Error: {exc}", error="tool_exception", duration_s=time.perf_counter() - start)
+            text = exc.shown if exc.shown is not None else f"Error: {exc}"
+            return CallOutcome(call, text, error="tool_exception", duration_s=time.perf_counter() - start)
         except Exception as exc:  # a tool's bug must not end the rollout: the model is told
             return CallOutcome(
                 call, f"Error: {name} failed: {type(exc).__name__}: {exc}", error="tool_exception",

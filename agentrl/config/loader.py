@@ -255,10 +255,13 @@ def _check_environment(cfg: TrainConfig) -> list[tuple[str, str]]:
     from agentrl.plugins import PluginRegistry
 
     env = cfg.environment
-    if env.library is None:
-        return []
     registry = PluginRegistry(cfg.plugins.prefer)
     problems = []
+    for i, target in enumerate(env.trl.reward_funcs):  # TRL reward functions: imported here, not at the first score
+        if (problem := registry.import_problem("environments", target)) is not None:
+            problems.append((f"environment.trl.reward_funcs.{i}", problem))
+    if env.library is None:
+        return problems
     loop = ENVIRONMENT_LOOPS[env.library]
     if loop not in registry.names("agent_loops"):
         problems.append(("environment.library", f"the {env.library} loop {loop!r} is not installed (known loops: "

@@ -42,6 +42,7 @@ __all__ = [
     "ENVIRONMENT_LOOPS",
     "ENVIRONMENT_EXTRAS",
     "EnvironmentConfig",
+    "TrlEnvironmentConfig",
     "TrainConfig",
 ]
 
@@ -446,6 +447,21 @@ ENVIRONMENT_LOOPS: dict[str, str] = {"verifiers": "verifiers_env", "openenv": "o
 ENVIRONMENT_EXTRAS: dict[str, str] = {"verifiers": "verifiers", "openenv": "openenv", "trl": "trl-env"}
 
 
+class TrlEnvironmentConfig(Section):
+    # TRL reward functions (`pkg.mod:fn`), each called as GRPOTrainer calls its reward_funcs
+    # (prompts=, completions=, completion_ids=, environments=, the row's columns, ...), once per
+    # trajectory; empty: the class's get_reward if it has one, else agentrl's reward (reward.*)
+    reward_funcs: list[str] = Field(default_factory=list)
+    reward_weights: list[float] | None = None  # TRL's reward_weights (null: 1.0 each)
+
+    @model_validator(mode="after")
+    def _one_weight_each(self) -> "TrlEnvironmentConfig":
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"environment.trl.reward_weights has {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_funcs)} reward_funcs: give one per function (or null for 1.0 each)")
+        return self
+
+
 class EnvironmentConfig(Section):
     # The environment of every row that names none in extra_info.environment (a row's own wins;
     # docs/environments/index.md). library null: rows without a ref run as without environments.
@@ -453,6 +469,7 @@ class EnvironmentConfig(Section):
     # an entry point name in group agentrl.environments, a module `pkg.mod`, or `pkg.mod:attr`
     name: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)  # the library's constructor / load_environment kwargs
+    trl: TrlEnvironmentConfig = Field(default_factory=TrlEnvironmentConfig)  # library=trl (docs/environments/trl.md)
 
     @model_validator(mode="after")
     def _name_needs_library(self) -> "EnvironmentConfig":

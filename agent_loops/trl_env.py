@@ -1,0 +1,110 @@
+"""``trl_env``: a TRL environment class (``GRPOTrainer(environment_factory=Cls)``) as an agent loop.
+
+The loop of rows whose environment is ``library: trl`` (``extra_info.environment``, else the
+config's ``environment``). One instance per trajectory, ``reset(**row)``, its observation added
+to the prompt, its public methods the model's tools through the ordinary tool-calling turns
+(the token stream as ``tool_agent`` keeps it: sampled ids as the engine gave them, tool results
+as the chat template's masked deltas), and the reward functions of ``environment.trl`` scored as
+TRL scores them (``agentrl.environments.trl`` states the mapping). The environment's own failures
+(its constructor or ``reset`` raised, a reward function raised, no function gave a score) end the
+trajectory as ``environment_error``: kept, counted, out of the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from agentrl.agent.loop import AgentLoop, Episode, LoopContext
+from agentrl.data.row import Message, Row
+from agentrl.engines.base import FinishReason
+from agentrl.environments import trl
+from agentrl.errors import PluginError
+from agentrl.trajectory import Trajectory, TrajectoryFinish
+
+OUT_OF_LOSS = frozenset({TrajectoryFinish.LOOP_ERROR, TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.ABORT,
+                         TrajectoryFinish.INTERACTION_ERROR, TrajectoryFinish.ENVIRONMENT_ERROR})
+
+
+class TrlEnvLoop(AgentLoop):
+    name = "trl_env"
+
+    async def play(self, episode: Episode) -> TrajectoryFinish:
+        while True:  # the episode ends it when a turn limit is reached
+            _, result, text = await episode.generate()
+            turn_index = episode.turn_index
+            parsed = episode.parser.parse(text)
+            calls = {"tool_calls": [call.as_message_call() for call in parsed.calls]} if parsed.calls else {}
+            episode.add_assistant_message(parsed.content, **calls)
+            if result.finish_reason is FinishReason.LENGTH:
+                return TrajectoryFinish.LENGTH
+            if not parsed.calls:
+                return TrajectoryFinish.STOP
+            outcomes = await episode.call_tools(turn_index, parsed)
+            # TRL's tool message: role tool, the tool's name, the result as text
+            results = [{**o.call.result_message(episode.truncate_tool_text(o.text)), "name": o.call.name or ""} for o in outcomes]
+            episode.observe(results, "tool")
+
+    async def run(self, row: Row, ctx: LoopContext, *, row_id: str, group_id: str, sample_index: int = 0,
+                  seed: int | None = None) -> Trajectory:
+        ref = ctx.environment_ref(row)
+        if ref is None or ref.library != "trl":
+            raise PluginError(f"the trl_env loop runs rows whose environment is a TRL class (library trl), "
+                              f"not {'no environment' if ref is None else ref.library}")
+        factory = trl.environment_class(ref)
+        funcs = trl.reward_functions(ctx.environment.trl, factory if isinstance(factory, type) else None)
+        columns = trl.reset_kwargs(row)
+        try:
+            env = factory(**ref.args)
+            observation = env.reset(**columns)
+            if inspect.isawaitable(observation):
+                observation = await observation
+            messages = trl.first_prompt(row.messages(), observation)
+            box = trl.tool_box(env, max_parallel_calls=ctx.toolbox.max_parallel_calls, tool_timeout_s=ctx.toolbox.tool_timeout_s)
+        except PluginError:
+            raise  # the class cannot be offered (a tool without a schema): the run's problem, not this episode's
+        except Exception as exc:
+            return self._failed(row, ctx, row_id, group_id, sample_index, "reset", f"{type(exc).__name__}: {exc}")
+        # TRL's reward functions replace agentrl's reward (reward.*) when there are any
+        own = dataclasses.replace(ctx, toolbox=box, reward_fn=(lambda data_source: None) if funcs else ctx.reward_fn)
+        prompted = row.model_copy(update={"prompt": [Message.model_validate(m) for m in messages]})
+        traj = await super().run(prompted, own, row_id=row_id, group_id=group_id, sample_index=sample_index, seed=seed)
+        if funcs:
+            await self._score(traj, funcs, messages, env, columns, ctx)
+        return traj
+
+    async def _score(self, traj: Trajectory, funcs: list[trl.RewardFunction], prompt: list[dict[str, Any]], env: Any,
+                     columns: dict[str, Any], ctx: LoopContext) -> None:
+        try:
+            total, values = await trl.score(funcs, prompt=prompt, completion=traj.messages[len(prompt):],
+                                            completion_ids=list(traj.response_ids), env=env, columns=columns,
+                                            global_step=ctx.policy_version)
+        except Exception as exc:  # the environment's code raised
+            self._mark_failed(traj, "reward_function", f"a reward function raised {type(exc).__name__}: {exc}")
+            return
+        traj.metrics.update({f"env/{name}": value for name, value in values.items()})
+        if total is None:
+            self._mark_failed(traj, "unscored", "every reward function returned None (TRL: an unscorable completion)")
+            return
+        traj.reward_info.update({f"env/{name}": value for name, value in values.items()})
+        weights = ctx.reward_components  # reward.components: the functions' weighted sum is the score
+        if not weights.is_score_only:
+            traj.reward_info["score"] = total
+        traj.reward = weights.total(total, {}, None)
+
+    @staticmethod
+    def _mark_failed(traj: Trajectory, kind: str, error: str) -> None:
+        traj.metrics[f"env_errors/{kind}"] = 1.0
+        if traj.finish_reason not in OUT_OF_LOSS:  # an earlier failure stays the reason
+            traj.finish_reason = TrajectoryFinish.ENVIRONMENT_ERROR
+            traj.reward_info["error"] = error
+        traj.reward = 0.0
+
+    def _failed(self, row: Row, ctx: LoopContext, row_id: str, group_id: str, sample_index: int, kind: str, error: str) -> Trajectory:
+        return Trajectory(
+            row_id=row_id, group_id=group_id, sample_index=sample_index, data_source=row.data_source, agent_name=self.name,
+            prompt_ids=[], response_ids=[], response_mask=[], logprobs=[], turns=[], messages=row.messages(),
+            finish_reason=TrajectoryFinish.ENVIRONMENT_ERROR, reward=0.0, reward_info={"error": f"{kind} failed: {error}"},
+            metrics={f"env_errors/{kind}": 1.0}, policy_version=ctx.policy_version, ground_truth=row.ground_truth,
+        )

@@ -1,0 +1,156 @@
+"""A TRL environment class (``GRPOTrainer(environment_factory=Cls)``, TRL 1.16) run by the
+``trl_env`` loop: its tools, prompt and tool turns are TRL's own, token for token; a tool that
+raises is shown as TRL shows it; reward functions with TRL's signature score the trajectory;
+the environment's failures end the trajectory as ``environment_error``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+from agentrl.agent.scripted import ScriptedEngine
+from agentrl.agent.setup import RolloutSetup
+from agentrl.config.schema import DataConfig, EnvironmentConfig, TrainConfig, TrlEnvironmentConfig
+from agentrl.data.row import Row
+from agentrl.environments import spec
+from agentrl.environments import trl as trl_adapter
+from agentrl.errors import PluginError
+from agentrl.trajectory import TrajectoryFinish
+
+import trl_env_fixture
+
+HERE = Path(__file__).resolve().parent
+CALL_6x7 = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+CALL_1_BY_0 = '<tool_call>\n{"name": "divide", "arguments": {"a": 1, "b": 0}}\n</tool_call>'
+QUESTION = [{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": "What is 6 times 7?"}]
+
+
+def trl_row(name: str = "trl_env_fixture:CalculatorEnv", **columns) -> Row:
+    return Row.model_validate({"data_source": "trl/calc", "prompt": QUESTION, "answer": "42", **columns,
+                               "extra_info": {"index": 0, "environment": {"library": "trl", "name": name}}})
+
+
+def run_scripted(tokenizer, script, rows, *, trl_cfg=None, n=1):
+    cfg = TrainConfig(data=DataConfig(max_response_length=512), environment=EnvironmentConfig(trl=trl_cfg or TrlEnvironmentConfig()))
+    engine = ScriptedEngine(tokenizer, script)
+    ctx = build_context(engine, tokenizer, RolloutSetup.from_config(cfg), tool_names=[])
+    return asyncio.run(RolloutRunner(ctx, LoopTable("single_turn")).run(rows, n=n)), ctx
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(tiny_model_dir, tmp_path_factory):
+    """TRL's own GRPOTrainer over the same class: the reference for tools, prompt and tool turns."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.response_template = qwen3_template  # TRL's parser of Qwen's <tool_call> format (the tiny model's)
+    config = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), per_device_train_batch_size=2, num_generations=2,
+                        max_completion_length=16, use_cpu=True, report_to="none", save_strategy="no")
+    return GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=trl_env_fixture.used_tools,
+                       args=config, train_dataset=Dataset.from_list([{"prompt": QUESTION, "answer": "42"}] * 2),
+                       processing_class=tokenizer, environment_factory=trl_env_fixture.CalculatorEnv)
+
+
+def test_the_tools_and_their_schemas_are_trls_for_the_same_class(trl_trainer):
+    from transformers.utils import get_json_schema
+
+    env = trl_env_fixture.CalculatorEnv()
+    box = trl_adapter.tool_box(env, max_parallel_calls=4, tool_timeout_s=5.0)
+    trl_tools = trl_trainer._env_tools[None]
+    assert [t.__name__ for t in trl_tools] == ["divide", "multiply"] == list(box.tools)
+    assert box.schemas(list(box.tools)) == [get_json_schema(t) for t in trl_tools]
+    assert box.schema_of("multiply")["function"]["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first factor."}
+
+
+def test_a_scripted_episode_is_trls_token_stream_exactly(trl_trainer, tiny_tokenizer):
+    [t], _ = run_scripted(tiny_tokenizer, {"trl/calc:0": [CALL_6x7, "The answer is 42."]}, [("trl/calc:0", trl_row())])
+    assert t.agent_name == "trl_env" and t.finish_reason == "stop"
+    # TRL's prompt: reset's observation appended to the last message, rendered with the env's tools
+    env = trl_env_fixture.CalculatorEnv()
+    observation = env.reset(prompt=QUESTION, answer="42")
+    prompt = QUESTION[:-1] + [{**QUESTION[-1], "content": QUESTION[-1]["content"] + observation}]
+    trl_trainer._batch_environments = [None]
+    [trl_prompt_ids], _, _ = trl_trainer._tokenize_prompts([prompt])
+    assert t.prompt_ids == list(trl_prompt_ids)
+    assert t.messages[:2] == prompt
+    # TRL's token stream: sampled turn, the tool turn as TRL renders it (masked), sampled turn
+    eot = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turn1 = tiny_tokenizer.encode(CALL_6x7, add_special_tokens=False) + [eot]
+    tool_turn = trl_trainer._get_tool_suffix_ids([{"role": "tool", "name": "multiply", "content": "42"}])
+    turn2 = tiny_tokenizer.encode("The answer is 42.", add_special_tokens=False) + [eot]
+    separator = tiny_tokenizer.encode("\n", add_special_tokens=False)  # after the final <|im_end|>, as the template writes it
+    assert t.response_ids == turn1 + tool_turn + turn2 + separator
+    assert t.response_mask == [1] * len(turn1) + [0] * len(tool_turn) + [1] * len(turn2) + [0] * len(separator)
+    assert [lp for lp, m in zip(t.logprobs, t.response_mask) if m] == [-0.5] * (len(turn1) + len(turn2))
+    assert t.messages[3] == {"role": "tool", "content": "42", "name": "multiply"}
+    assert [(c.name, c.arguments, c.result, c.error) for c in t.tool_calls] == [("multiply", {"a": 6, "b": 7}, "42", None)]
+
+
+def test_a_method_that_raises_is_shown_as_trl_shows_it_and_counted(tiny_tokenizer):
+    [t], _ = run_scripted(tiny_tokenizer, {"trl/calc:0": [CALL_1_BY_0, "I cannot divide by zero."]}, [("trl/calc:0", trl_row())])
+    assert t.finish_reason == "stop"
+    shown = str({"error": "division by zero"})  # TRL: result = {"error": str(e)}, content = str(result)
+    assert t.messages[3] == {"role": "tool", "content": shown, "name": "divide"}
+    assert t.tool_calls[0].error == "tool_exception" and t.metrics["tool_errors/tool_exception"] == 1.0
+
+
+def test_trl_reward_functions_score_the_trajectory_weighted_and_are_logged(tiny_tokenizer):
+    cfg = TrlEnvironmentConfig(reward_funcs=["trl_env_fixture:used_tools", "trl_env_fixture:says_answer",
+                                             "trl_env_fixture:no_opinion"], reward_weights=[0.25, 2.0, 5.0])
+    script = {"trl/calc:0": [CALL_6x7, "The answer is 42."], "trl/calc:1": ["It is 41."]}
+    rows = [("trl/calc:0", trl_row()), ("trl/calc:1", trl_row())]
+    (used, guessed), _ = run_scripted(tiny_tokenizer, script, rows, trl_cfg=cfg)
+    assert used.reward == 0.25 * 1.0 + 2.0 * 1.0  # no_opinion's None is left out, as TRL's nansum does
+    assert guessed.reward == 0.0
+    assert used.metrics["env/used_tools"] == 1.0 and used.metrics["env/says_answer"] == 1.0
+    assert "env/no_opinion" not in used.metrics and guessed.metrics["env/used_tools"] == 0.0
+
+
+def test_get_reward_is_one_more_reward_function_named_after_the_class(tiny_tokenizer):
+    cfg = TrlEnvironmentConfig(reward_funcs=["trl_env_fixture:says_answer"])
+    [t], _ = run_scripted(tiny_tokenizer, {"trl/calc:0": [CALL_6x7, CALL_6x7, "42"]},
+                          [("trl/calc:0", trl_row("trl_env_fixture:ScoredEnv"))], trl_cfg=cfg)
+    assert t.metrics["env/ScoredEnv"] == 1.0 and t.metrics["env/says_answer"] == 1.0  # 0.5 * two calls
+    assert t.reward == 2.0
+
+
+def test_environment_failures_end_the_trajectory_as_environment_error(tiny_tokenizer):
+    rows = [("trl/calc:0", trl_row("trl_env_fixture:BrokenResetEnv")), ("trl/calc:1", trl_row())]
+    script = {"trl/calc:1": ["42"]}
+    (broken, judged), _ = run_scripted(tiny_tokenizer, script, rows,
+                                       trl_cfg=TrlEnvironmentConfig(reward_funcs=["trl_env_fixture:raises"]))
+    assert broken.finish_reason == judged.finish_reason == TrajectoryFinish.ENVIRONMENT_ERROR
+    assert broken.reward_info["error"] == "reset failed: RuntimeError: the simulator did not start"
+    assert broken.metrics == {"env_errors/reset": 1.0} and broken.response_ids == []
+    assert "ValueError: the judge is down" in judged.reward_info["error"] and judged.metrics["env_errors/reward_function"] == 1.0
+    [unscored], _ = run_scripted(tiny_tokenizer, {"trl/calc:0": ["42"]}, [("trl/calc:0", trl_row())],
+                                 trl_cfg=TrlEnvironmentConfig(reward_funcs=["trl_env_fixture:no_opinion"]))
+    assert unscored.finish_reason == "environment_error" and unscored.metrics["env_errors/unscored"] == 1.0
+
+
+def test_reset_receives_the_prompt_and_the_rows_own_columns():
+    row = trl_row(level=3)
+    assert trl_adapter.reset_kwargs(row) == {"prompt": QUESTION, "answer": "42", "level": 3}
+
+
+def test_a_missing_module_names_the_package_and_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "needs_gym.py").write_text("import gymnasium_not_here\nclass Env:\n    def reset(self, **kw): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec.clear_cache()
+    with pytest.raises(PluginError, match=r"package 'gymnasium_not_here' is not installed.*agentrl\[trl-env\]"):
+        trl_adapter.environment_class(spec.EnvironmentRef(library="trl", name="needs_gym:Env"))
+    with pytest.raises(PluginError, match="defines no reset method"):
+        trl_adapter.environment_class(spec.EnvironmentRef(library="trl", name="trl_env_fixture:used_tools.__class__"))
+    sys.modules.pop("needs_gym", None)
