@@ -62,6 +62,13 @@ class RunResult:
     summary: dict[str, Any]
 
 
+def weight_version_of(state: dict[str, Any], critic_warmup: int) -> int:
+    """The engine's weight version at a checkpoint: the actor updates made so far (one a step from
+    ``trainer.critic_warmup`` on); checkpoints written before the version was recorded give it
+    from their step."""
+    return int(state.get("weight_version", max(0, state["step"] - critic_warmup)))
+
+
 def _seed_for(seed: int, step: int, purpose: str) -> int:
     return zlib.crc32(f"{seed}|{step}|{purpose}".encode()) & 0x7FFFFFFF
 
@@ -192,7 +199,7 @@ class Trainer:
         purpose = ("val" if validation else "train") + (f".{draw}" if draw else "")  # draw: dynamic sampling's refills
         return self.actor.call_rank0(
             "rollout", rows, n=n, seed=_seed_for(cfg.trainer.seed, step, purpose),
-            group_prefix=f"{purpose}{step}/", validation=validation, policy_version=step,
+            group_prefix=f"{purpose}{step}/", validation=validation, policy_version=self.weight_version,
         )
 
     def rollout_filtered(self, step: int, rows) -> tuple[list[Trajectory], list[Trajectory], list, dict[str, float]]:
@@ -247,7 +254,7 @@ class Trainer:
             raise
         if result.updated_actor:
             with timed(timings, "weight_sync"):
-                self.sync_weights(step + 1)
+                self.sync_weights(self.weight_version + 1)  # one version an update, as in async mode
         wall = time.perf_counter() - start
         metrics = {**result.metrics, **sampling, **timings}
         metrics.update({
@@ -291,7 +298,8 @@ class Trainer:
             self.actor.call_all("save", str(directory))
             if self.critic is not None:
                 self.critic.call_all("save", str(directory))
-            state = {"step": step, "data": self.dataset.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": torch.get_rng_state().tolist()}
+            state = {"step": step, "data": self.dataset.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": torch.get_rng_state().tolist(),
+                     "weight_version": self.weight_version}
             if self.driver is not None:  # asynchronous: the rows in flight, dispatched again at resume
                 state["async"] = self.driver.state_dict()
             (directory / TRAINER_STATE).write_text(json.dumps(state))
@@ -312,7 +320,7 @@ class Trainer:
         self.kl_ctrl.value = state["kl_coef"]
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
         self.start_step = state["step"]
-        self.sync_weights(self.start_step)
+        self.sync_weights(weight_version_of(state, self.cfg.trainer.critic_warmup))
         self.log.console(f"resumed from {directory} at step {self.start_step}")
 
     def close(self) -> None:
