@@ -3,13 +3,14 @@
     admit batches -> take finished groups (drop or wait on stale ones) -> train -> sync weights
 
 The actor's rank 0 rolls out on a thread of its own (``agent/async_rollout.py``) with the
-engine stepping on another and holding its own copy of the weights; this driver hands it batches
-of rows and takes back whole groups as they finish, while the trainer trains on the main thread.
-A weight sync goes through the engine's update path between steps: the engine drains the
-requests running at that moment (each generate call is sampled by exactly one version) and the
-requests admitted after it run under the new version.
+engine in a process of its own (``engines/process.py``; ``engine.process=false``: on another
+thread) holding its own copy of the weights; this driver hands it batches of rows and takes back
+whole groups as they finish, while the trainer trains on the main thread. A weight sync goes
+through the engine's update path between steps: the engine drains the requests running at that
+moment (each generate call is sampled by exactly one version; ``rollout.partial``: interrupts
+them, to resume under the new weights) and the requests admitted after it run under the new version.
 
-The rules (AReaL's, counted in groups; docs/async.md):
+The rules (AReaL's, counted in groups; docs/training.md "Asynchronous training"):
 
 * admission: a batch of ``B`` rows is dispatched while the groups dispatched stay within
   ``(eta + 1) * B`` ahead of the groups trained or dropped. Every group is dispatched whole, at
@@ -20,7 +21,8 @@ The rules (AReaL's, counted in groups; docs/async.md):
   the oldest finished groups and waits as long as the groups left (finished, or running, counted
   at their dispatch version) could not all be trained within the bound at ``B`` a step afterwards
   (earliest deadline first; the admission rule makes it feasible once everything running ends).
-* each step trains exactly ``B`` groups, the oldest first; weight versions count the updates.
+* each step trains exactly ``B`` groups, the oldest first; weight versions count the actor updates,
+  as in the synchronous trainer (version k: the policy after k updates).
 """
 
 from __future__ import annotations
