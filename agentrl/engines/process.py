@@ -21,7 +21,8 @@ left behind if either dies) and the child copies them into its model; ``update_w
 hands the child a checkpoint directory (``engine.weight_sync=disk``). Which is faster, measured:
 docs/benchmarks.md "The engine in its own process".
 
-Every wait is bounded by ``sync_timeout_s`` (start-up, a weight update, a stats call); a child
+Every wait is bounded: start-up by ``start_timeout_s`` (default ``sync_timeout_s``), a weight
+update, a cache flush and a stats call by ``sync_timeout_s``, closing by the lesser of it and 30 s; a child
 that dies fails every call waiting on it, and every later one, with ``EngineUnavailable`` naming
 the process, its pid and how it ended.
 """
@@ -65,8 +66,8 @@ class EngineProcess:
     """A ``BuiltinEngine`` in a child process (see the module docstring); keyword arguments are
     the engine's (``device``, ``dtype``, ``max_batch_size``, ``seed``, ``partial``, ...)."""
 
-    def __init__(self, model: str | Path, *, threads: int, sync_timeout_s: float = 600.0,
-                 name: str = "the built-in engine process", **engine_kwargs: Any):
+    def __init__(self, model: str | Path, *, threads: int, sync_timeout_s: float = 600.0, start_timeout_s: float | None = None,
+                 name: str = "the built-in engine process", omp_wait_policy: str = "PASSIVE", **engine_kwargs: Any):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if not Path(model).is_dir():
@@ -82,8 +83,13 @@ class EngineProcess:
         self._map: tuple[Any, list[tuple[str, str, tuple[int, ...], int, int]], str] | None = None
         self._map_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         ours, theirs = socket.socketpair()
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE",
-                   TOKENIZERS_PARALLELISM="false")
+        # PASSIVE: an OpenMP thread that waits sleeps at once instead of spinning on a core another
+        # process needs (the trainer, a job beside this one); "" leaves libgomp's default (measured
+        # against each other: docs/benchmarks.md)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        env.pop("OMP_WAIT_POLICY", None)
+        if omp_wait_policy:
+            env["OMP_WAIT_POLICY"] = omp_wait_policy
         self._process = subprocess.Popen([sys.executable, "-m", "agentrl.engines._process_child", str(theirs.fileno())],
                                          pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
@@ -104,9 +110,10 @@ class EngineProcess:
         self._calls[-1] = on_ready
         self._reader = threading.Thread(target=self._read, name="agentrl-engine-results", daemon=True)
         self._reader.start()
-        if not ready.wait(sync_timeout_s):
+        start_timeout_s = start_timeout_s or sync_timeout_s
+        if not ready.wait(start_timeout_s):
             self.close()
-            raise EngineTimeout(f"{self.name} did not load {model} within engine.sync_timeout_s={sync_timeout_s} s")
+            raise EngineTimeout(f"{self.name} did not load {model} within {start_timeout_s} s")
         if "error" in self._info:
             self.close()
             raise self._info["error"]
