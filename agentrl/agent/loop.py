@@ -326,6 +326,12 @@ class AgentLoop:
         """The tools rendered by the chat template (None: the loop describes them itself)."""
         return tool_schemas or None
 
+    async def finish_group(self, group: list[Trajectory]) -> None:
+        """Called by ``RolloutRunner`` once every sample of a group (the ``n`` samples of a row)
+        has finished, in sample order, before any of them is handed on: a loop whose rewards
+        judge the group together (a verifiers rubric's group reward functions) sets them here.
+        Only a loop that overrides it makes the runner wait for whole groups."""
+
     async def play(self, episode: Episode) -> TrajectoryFinish:
         """Play the episode; return how it finished (or raise ``EpisodeEnd``). The episode checks
         the limits: a ``generate``, ``call_tools`` or ``observe`` that a limit forbids raises."""

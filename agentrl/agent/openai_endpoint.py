@@ -14,6 +14,14 @@ logprobs are kept, and the calls are assembled into exact token streams:
 * any other request (the program dropped, rewrote or summarised its history, or changed its
   tools) starts a new *segment* from a fresh rendering; ``segment_splits`` counts them.
 
+A client that keeps token ids itself (verifiers' token client, prime-rl's) gets what vLLM gives
+it: ``logprobs: true`` returns each sampled token's logprob (the engine's, as the trainer checks
+them; ``top_logprobs`` is refused: no other token's logprob is computed), ``return_token_ids: true``
+returns the request's ``prompt_token_ids`` and the answer's ``token_ids``, ``/tokenize`` renders
+messages through the chat template, and ``/v1/chat/completions/tokens`` generates from the
+prompt ids the client sends (``tokens``): when the segment's ids so far are a prefix of them,
+the rest is appended as the observation (masked), exactly as sent; otherwise they start a segment.
+
 It answers as vLLM and SGLang do: a call that cannot be understood (bad JSON, a tool the request
 did not offer, arguments its schema refuses) comes back as the answer's text with no
 ``tool_calls`` and is recorded with its kind for ``agent.malformed_call_policy``; ``stop``
@@ -48,6 +56,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agentrl.agent.openai_wire import MODEL_NAME, RequestRefused, error_response, normalize_message, sse_stream
 from agentrl.agent.setup import Limits
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.tool_parsers import ParsedCall, ToolParser
@@ -59,7 +68,6 @@ from agentrl.trajectory import ToolCallRecord, TrajectoryBuilder, TrajectoryFini
 
 __all__ = ["OpenAIEndpoint", "EndpointSession", "Segment", "CallRecord", "RequestRefused", "endpoint"]
 
-MODEL_NAME = "agentrl-policy"
 log = logging.getLogger(__name__)
 
 # What the endpoint does with each request field (docs/openai_endpoint.md lists them all): the
@@ -68,7 +76,7 @@ log = logging.getLogger(__name__)
 # these are the neutral values of the ones the rollout never applies.
 _NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
             "logit_bias": {}, "response_format": {"type": "text"}}
-# n > 1, logprobs and a forced tool_choice are refused with a 400 naming the field (no answer
+# n > 1, top_logprobs and a forced tool_choice are refused with a 400 naming the field (no answer
 # would be what was asked); every other field, known or not, is ignored as OpenAI-compatible
 # servers ignore what they do not know.
 
@@ -83,6 +91,9 @@ class _Ask:
     stop: tuple[str, ...]
     include_stop: bool  # vLLM's include_stop_str_in_output: keep the stop string in the content
     max_tokens: int | None
+    logprobs: bool = False  # the sampled tokens' logprobs in choices[0].logprobs.content
+    token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and choices[0].token_ids
+    tokens: list[int] | None = None  # /chat/completions/tokens: the prompt ids to generate from
 
 
 _logged_overrides: set[str] = set()
@@ -116,16 +127,6 @@ def _as_rendered(tool: dict[str, Any]) -> dict[str, Any]:
     if isinstance(function, dict) and "strict" in function:
         return {**tool, "function": {k: v for k, v in function.items() if k != "strict"}}
     return tool
-
-
-class RequestRefused(Exception):
-    """A request the endpoint will not serve: answered with ``status`` and an OpenAI error body
-    naming the field; ``finish`` set when the refusal ends the trajectory (a limit)."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 finish: TrajectoryFinish | None = None):
-        super().__init__(message)
-        self.param, self.status, self.finish = param, status, finish
 
 
 @dataclass(slots=True)
@@ -180,17 +181,43 @@ class EndpointSession:
     def segment_splits(self) -> int:
         return max(0, len(self.segments) - 1)
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Serve one chat-completions request body; returns the (non-streamed) response object."""
+    async def complete(self, body: dict[str, Any], *, with_tokens: bool = False) -> dict[str, Any]:
+        """Serve one chat-completions request body; returns the (non-streamed) response object.
+        ``with_tokens``: the ``/chat/completions/tokens`` route (the prompt is ``body["tokens"]``)."""
         async with self._lock:  # one call at a time: a trajectory's calls are ordered
-            return await self._complete(body)
+            return await self._complete(body, with_tokens)
 
-    async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: ``messages`` (with ``tools``; ``add_generation_prompt``, default
+        true) rendered by the policy's chat template, or a ``prompt`` string encoded."""
+        if isinstance(body.get("prompt"), str):
+            ids = self.renderer.encode(body["prompt"])
+        else:
+            raw = body.get("messages")
+            if not isinstance(raw, list) or not raw:
+                raise RequestRefused("messages (or prompt): a non-empty list of messages is required", param="messages")
+            messages = [normalize_message(m, where=f"messages[{i}]") for i, m in enumerate(raw)]
+            tools = body.get("tools") or None
+            if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+                raise RequestRefused("tools: a list of tool objects is required", param="tools")
+            try:
+                ids = self.renderer.template_ids(messages, [_as_rendered(t) for t in tools or []],
+                                                 add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+            except Exception as exc:
+                raise RequestRefused(f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}",
+                                     param="messages") from exc
+        return {"count": len(ids), "max_model_len": self.limits.max_response_tokens + len(ids), "tokens": ids,
+                "token_strs": None}
+
+    async def _complete(self, body: dict[str, Any], with_tokens: bool = False) -> dict[str, Any]:
         if self.finish is not None:
             raise RequestRefused(f"this trajectory has ended ({self.finish.value})", finish=self.finish)
-        ask = self._read(body)
+        ask = self._read(body, with_tokens)
         self.check_turn(None)  # before an observation that no turn would read
-        segment, merged = self._extend_or_split(ask.messages, ask.tools)
+        if ask.tokens is not None:
+            segment, merged = self._extend_by_tokens(ask.tokens, ask.messages, ask.tools)
+        else:
+            segment, merged = self._extend_or_split(ask.messages, ask.tools)
         left = self.check_turn(segment, 1) + 1  # the tokens this answer may sample
         stops = tuple(self.sampling.stop_token_ids or (self.renderer.eos_id,))
         n = len(self.calls)
@@ -229,12 +256,20 @@ class EndpointSession:
         self.tool_calls_returned += len(tool_calls) + len(malformed)
         segment.messages.append(normalize_message(answer, where="response"))
         finish = "length" if result.finish_reason is FinishReason.LENGTH else "tool_calls" if tool_calls else "stop"
-        return {
+        choice: dict[str, Any] = {"index": 0, "message": answer, "finish_reason": finish, "logprobs": None}
+        if ask.logprobs:  # as vLLM: every sampled token (the end-of-turn token too), with its own text
+            choice["logprobs"] = {"content": [
+                {"token": piece, "logprob": float(lp), "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
+                for piece, lp in zip((self.renderer.decode([i]) for i in ids), result.logprobs)]}
+        response: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": MODEL_NAME,
-            "choices": [{"index": 0, "message": answer, "finish_reason": finish, "logprobs": None}],
+            "model": MODEL_NAME, "choices": [choice],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
         }
+        if ask.token_ids:
+            response["prompt_token_ids"] = list(prompt)
+            choice["token_ids"] = list(ids)
+        return response
 
     def _answer(self, text: str, ask: _Ask) -> tuple[dict[str, Any], list[ParsedCall]]:
         """The assistant message for ``text``, and the calls in it that could not be understood.
@@ -302,10 +337,20 @@ class EndpointSession:
         self.finish = finish
         raise RequestRefused(f"the trajectory ended: {finish.value}", status=status, finish=finish)
 
-    def _read(self, body: dict[str, Any]) -> _Ask:
-        for key in ("logprobs", "top_logprobs"):
-            if body.get(key):  # accepted when off: only the sampled tokens' own logprobs exist here
-                raise RequestRefused(f"{key}={body[key]!r}: not supported (leave it unset)", param=key)
+    def _read(self, body: dict[str, Any], with_tokens: bool = False) -> _Ask:
+        if body.get("top_logprobs"):  # accepted when off: only the sampled tokens' own logprobs exist here
+            raise RequestRefused(f"top_logprobs={body['top_logprobs']!r}: not supported (only the sampled tokens' "
+                                 "logprobs are computed: ask logprobs=true and leave top_logprobs unset)", param="top_logprobs")
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, True, False):
+            raise RequestRefused(f"logprobs={logprobs!r}: true or false is required", param="logprobs")
+        tokens = body.get("tokens") if with_tokens else None
+        if with_tokens:
+            vocab = len(self.renderer.tokenizer)
+            if (not isinstance(tokens, list) or not tokens
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
+                raise RequestRefused(f"tokens: a non-empty list of token ids below the vocabulary size {vocab} is required",
+                                     param="tokens")
         n = body.get("n")
         if n not in (None, 1):
             raise RequestRefused(f"n={n!r}: only n=1 is supported (one trajectory samples one answer per call)", param="n")
@@ -337,7 +382,29 @@ class EndpointSession:
                 log.warning("OpenAI endpoint: a request asked max_tokens=%d; at most rollout.max_new_tokens=%d are "
                             "sampled (said once per process)", max_tokens, self.limits.max_new_tokens)
         return _Ask(messages, tools, choice != "none", tuple(s for s in stops if s),
-                    bool(body.get("include_stop_str_in_output")), max_tokens)
+                    bool(body.get("include_stop_str_in_output")), max_tokens, bool(logprobs),
+                    bool(body.get("return_token_ids")), tokens)
+
+    def _extend_by_tokens(self, tokens: list[int], messages: list[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None) -> tuple[Segment, bool]:
+        """The segment whose ids so far are a proper prefix of ``tokens`` (the rest appended as
+        the observation, masked, exactly as the client sent it), or a new one with ``tokens`` as
+        its prompt. The messages are kept as the context of later requests."""
+        if self.segments:
+            seg = self.segments[-1]
+            ids = seg.builder.all_ids
+            if len(tokens) > len(ids) and tokens[: len(ids)] == ids:
+                delta = tokens[len(ids):]
+                known = len(seg.messages)
+                rest = messages[known:] if messages[:known] == seg.messages else []
+                role: TurnRole = "tool" if rest and rest[0]["role"] == "tool" else "user"
+                self.check_turn(seg, len(delta) + 1)
+                seg.builder.append_observed(delta, role)
+                seg.messages, seg.tools = list(messages), tools
+                return seg, True
+        seg = Segment(TrajectoryBuilder(list(tokens)), list(messages), tools)
+        self.segments.append(seg)
+        return seg, False
 
     def _extend_or_split(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[Segment, bool]:
         """The segment this request continues (observation tokens appended, masked), or a new one."""
@@ -363,76 +430,6 @@ class EndpointSession:
         return seg, False
 
 
-def normalize_message(message: Any, *, where: str) -> dict[str, Any]:
-    """A chat message as the template renders it and as the context comparison sees it: role,
-    text content, tool calls with their arguments parsed; what a client adds beside is dropped."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RequestRefused(f"{where}: a message object with a 'role' is required", param="messages")
-    role = message["role"]
-    if role == "developer":
-        role = "system"
-    if role not in ("system", "user", "assistant", "tool"):
-        raise RequestRefused(f"{where}.role={role!r}: unsupported role", param="messages")
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestRefused(f"{where}.content: only text parts are supported, not {kind!r}", param="messages")
-            parts.append(str(part.get("text", "")))
-        content = "".join(parts)
-    out: dict[str, Any] = {"role": role, "content": content if isinstance(content, str) else ""}
-    calls = message.get("tool_calls")
-    if role == "assistant" and calls:
-        out["tool_calls"] = []
-        for j, call in enumerate(calls):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict):
-                raise RequestRefused(f"{where}.tool_calls[{j}].function is required", param="messages")
-            args = fn.get("arguments")
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError:
-                    raise RequestRefused(f"{where}.tool_calls[{j}].function.arguments is not JSON", param="messages") from None
-            entry: dict[str, Any] = {"type": "function", "function": {"name": fn.get("name"), "arguments": args}}
-            if call.get("id"):
-                entry["id"] = call["id"]
-            out["tool_calls"].append(entry)
-    if role == "tool":
-        for key in ("tool_call_id", "name"):
-            if message.get(key):
-                out[key] = message[key]
-    return out
-
-
-def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}},
-                        status_code=status)
-
-
-async def _sse(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
-    """The answer as a chat.completion.chunk stream (one chunk per part: generation is not
-    streamed token by token, the answer is complete when the first chunk is sent)."""
-    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": MODEL_NAME}
-    choice = response["choices"][0]
-    message = choice["message"]
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}) + "\n\n"
-
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("content"):
-        yield chunk({"content": message["content"]})
-    for i, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, choice["finish_reason"])
-    if include_usage:
-        yield "data: " + json.dumps({**base, "choices": [], "usage": response["usage"]}) + "\n\n"
-    yield "data: [DONE]\n\n"
-
-
 class OpenAIEndpoint:
     """The HTTP server: ``/s/<session>/v1/chat/completions`` and ``/s/<session>/v1/models``."""
 
@@ -446,7 +443,11 @@ class OpenAIEndpoint:
         self.port: int = self._sock.getsockname()[1]
         app = Starlette(routes=[
             Route("/s/{sid}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/s/{sid}/v1/chat/completions/tokens", self._chat_tokens, methods=["POST"]),
             Route("/s/{sid}/v1/models", self._models, methods=["GET"]),
+            # vLLM serves /tokenize beside /v1 (verifiers' token client strips the /v1 of its base_url)
+            Route("/s/{sid}/tokenize", self._tokenize, methods=["POST"]),
+            Route("/s/{sid}/v1/tokenize", self._tokenize, methods=["POST"]),
         ])
         import uvicorn
 
@@ -480,10 +481,10 @@ class OpenAIEndpoint:
     def _session(self, request: Request) -> EndpointSession | Response:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            return _error("invalid api key", 401)
+            return error_response("invalid api key", 401)
         session = self.sessions.get(request.path_params["sid"])
         if session is None or session.loop is None:
-            return _error("unknown or closed session (each trajectory has its own base_url)", 404)
+            return error_response("unknown or closed session (each trajectory has its own base_url)", 404)
         return session
 
     async def _models(self, request: Request) -> Response:
@@ -492,30 +493,54 @@ class OpenAIEndpoint:
             return found
         return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "agentrl"}]})
 
-    async def _chat(self, request: Request) -> Response:
+    async def _body(self, request: Request) -> tuple[EndpointSession, dict[str, Any]] | Response:
         found = self._session(request)
         if isinstance(found, Response):
             return found
-        session = found
         try:
             body = await request.json()
         except ValueError:
-            return _error("the request body is not JSON", 400)
+            return error_response("the request body is not JSON", 400)
         if not isinstance(body, dict):
-            return _error("the request body must be a JSON object", 400)
+            return error_response("the request body must be a JSON object", 400)
+        return found, body
+
+    async def _tokenize(self, request: Request) -> Response:
+        found = await self._body(request)
+        if isinstance(found, Response):
+            return found
+        session, body = found
         assert session.loop is not None
-        future = asyncio.run_coroutine_threadsafe(session.complete(body), session.loop)
+
+        async def tokenize() -> dict[str, Any]:  # on the session's loop, where its renderer is used
+            return session.tokenize(body)
+
+        try:
+            return JSONResponse(await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(tokenize(), session.loop)))
+        except RequestRefused as exc:
+            return error_response(str(exc), exc.status, exc.param)
+
+    async def _chat_tokens(self, request: Request) -> Response:
+        return await self._chat(request, with_tokens=True)
+
+    async def _chat(self, request: Request, with_tokens: bool = False) -> Response:
+        found = await self._body(request)
+        if isinstance(found, Response):
+            return found
+        session, body = found
+        assert session.loop is not None
+        future = asyncio.run_coroutine_threadsafe(session.complete(body, with_tokens=with_tokens), session.loop)
         timeout = session.limits.trajectory_timeout_s
         try:
             response = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except RequestRefused as exc:
             if exc.finish is None and session.refused is None:
                 session.refused = str(exc)
-            return _error(str(exc), exc.status, exc.param)
+            return error_response(str(exc), exc.status, exc.param)
         except asyncio.TimeoutError:
             future.cancel()
             session.crashed = session.crashed or f"the rollout engine did not answer within {timeout} s"
-            return _error(f"the rollout engine did not answer within the trajectory timeout ({timeout} s)", 504)
+            return error_response(f"the rollout engine did not answer within the trajectory timeout ({timeout} s)", 504)
         except Exception as exc:  # the endpoint's own failure: infrastructure, never the program's
             session.crashed = session.crashed or f"{type(exc).__name__}: {exc}"
             log.error("OpenAI endpoint: serving a request failed", exc_info=exc)
@@ -523,7 +548,7 @@ class OpenAIEndpoint:
                                            "type": "server_error", "param": None, "code": None}}, status_code=500)
         if body.get("stream"):
             include = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(response, include), media_type="text/event-stream")
+            return StreamingResponse(sse_stream(response, include), media_type="text/event-stream")
         return JSONResponse(response)
 
 

@@ -121,6 +121,12 @@ class ChatRenderer:
         text = self._reference_render(messages, add_generation_prompt=False, tools=tools or None)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def template_ids(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                     add_generation_prompt: bool = True) -> list[int]:
+        """``messages`` rendered by the template, with or without the generation prompt (a
+        server's ``/tokenize``)."""
+        return self.encode(self._render(list(messages), add_generation_prompt=add_generation_prompt, tools=tools or None))
+
     def observation_text(self, messages: Sequence[dict[str, Any]], *, after_eos: bool = True) -> str:
         """Text appended after an assistant turn for ``messages`` (tool or user turns), ending
         with the generation prompt of the next assistant turn."""

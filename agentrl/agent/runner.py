@@ -6,6 +6,8 @@ environment (``extra_info.environment``, else the config's ``environment``: veri
 ``verifiers_env``, openenv -> ``openenv_env``, trl -> ``trl_env``), else the configured default.
 Trajectories come back in a deterministic order (row order, then sample index), each with its
 own seed derived from (seed, group, sample), so results do not depend on scheduling. A loop
+that judges a group together (``AgentLoop.finish_group``) gets the whole group once its last
+sample finishes, before ``on_done`` sees any of it. A loop
 that raises does not lose its trajectory silently: it comes back with ``finish_reason``
 ``TrajectoryFinish.LOOP_ERROR`` and the error in ``reward_info`` (the trainer counts and drops
 those).
@@ -174,6 +176,7 @@ class RolloutRunner:
         total = len(rows) * n
         bar = _progress_bar(total, progress)
         results: list[Trajectory | None] = [None] * total
+        left = [n] * len(rows)  # per row: samples still running (a loop with finish_group waits for them)
         jobs = iter(range(total))
 
         async def worker() -> None:
@@ -186,8 +189,16 @@ class RolloutRunner:
                     results[slot] = await self._run_one(row_id, row, f"{group_prefix}{i}:{row_id}", sample, seed)
                 finally:
                     self.inflight -= 1
-                if on_done is not None:
-                    on_done(results[slot])  # type: ignore[arg-type]
+                done = [results[slot]]
+                loop = self.loops.get(row.loop_name(self.ctx.default_environment))
+                if type(loop).finish_group is not AgentLoop.finish_group:  # the group is handed on whole
+                    left[i] -= 1
+                    done = [results[i * n + k] for k in range(n)] if left[i] == 0 else []
+                    if done:
+                        await self._finish_group(loop, done)  # type: ignore[arg-type]
+                for t in done:
+                    if on_done is not None:
+                        on_done(t)  # type: ignore[arg-type]
                 if bar is not None:
                     bar.update(1)
 
@@ -197,6 +208,16 @@ class RolloutRunner:
             if bar is not None:
                 bar.close()
         return [t for t in results if t is not None]
+
+    async def _finish_group(self, loop: AgentLoop, group: list[Trajectory]) -> None:
+        """The loop's ``finish_group``; when it raises, the group's trajectories become
+        ``loop_error`` (kept, with the error, out of the loss) rather than unscored."""
+        try:
+            await loop.finish_group(group)
+        except Exception as exc:
+            for t in group:
+                t.finish_reason = TrajectoryFinish.LOOP_ERROR
+                t.reward_info["error"] = f"finishing the group failed: {type(exc).__name__}: {exc}"
 
     async def _run_one(self, row_id: str, row: Row, group_id: str, sample: int, seed: int | None) -> Trajectory:
         loop = self.loops.get(row.loop_name(self.ctx.default_environment))

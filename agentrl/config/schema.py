@@ -42,6 +42,7 @@ __all__ = [
     "ENVIRONMENT_LOOPS",
     "ENVIRONMENT_EXTRAS",
     "EnvironmentConfig",
+    "VerifiersEnvironmentConfig",
     "TrlEnvironmentConfig",
     "TrainConfig",
 ]
@@ -462,6 +463,13 @@ class TrlEnvironmentConfig(Section):
         return self
 
 
+class VerifiersEnvironmentConfig(Section):
+    # the verifiers client a verifiers environment's rollout gets over agentrl's endpoint: chat
+    # (verifiers' default OpenAIChatCompletionsClient) or token (the token client prime-rl uses:
+    # logprobs, return_token_ids, /tokenize, /v1/chat/completions/tokens); docs/environments/verifiers.md
+    client: Literal["chat", "token"] = "chat"
+
+
 class EnvironmentConfig(Section):
     # The environment of every row that names none in extra_info.environment (a row's own wins;
     # docs/environments/index.md). library null: rows without a ref run as without environments.
@@ -469,6 +477,7 @@ class EnvironmentConfig(Section):
     # an entry point name in group agentrl.environments, a module `pkg.mod`, or `pkg.mod:attr`
     name: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)  # the library's constructor / load_environment kwargs
+    verifiers: VerifiersEnvironmentConfig = Field(default_factory=VerifiersEnvironmentConfig)
     trl: TrlEnvironmentConfig = Field(default_factory=TrlEnvironmentConfig)  # library=trl (docs/environments/trl.md)
 
     @model_validator(mode="after")

@@ -4,7 +4,7 @@ before any compute is spent (every problem reported at once, naming its file, ro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl.data.dataset import file_tags, parse_row, row_uid, validate_files
 from agentrl.data.io import iter_raw_rows, write_rows
@@ -17,18 +17,28 @@ if TYPE_CHECKING:
 __all__ = ["prepare_data"]
 
 
-def prepare_data(cfg: "TrainConfig", data_dir: Path) -> tuple[list[str], list[tuple[str, Row]]]:
+def prepare_data(
+    cfg: "TrainConfig", data_dir: Path, *, environment_rows: Callable[[str], list[dict[str, Any]]] | None = None
+) -> tuple[list[str], list[tuple[str, Row]]]:
     """(training files, validation rows as (uid, row)). Without ``data.train_files`` the
-    built-in ``data.task`` is generated into ``data_dir`` (its test split for validation when
-    no ``data.val_files`` are given)."""
+    configured environment's own dataset is written into ``data_dir`` when it has one
+    (``environment_rows(split)``, split ``train`` and, for validation when no ``data.val_files``
+    are given, ``eval``), else the built-in ``data.task`` is generated there (its test split for
+    validation when no ``data.val_files`` are given)."""
+    own = environment_rows("train") if environment_rows is not None and not cfg.data.train_files else []
     if cfg.data.train_files:
         files = list(cfg.data.train_files)
+    elif own:
+        files = [str(write_rows(own, data_dir / "train.parquet"))]
     else:
         from agentrl_data_prep.tasks import generate
 
         files = [str(write_rows(generate(cfg.data.task, cfg.data.task_train_size, cfg.data.seed, "train"), data_dir / "train.parquet"))]
     val_files = list(cfg.data.val_files)
-    if not val_files and cfg.data.task is not None and not cfg.data.train_files:
+    if not val_files and own:
+        held_out = environment_rows("eval") if environment_rows is not None else []
+        val_files = [str(write_rows(held_out, data_dir / "val.parquet"))] if held_out else []
+    elif not val_files and cfg.data.task is not None and not cfg.data.train_files:
         from agentrl_data_prep.tasks import validation_rows
 
         rows = validation_rows(cfg.data.task, cfg.data.task_val_size, cfg.data.seed)

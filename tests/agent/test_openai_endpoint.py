@@ -109,7 +109,8 @@ def test_refusals_name_the_field(tiny_tokenizer, make_ctx):
 
     def program(task):
         client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
-        for field, extra in [("n", {"n": 2}), ("tool_choice", {"tool_choice": "required"}), ("stop", {"stop": [3]}), ("logprobs", {"logprobs": True})]:
+        for field, extra in [("n", {"n": 2}), ("tool_choice", {"tool_choice": "required"}), ("stop", {"stop": [3]}),
+                           ("top_logprobs", {"logprobs": True, "top_logprobs": 2})]:
             with pytest.raises(openai.BadRequestError) as info:
                 client.chat.completions.create(model=task.model, messages=task.messages, **extra)
             errors[field] = info.value.body
@@ -126,7 +127,7 @@ def test_refusals_name_the_field(tiny_tokenizer, make_ctx):
     assert errors["n"]["param"] == "n" and "only n=1" in errors["n"]["message"]
     assert errors["tool_choice"]["param"] == "tool_choice"
     assert errors["stop"]["param"] == "stop" and "a string or a list of strings" in errors["stop"]["message"]
-    assert errors["logprobs"]["param"] == "logprobs"
+    assert errors["top_logprobs"]["param"] == "top_logprobs" and "only the sampled tokens'" in errors["top_logprobs"]["message"]
     # refused requests did not end the trajectory, and the program went on: its episode is scored
     assert t.reward == 1.0
 

@@ -1,0 +1,305 @@
+"""verifiers environments (the 0.3 API) run by the ``verifiers_env`` loop: their own rollout code
+against agentrl's endpoint, token-exact; the rubric's weighted reward, each function logged as
+``env/<name>``, step rewards as turn rewards, group reward functions over the whole group; the
+environment's failures counted; its dataset as agentrl rows. The environments are written here
+against verifiers' public API, as a third party writes them, and installed as a module of their
+own (``vf_test_envs``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+
+import pytest
+
+from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+from agentrl.agent.scripted import ScriptedEngine
+from agentrl.agent.setup import RolloutSetup
+from agentrl.config.schema import DataConfig, EnvironmentConfig, TrainConfig
+from agentrl.data.io import iter_raw_rows
+from agentrl.data.row import EnvironmentRef, Row
+from agentrl.environments import spec
+from agentrl.errors import PluginError
+
+vf = pytest.importorskip("verifiers")
+av = pytest.importorskip("agentrl.environments.verifiers")
+
+# What a verifiers user writes (a Hub package's module): a ToolEnv over a Python function, a
+# MultiTurnEnv with env_response, a @vf.stop condition, a step reward and a group reward function.
+ENVS = '''
+import verifiers as vf
+from datasets import Dataset
+
+GROUP_SIZES = []  # what the group reward function saw
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the arithmetic expression, such as 12 * 34
+    """
+    return str(eval(expression, {"__builtins__": {}}, {}))
+
+
+def divide(a: int, b: int) -> str:
+    """Divide a by b.
+
+    Args:
+        a: the dividend
+        b: the divisor
+    """
+    return str(a / b)
+
+
+def correct(completion, answer) -> float:
+    return 1.0 if completion and answer in (completion[-1].content or "") else 0.0
+
+
+def concise(completion) -> float:
+    return 1.0 if completion and len(completion[-1].content or "") < 12 else 0.0
+
+
+def load_calculator(rows: int = 2, stop_on_division_error: bool = False):
+    data = Dataset.from_list([{"question": f"What is {i} * 34?", "answer": str(i * 34)} for i in range(12, 12 + rows)])
+    held_out = Dataset.from_list([{"question": "What is 2 * 3?", "answer": "6"}])
+    return vf.ToolEnv(dataset=data, eval_dataset=held_out, tools=[calculator, divide], max_turns=3,
+                      rubric=vf.Rubric(funcs=[correct, concise], weights=[1.0, 0.5]), system_prompt="Use the calculator.",
+                      stop_errors=[ZeroDivisionError] if stop_on_division_error else None)
+
+
+class Guess(vf.MultiTurnEnv):
+    """Guess the number: the environment answers Higher or Lower; each guess is a step, rewarded
+    1 when right."""
+
+    async def setup_state(self, state):
+        if state["info"].get("explode"):
+            raise RuntimeError("the guessing backend is gone")
+        return state
+
+    async def env_response(self, messages, state, **kwargs):
+        guess = (messages[-1].content or "").strip()
+        if not guess.isdigit():
+            return [{"role": "user", "content": "Answer with a number."}]
+        return [{"role": "user", "content": "Higher." if int(guess) < int(state["answer"]) else "Lower."}]
+
+    @vf.stop
+    async def guessed(self, state) -> bool:
+        steps = state["trajectory"]
+        return bool(steps) and (steps[-1]["completion"][-1].content or "").strip() == state["answer"]
+
+    async def add_trajectory_step(self, state, step):
+        step["reward"] = 1.0 if (step["completion"][-1].content or "").strip() == state["answer"] else 0.0
+        await super().add_trajectory_step(state, step)
+
+
+def solved(completion, answer) -> float:
+    return 1.0 if (completion[-1].content or "").strip() == answer else 0.0
+
+
+def length(completion) -> float:
+    return min(sum(len(m.content or "") for m in completion if m.role == "assistant"), 40) / 40
+
+
+def fewest_guesses(states) -> list[float]:
+    GROUP_SIZES.append(len(states))
+    turns = [len(s["trajectory"]) for s in states]
+    return [1.0 if t == min(turns) else 0.0 for t in turns]
+
+
+def load_guess(rows: int = 2, explode: int = -1, max_turns: int = 4):
+    data = Dataset.from_list([{"question": "Guess my number (1-9).", "answer": str(7 - i), "info": {"explode": i == explode}}
+                              for i in range(rows)])
+    rubric = vf.Rubric(funcs=[solved, fewest_guesses, length], weights=[1.0, 0.5, 0.25])
+    return Guess(dataset=data, rubric=rubric, max_turns=max_turns)
+
+
+def load_broken():
+    class Broken(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            raise RuntimeError("the environment's own code failed")
+
+    return Broken(dataset=Dataset.from_list([{"question": "Say hi.", "answer": "hi"}]), max_turns=3)
+
+
+not_an_env = object()
+'''
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+
+
+@pytest.fixture
+def envs(tmp_path, monkeypatch):
+    (tmp_path / "vf_test_envs.py").write_text(textwrap.dedent(ENVS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec.clear_cache()
+    yield tmp_path
+    spec.clear_cache()
+    sys.modules.pop("vf_test_envs", None)
+
+
+def ref(name: str, **args) -> EnvironmentRef:
+    return EnvironmentRef(library="verifiers", name=f"vf_test_envs:{name}", args=args)
+
+
+def context(engine, tokenizer, env: EnvironmentRef, *, client: str = "chat"):
+    cfg = TrainConfig(data=DataConfig(max_response_length=512), environment=EnvironmentConfig(
+        library="verifiers", name=env.name, args=env.args, verifiers={"client": client}))
+    return build_context(engine, tokenizer, RolloutSetup.from_config(cfg), tool_names=[])
+
+
+def rollout(ctx, env: EnvironmentRef, *, n: int = 1, on_done=None):
+    rows = [(f"r{i}", Row.model_validate(r)) for i, r in enumerate(av.rows(env))]
+    runner = RolloutRunner(ctx, LoopTable("tool_agent"))
+    return asyncio.run(runner.run(rows, n=n, on_done=on_done))
+
+
+def as_prompt_tool(tool) -> dict:
+    """A vf.Tool as verifiers' chat client sends it, less OpenAI's ``strict`` (not rendered)."""
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}}
+
+
+def test_a_tool_env_episode_is_the_engines_tokens_and_its_rubric_is_the_reward(envs, tiny_tokenizer):
+    env_ref = ref("load_calculator")
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [CALL, "It is 408"], "r1": ["no idea at all"]})
+    ctx = context(engine, tiny_tokenizer, env_ref)
+    first, second = rollout(ctx, env_ref)
+    r, env = ctx.renderer, av.load(env_ref)
+    messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 * 34?"}]
+    tools = [as_prompt_tool(t) for t in env.tool_defs]
+    assert '"additionalProperties": false' in json.dumps(tools)  # verifiers' strict schema, rendered as sent
+    asked = [q.input_ids for q in engine.requests if q.session_id == "r0#0"]
+    assert first.prompt_ids == r.prompt_ids(messages, tools) == asked[0]
+    sampled1 = tiny_tokenizer.encode(CALL, add_special_tokens=False) + [r.eos_id]
+    sampled2 = tiny_tokenizer.encode("It is 408", add_special_tokens=False) + [r.eos_id]
+    observed = r.observation_ids([{"role": "tool", "content": "408"}])  # the environment ran the tool
+    assert asked[1] == first.prompt_ids + sampled1 + observed  # the sampled ids went back as sampled
+    assert first.response_ids == sampled1 + observed + sampled2 + r.separator_ids
+    assert first.response_mask == [1] * len(sampled1) + [0] * len(observed) + [1] * len(sampled2) + [0] * len(r.separator_ids)
+    assert first.logprobs == [-0.5] * len(sampled1) + [0.0] * len(observed) + [-0.5] * len(sampled2) + [0.0] * len(r.separator_ids)
+    assert [(t.role, t.reward) for t in first.turns] == [("assistant", None), ("tool", None), ("assistant", None)]
+    assert first.finish_reason == "stop" and second.finish_reason == "stop"
+    # the rubric's weighted sum (correct x1 + concise x0.5) is the reward; every function is logged
+    assert (first.reward, second.reward) == (1.0 * 1 + 0.5 * 1, 1.0 * 0 + 0.5 * 0)
+    assert {k: v for k, v in first.metrics.items() if k.startswith("env/")} == {
+        "env/correct": 1.0, "env/concise": 1.0, "env/num_turns": 2.0, "env/total_tool_calls": 1.0,
+        "env/calculator_calls": 1.0, "env/divide_calls": 0.0}
+    assert first.metrics["tool_calls"] == 1.0 and second.metrics["env/num_turns"] == 1.0
+
+
+def test_the_token_client_tokenizes_and_sends_prompt_ids_and_gets_the_same_trajectory(envs, tiny_tokenizer, monkeypatch):
+    """prime-rl's client: logprobs and token ids back, then /tokenize twice and
+    /v1/chat/completions/tokens with the ids it stitched; they extend the context exactly."""
+    from agentrl.agent.openai_endpoint import EndpointSession
+
+    routes: list[str] = []
+    tokenize, complete = EndpointSession.tokenize, EndpointSession.complete
+    monkeypatch.setattr(EndpointSession, "tokenize", lambda self, body: routes.append("tokenize") or tokenize(self, body))
+
+    async def recording(self, body, *, with_tokens=False):
+        routes.append(f"tokens(logprobs={body.get('logprobs')}, ids={body.get('return_token_ids')})" if with_tokens
+                      else f"chat(logprobs={body.get('logprobs')}, ids={body.get('return_token_ids')})")
+        return await complete(self, body, with_tokens=with_tokens)
+
+    monkeypatch.setattr(EndpointSession, "complete", recording)
+    env_ref = ref("load_calculator", rows=1)
+    by_client = {}
+    for client in ("chat", "token"):
+        engine = ScriptedEngine(tiny_tokenizer, {"r0": [CALL, "It is 408"]})
+        (by_client[client],) = rollout(context(engine, tiny_tokenizer, env_ref, client=client), env_ref)
+    assert routes == ["chat(logprobs=None, ids=None)", "chat(logprobs=None, ids=None)",
+                      "chat(logprobs=True, ids=True)", "tokenize", "tokenize", "tokens(logprobs=True, ids=True)"]
+    chat, token = by_client["chat"], by_client["token"]
+    assert token.metrics["segment_splits"] == 0 and token.reward == chat.reward == 1.5
+    assert (token.prompt_ids, token.response_ids, token.response_mask, token.logprobs) == (
+        chat.prompt_ids, chat.response_ids, chat.response_mask, chat.logprobs)
+
+
+def test_a_multi_turn_env_answers_as_the_user_and_its_step_rewards_become_turn_rewards(envs, tiny_tokenizer):
+    env_ref = ref("load_guess", rows=1)
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": ["5", "7"]})
+    ctx = context(engine, tiny_tokenizer, env_ref)
+    (t,) = rollout(ctx, env_ref)
+    r = ctx.renderer
+    s1, s2 = (tiny_tokenizer.encode(x, add_special_tokens=False) + [r.eos_id] for x in ("5", "7"))
+    observed = r.observation_ids([{"role": "user", "content": "Higher."}])  # env_response, as a user turn
+    assert t.prompt_ids == r.prompt_ids([{"role": "user", "content": "Guess my number (1-9)."}])
+    assert t.response_ids == s1 + observed + s2 + r.separator_ids
+    assert t.response_mask == [1] * len(s1) + [0] * len(observed) + [1] * len(s2) + [0] * len(r.separator_ids)
+    # each guess's step reward on its own turn; the @vf.stop condition ended the episode
+    assert [(x.role, x.reward) for x in t.turns] == [("assistant", 0.0), ("user", None), ("assistant", 1.0)]
+    assert t.finish_reason == "stop" and t.metrics["turns"] == 2.0
+    # solved x1 + fewest_guesses x0.5 (alone in its group) + length x0.25 ("5" and "7": 2 of 40 characters)
+    assert t.reward == pytest.approx(1.0 + 0.5 + 0.25 * 2 / 40, abs=1e-12)
+
+
+def test_a_group_reward_function_sees_the_whole_group_before_any_member_is_handed_on(envs, tiny_tokenizer):
+    env_ref = ref("load_guess", rows=1)
+
+    def script(row_id, call, request):  # sample 0 guesses right away, the others need two guesses
+        first = "7" if request.session_id.endswith("#0") else "5"
+        return [first, "7"][call]
+
+    engine = ScriptedEngine(tiny_tokenizer, script)
+    ctx = context(engine, tiny_tokenizer, env_ref)
+    handed_on = []
+    group = rollout(ctx, env_ref, n=3, on_done=lambda t: handed_on.append((t.sample_index, t.reward)))
+    import vf_test_envs
+
+    assert vf_test_envs.GROUP_SIZES == [3]
+    assert [t.metrics["env/fewest_guesses"] for t in group] == [1.0, 0.0, 0.0]
+    # solved + 0.5 x fewest_guesses + 0.25 x characters/40
+    assert [t.reward for t in group] == pytest.approx([1.0 + 0.5 + 0.25 / 40, 1.0 + 0.25 * 2 / 40, 1.0 + 0.25 * 2 / 40])
+    assert sorted(handed_on) == [(t.sample_index, t.reward) for t in group]  # rewards set before on_done saw them
+
+
+def test_the_environments_failures_end_the_trajectory_as_environment_errors_counted_by_kind(envs, tiny_tokenizer):
+    division = '<tool_call>\n{"name": "divide", "arguments": {"a": 1, "b": 0}}\n</tool_call>'
+    stopping = ref("load_calculator", rows=1, stop_on_division_error=True)
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [division, "done"]})
+    (t,) = rollout(context(engine, tiny_tokenizer, stopping), stopping)
+    assert t.finish_reason == "environment_error" and t.reward == 0.0
+    assert t.metrics["env_errors/ToolCallError"] == 1.0 and t.reward_info["error_kind"] == "ToolCallError"
+    assert sum(t.response_mask) > 0 and len(engine.requests) == 1  # its sampled turn is kept (out of the loss)
+
+    broken = ref("load_broken")
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": ["hi", "hi"]})
+    (t,) = rollout(context(engine, tiny_tokenizer, broken), broken)
+    assert t.finish_reason == "environment_error" and t.metrics["env_errors/exception"] == 1.0
+    assert t.reward_info["error"] == "RuntimeError: the environment's own code failed"
+
+    # without the environment asking to stop on it, a tool's exception is the model's to read
+    lenient = ref("load_calculator", rows=1)
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [division, "done"]})
+    (t,) = rollout(context(engine, tiny_tokenizer, lenient), lenient)
+    assert t.finish_reason == "stop" and "division by zero" in tiny_tokenizer.decode(t.response_ids)
+
+
+def test_the_dataset_becomes_rows_that_survive_parquet_and_give_the_environment_its_own_row_back(envs, tmp_path):
+    env_ref = ref("load_calculator", rows=2)
+    env = av.load(env_ref)
+    path = av.write_rows(env_ref, tmp_path / "calc.parquet")
+    rows = [Row.model_validate(raw) for _, raw in iter_raw_rows(path)]
+    assert [r.ground_truth for r in rows] == ["408", "442"] and rows[0].data_source == "verifiers/vf_test_envs:load_calculator"
+    assert rows[0].environment_ref() == env_ref and rows[0].agent_name is None
+    assert rows[1].messages() == [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 13 * 34?"}]
+    own = env.get_dataset().to_list()
+    assert [av.rollout_input(r, example_id=i) for i, r in enumerate(rows)] == own
+    assert [r["reward_model"]["ground_truth"] for r in av.dataset_rows(env_ref, "eval")] == ["6"]
+    assert av.rows(ref("load_broken"), split="eval") == []
+    # an agentrl row of its own, mapped onto the environment: prompt, answer, info
+    plain = Row.model_validate({"data_source": "mine", "prompt": [{"role": "user", "content": "What is 2 * 3?"}],
+                                "reward_model": {"ground_truth": "6"}, "extra_info": {"index": 4, "verifiers_info": {"k": 1}}})
+    assert av.rollout_input(plain, example_id=4) == {"prompt": [{"role": "user", "content": "What is 2 * 3?"}],
+                                                      "answer": "6", "info": {"k": 1}, "example_id": 4}
+
+
+def test_a_name_that_is_no_verifiers_environment_is_refused_naming_it(envs):
+    with pytest.raises(PluginError, match=r"'vf_test_envs:not_an_env'.*has no load_environment"):
+        av.load(ref("not_an_env"))
+    with pytest.raises(PluginError, match=r"load_environment\(\*\*\{'nope': 1\}\) raised TypeError"):
+        av.load(ref("load_guess", nope=1))
+    with pytest.raises(PluginError, match="returned str, not a verifiers Environment"):
+        av.load(EnvironmentRef(library="verifiers", name="json:dumps", args={"obj": 1}))
