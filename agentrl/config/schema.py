@@ -42,6 +42,7 @@ __all__ = [
     "ENVIRONMENT_LOOPS",
     "ENVIRONMENT_EXTRAS",
     "EnvironmentConfig",
+    "OpenEnvEnvironmentConfig",
     "VerifiersEnvironmentConfig",
     "TrlEnvironmentConfig",
     "TrainConfig",
@@ -470,6 +471,25 @@ class VerifiersEnvironmentConfig(Section):
     client: Literal["chat", "token"] = "chat"
 
 
+class OpenEnvEnvironmentConfig(Section):
+    # OpenEnv environments (docs/environments/openenv.md). A running server to use (http://host:port);
+    # null: agentrl starts one per worker process (uvicorn on a free local port) from environment.name
+    url: str | None = None
+    # trajectories in one server at once, each its own WebSocket session: the server's
+    # max_concurrent_envs (OpenEnv's default is 1; a class served by agentrl gets this many when it
+    # declares SUPPORTS_CONCURRENT_SESSIONS)
+    max_sessions: int = Field(1, ge=1)
+    start_timeout_s: float = Field(120.0, gt=0)  # from starting the server to its answering GET /health
+    step_timeout_s: float = Field(60.0, gt=0)  # each connect, reset and step; then environment_error
+    # the model's turn as the action: auto (text for an action whose one field is a string, else a
+    # tool with the action's fields as parameters), text, or tool
+    action: Literal["auto", "text", "tool"] = "auto"
+    observation_field: str | None = None  # the observation field shown (null: its only field, else all as JSON)
+    # where step rewards go: turns (each on the assistant turn whose action it judges; the
+    # trajectory reward is 0) or trajectory (their sum is the trajectory reward)
+    reward: Literal["turns", "trajectory"] = "turns"
+
+
 class EnvironmentConfig(Section):
     # The environment of every row that names none in extra_info.environment (a row's own wins;
     # docs/environments/index.md). library null: rows without a ref run as without environments.
@@ -477,6 +497,7 @@ class EnvironmentConfig(Section):
     # an entry point name in group agentrl.environments, a module `pkg.mod`, or `pkg.mod:attr`
     name: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)  # the library's constructor / load_environment kwargs
+    openenv: OpenEnvEnvironmentConfig = Field(default_factory=OpenEnvEnvironmentConfig)
     verifiers: VerifiersEnvironmentConfig = Field(default_factory=VerifiersEnvironmentConfig)
     trl: TrlEnvironmentConfig = Field(default_factory=TrlEnvironmentConfig)  # library=trl (docs/environments/trl.md)
 

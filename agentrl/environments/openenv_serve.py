@@ -1,0 +1,108 @@
+"""The server process agentrl starts for an OpenEnv environment (one per worker).
+
+``python -m agentrl.environments.openenv_serve NAME --port PORT --parent-pid PID --max-sessions K``
+
+``NAME`` is ``environment.name`` (an entry point in group ``agentrl.environments``, ``pkg.mod:attr``
+or ``pkg.mod``, found by ``agentrl.environments.spec.resolve``). What it names is served by uvicorn
+on 127.0.0.1, through OpenEnv's own server code:
+
+* a FastAPI app (what an environment's ``server/app.py`` builds with OpenEnv's ``create_app``, and
+  its ``openenv.yaml`` names as ``app:``), as it is; a module stands for its ``app``;
+* an ``Environment`` subclass, through ``create_app``: its action and observation classes are the
+  annotations of its ``step``; ``max_concurrent_envs`` is ``K`` when the class declares
+  ``SUPPORTS_CONCURRENT_SESSIONS``, else 1 (as OpenEnv requires).
+
+The process ends itself within a second of its parent's end, so a worker that dies without
+cleaning up leaves no server behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import threading
+import time
+import types
+import typing
+from typing import Any
+
+__all__ = ["app_for", "servable", "main"]
+
+
+def servable(obj: Any, name: str) -> Any:
+    """What ``name`` resolved to, as the app or the ``Environment`` subclass to serve; anything
+    else is a ``TypeError`` saying what to name instead (checked before a process starts too)."""
+    from openenv.core.env_server.interfaces import Environment
+
+    if isinstance(obj, types.ModuleType):
+        if not hasattr(obj, "app"):
+            raise TypeError(f"OpenEnv environment {name!r} is a module without an `app`: name the app or the "
+                            "Environment class as pkg.mod:attr")
+        obj = obj.app
+    if inspect.isclass(obj) and issubclass(obj, Environment):
+        _step_types(obj, name)
+        return obj
+    if callable(obj) and hasattr(obj, "router"):  # a FastAPI / Starlette app
+        return obj
+    raise TypeError(f"OpenEnv environment {name!r} is a {type(obj).__name__}: name a FastAPI app built with "
+                    "openenv's create_app (server/app.py:app) or an openenv Environment subclass")
+
+
+def app_for(obj: Any, name: str, max_sessions: int) -> Any:
+    """The ASGI app that serves ``obj`` (what ``name`` resolved to)."""
+    from openenv.core.env_server.http_server import create_app
+
+    obj = servable(obj, name)
+    if inspect.isclass(obj):
+        action_cls, observation_cls = _step_types(obj, name)
+        concurrent = max_sessions if getattr(obj, "SUPPORTS_CONCURRENT_SESSIONS", False) else 1
+        return create_app(obj, action_cls, observation_cls, env_name=obj.__name__, max_concurrent_envs=concurrent)
+    return obj
+
+
+def _step_types(cls: type, name: str) -> tuple[type, type]:
+    """The Action and Observation classes of an Environment subclass, from ``step``'s annotations."""
+    from openenv.core.env_server.types import Action, Observation
+
+    hints = typing.get_type_hints(cls.step)
+    params = [p for p in inspect.signature(cls.step).parameters if p != "self"]
+    action = hints.get(params[0]) if params else None
+    observation = hints.get("return")
+    if not (inspect.isclass(action) and issubclass(action, Action)):
+        raise TypeError(f"OpenEnv environment {name!r}: annotate {cls.__name__}.step's action with its Action subclass "
+                        "(or name the app that create_app built)")
+    if not (inspect.isclass(observation) and issubclass(observation, Observation)):
+        raise TypeError(f"OpenEnv environment {name!r}: annotate {cls.__name__}.step's return with its Observation subclass "
+                        "(or name the app that create_app built)")
+    return action, observation
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m agentrl.environments.openenv_serve")
+    parser.add_argument("name")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--max-sessions", type=int, default=1)
+    args = parser.parse_args(argv)
+    threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
+
+    import uvicorn
+
+    from agentrl.environments.spec import EnvironmentRef, resolve
+
+    obj = resolve(EnvironmentRef(library="openenv", name=args.name))
+    app = app_for(obj, args.name, args.max_sessions)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", ws_ping_interval=None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
