@@ -154,3 +154,73 @@ def test_a_missing_module_names_the_package_and_the_extra(tmp_path, monkeypatch)
     with pytest.raises(PluginError, match="defines no reset method"):
         trl_adapter.environment_class(spec.EnvironmentRef(library="trl", name="trl_env_fixture:used_tools.__class__"))
     sys.modules.pop("needs_gym", None)
+
+
+def grpo_advantages(rewards: list[float]) -> list[float]:
+    """agentrl's GRPO (verl's): (r - mean) / (unbiased std + 1e-6); a lone sample keeps its reward."""
+    if len(rewards) < 2:
+        return list(rewards)
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
+@pytest.mark.ray
+def test_agentrl_train_runs_a_trl_environment_class_token_exactly_and_its_reward_reaches_the_advantage(skilled_model_dir, tmp_path):
+    from agentrl.data.io import write_rows
+    from agentrl.data.rollout_store import RolloutStore
+
+    from agentrl_data_prep.tasks import generate
+
+    rows = []
+    for i, task in enumerate(generate("arith", 8, seed=3)):  # one epoch of two steps; rows 3 and 7: reset raises
+        name = "trl_env_fixture:BrokenResetEnv" if i % 4 == 3 else "trl_env_fixture:ArithEnv"
+        rows.append({"data_source": "trl/calc", "prompt": task["prompt"], "answer": task["reward_model"]["ground_truth"],
+                     "extra_info": {"index": i, "environment": {"library": "trl", "name": name}}})
+    write_rows(rows, tmp_path / "rows.parquet")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", f"data.train_files=[{tmp_path / 'rows.parquet'}]",
+        "data.task=null", f"model.path={skilled_model_dir}", "sft.enable=false", "trainer.total_steps=2", "trainer.test_freq=0",
+        "trainer.val_before_train=false", "trainer.save_freq=0", "trainer.export_hf=false", "data.train_batch_size=4",
+        "rollout.n=2", "rollout.max_new_tokens=48", "data.max_response_length=256", "actor.ppo_mini_batch_size=4",
+        'environment.trl.reward_funcs=["trl_env_fixture:used_tools","trl_env_fixture:says_answer","trl_env_fixture:odd_length"]',
+        "environment.trl.reward_weights=[0.5,1.0,0.25]", f"trainer.runs_root={tmp_path}", "trainer.run_name=trl",
+        "logging.progress=false", "trainer.threads_per_worker=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "reward/mean" in s]
+    assert [s["step"] for s in steps] == [1, 2]
+    stored = list(RolloutStore(tmp_path / "trl" / "rollouts").iter_stored())
+    assert len(stored) == 16 and {s.trajectory.agent_name for s in stored} == {"trl_env"}
+    broken = [s.trajectory for s in stored if s.trajectory.finish_reason == "environment_error"]
+    assert len(broken) == 4 and all(t.reward_info["error"].startswith("reset failed: RuntimeError") for t in broken)
+    assert sum(s.get("failures/environment_error", 0.0) for s in steps) == 4
+    assert sum(s["env_errors/reset"] for s in steps if "env_errors/reset" in s) == 4
+    moved = 0
+    for metrics in steps:
+        # token-exact: the trainer scores the stored tokens as the engine scored them
+        assert metrics["logprob_mismatch/mean"] < 1e-5 and metrics["logprob_mismatch/max"] < 1e-3
+        here = [s.trajectory for s in stored if s.step == metrics["step"]]
+        good = [t for t in here if t.finish_reason != "environment_error"]
+        for t in good:  # the TRL functions' weighted sum is the reward
+            assert t.reward == pytest.approx(0.5 * t.metrics["env/used_tools"] + t.metrics["env/says_answer"]
+                                             + 0.25 * t.metrics["env/odd_length"])
+            assert t.metrics["env/odd_length"] == float(len(t.response_ids) % 2)
+        assert metrics["env/odd_length"] == pytest.approx(sum(t.metrics["env/odd_length"] for t in good) / len(good))
+        # the reward reached the advantage: GRPO over each group's scored samples, by hand
+        advantages, tokens = [], []
+        for group in sorted({t.group_id for t in good}):
+            members = [t for t in good if t.group_id == group]
+            advantages += grpo_advantages([t.reward for t in members])
+            tokens += [sum(t.response_mask) for t in members]
+        assert metrics["tokens/sampled"] == sum(tokens)
+        assert metrics["advantages/abs_max"] == pytest.approx(max(abs(a) for a, n in zip(advantages, tokens) if n), abs=1e-5)
+        assert metrics["advantages/mean"] == pytest.approx(sum(a * n for a, n in zip(advantages, tokens)) / sum(tokens), abs=1e-5)
+        moved += sum(abs(a) > 0.5 for a in advantages)
+    assert moved >= 2  # some group's samples were scored differently: the check above is not all zeros
+    good = [s.trajectory for s in stored if s.trajectory.finish_reason != "environment_error"]
+    # the model called the environment's method (the skilled base knows a calculator) and was scored for it
+    assert any(t.metrics["env/used_tools"] == 1.0 for t in good) and any(c.name == "calculator" and c.error is None
+                                                                      for t in good for c in t.tool_calls)

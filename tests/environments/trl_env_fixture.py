@@ -2,6 +2,21 @@
 ``GRPOTrainer(environment_factory=CalculatorEnv, reward_funcs=[...])``: nothing here knows agentrl.
 The tests import it by module name (``trl_env_fixture:CalculatorEnv``), as a run names an installed class."""
 
+import ast
+import operator
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _evaluate(node):
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    raise ValueError("only + - * / of numbers")
+
 
 class CalculatorEnv:
     def __init__(self):
@@ -44,7 +59,24 @@ class ScoredEnv(CalculatorEnv):
         return 0.5 * self.calls
 
 
-class BrokenResetEnv(CalculatorEnv):
+class ArithEnv:
+    """One calculator tool, described as the prompts the tiny skilled model was taught with."""
+
+    def reset(self, **kwargs):
+        self.calls = 0
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression with + - * / // % ** and parentheses.
+
+        Args:
+            expression: the expression to evaluate, for example 4821 * 37
+        """
+        self.calls += 1
+        value = _evaluate(ast.parse(expression, mode="eval"))
+        return str(int(value) if float(value).is_integer() else value)
+
+
+class BrokenResetEnv(ArithEnv):
     def reset(self, **kwargs):
         raise RuntimeError("the simulator did not start")
 
@@ -63,3 +95,7 @@ def no_opinion(completions, **kwargs):
 
 def raises(completions, **kwargs):
     raise ValueError("the judge is down")
+
+
+def odd_length(completion_ids, **kwargs):
+    return [float(len(ids) % 2) for ids in completion_ids]
