@@ -46,7 +46,22 @@ def _in_flight_checkpoint(run: Path) -> tuple[int, dict] | None:
     return found
 
 
-def _kill_after_a_checkpoint_with_rows_in_flight(args: list[str], run: Path, cwd: Path) -> tuple[int, dict]:
+def _session(sid: int) -> list[str]:
+    """The command lines of the processes left in session ``sid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:  # the session id, after state, ppid and pgrp
+                found.append((stat.parent / "cmdline").read_text().replace("\0", " "))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    return found
+
+
+def _kill_after_a_checkpoint_with_rows_in_flight(args: list[str], run: Path, cwd: Path) -> tuple[int, dict, int]:
+    """Start the run in a session of its own, SIGKILL its driver process once a checkpoint records
+    rows in flight; returns that checkpoint's step and state, and the session."""
     log = (cwd / "killed.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", *args], cwd=cwd, env=_env(), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -58,28 +73,39 @@ def _kill_after_a_checkpoint_with_rows_in_flight(args: list[str], run: Path, cwd
             time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)  # the driver dies at once: no close, no final checkpoint
         proc.wait(timeout=30)
+    except BaseException:
+        _end_session(proc.pid)
+        raise
     finally:
-        try:  # whatever the driver had started (an engine process) goes with it
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
         log.close()
     assert proc.returncode == -signal.SIGKILL
-    return found
+    return found[0], found[1], proc.pid
+
+
+def _end_session(sid: int) -> None:
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def test_a_sigkilled_async_run_resumes_training_every_prompt_of_the_epoch_exactly_once(tmp_path):
     run = tmp_path / "runs" / "killed"
     args = ARGS + [f"trainer.runs_root={tmp_path / 'runs'}", "trainer.run_name=killed"]
-    step, state = _kill_after_a_checkpoint_with_rows_in_flight(args, run, tmp_path)
+    step, state, killed = _kill_after_a_checkpoint_with_rows_in_flight(args, run, tmp_path)
     latest = max(int(p.parent.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*/trainer_state.json"))
     assert step == latest < STEPS, f"killed after the checkpoint of step {latest}: nothing left to resume"
     pending = [row_id for row_id, _ in state["async"]["in_flight_rows"]]
     first_batch = state["async"]["batches"]  # the resumed run numbers its batches from here
 
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args, f"trainer.resume={run}"], cwd=tmp_path,
-                          env=_env(), capture_output=True, text=True, timeout=300)
+    try:
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *args, f"trainer.resume={run}"], cwd=tmp_path,
+                              env=_env(), capture_output=True, text=True, timeout=300)
+        # the killed driver's engine process noticed and ended by itself meanwhile: nothing orphaned
+        left = _session(killed)
+    finally:
+        _end_session(killed)
+    assert not left, f"left running after the driver was killed: {left}"
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'step_{step}'} at step {step}" in done.stdout + done.stderr
 
