@@ -71,12 +71,14 @@ COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e3
 
 
 def _series(rows: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float]]:
-    points = []
+    """``key``'s values by step; a step logged twice (a run killed after logging a step and resumed
+    from an earlier checkpoint logs it again) shows the later value, the one training went on from."""
+    points: dict[float, float] = {}
     for row in rows:
         x, y = row.get("step"), row.get(key)
         if isinstance(x, (int, float)) and isinstance(y, (int, float)) and math.isfinite(float(y)):
-            points.append((float(x), float(y)))
-    return sorted(points)
+            points[float(x)] = float(y)
+    return sorted(points.items())
 
 
 def _nice_ticks(lo: float, hi: float, *, integers: bool = False, count: int = 6) -> list[float]:

@@ -146,3 +146,14 @@ def test_an_async_runs_report_stacks_each_steps_staleness_histogram_and_plots_it
     assert all(float(y) > bottom + 20 for y, _ in legend)
     # a synchronous run's metrics have none of it
     assert "staleness" not in render_report(metric_rows(), [], "sync")
+
+
+def test_a_step_logged_again_after_a_resume_is_drawn_once_with_its_later_values():
+    """A run killed after logging step 2 but before its checkpoint logs step 2 again when resumed
+    from step 1: the plot and the histogram show the resumed run's step 2."""
+    first, again = async_rows()[:2], async_rows()[1:]
+    again[0] = {**again[0], "reward/mean": 0.75, "async/staleness_hist/0": 4.0, "async/staleness_hist/1": 4.0}
+    page = render_report(first + again, [], "resumed")
+    points = re.search(r'data-key="reward/mean"[^>]*points="([^"]*)"', page)[1].split()
+    assert len(points) == 3  # steps 1, 2, 3
+    assert re.findall(r"<title>step 2 · staleness \d[^:]*: (\d+)</title>", page) == ["4", "4"]
