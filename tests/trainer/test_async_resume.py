@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,3 +130,6 @@ def test_a_sigkilled_async_run_resumes_training_every_prompt_of_the_epoch_exactl
     assert {b for b, _, _ in redispatched[: len(pending)]} == set(range(first_batch, first_batch + -(-len(pending) // BATCH)))
     before = {members[0].row_id for g, members in groups.items() if int(g.split("/")[0].removeprefix("train")) < first_batch}
     assert not before & set(pending)  # none of them had trained before the kill
+    # the run's report draws each step's staleness histogram, once a step
+    page = (run / "report.html").read_text()
+    assert len(re.findall(r'<rect class="bar" data-key="async/staleness_hist/0"', page)) == STEPS
