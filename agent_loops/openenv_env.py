@@ -6,7 +6,8 @@ Per trajectory (``agentrl.environments.openenv`` has the server and session side
    ``extra_info.environment.args`` (else ``environment.args``) and ``episode_id`` the trajectory's
    instance id; the reset observation follows the row's prompt as a user message;
 2. each assistant turn is an action: with a text action (one string field) the reply text is the
-   action, and the next observation comes back as a user message; otherwise the action is a tool
+   action (also when ``rollout.max_new_tokens`` cut it: the environment judges what the model
+   wrote), and the next observation comes back as a user message; otherwise the action is a tool
    (its fields are the parameters), each tool call a ``step``, each observation the call's tool
    result. A reply without a tool call ends the episode (``stop``);
 3. each step's reward judges the assistant turn that made the action: its turn reward
@@ -138,10 +139,9 @@ class OpenEnvLoop(AgentLoop):
     async def _play_text(self, episode: Episode, state: _EnvEpisode) -> TrajectoryFinish:
         assert state.action is not None and state.action.text_field is not None and state.session is not None
         while True:
-            turn, result, text = await episode.generate()
+            turn, _, text = await episode.generate()
             episode.add_assistant_message(text)
-            if result.finish_reason is FinishReason.LENGTH:
-                return TrajectoryFinish.LENGTH
+            # the reply is the action, whole or cut at rollout.max_new_tokens: the environment judges it
             outcome = await state.session.step({state.action.text_field: text})
             self._reward(episode, state, turn, outcome)
             if outcome.done:
