@@ -9,9 +9,11 @@ partial rollouts off and on (``rollout.partial``), truncated importance sampling
 
 Prints one JSON object: ``runs`` (one per configuration and seed: trajectories/s and tokens/s
 over the training steps' wall time, the trainer's idle fraction, the engine's busy fraction,
-the staleness histogram, and reward against samples and against wall-clock per step),
+the staleness histogram, reward against samples and against wall-clock per step, and the held-out
+success of the run's final greedy validation),
 ``summary`` (per configuration: the means over seeds, the speed-up over the synchronous run,
-the mean reward per sample and its standard deviation over seeds) and ``settings``.
+the mean reward per sample and its standard deviation over seeds, the mean held-out success)
+and ``settings``.
 ``--sft``: every run starts from the quickstart's warm start (SFT on a demonstrator who seldom
 calls the calculator, so RL has something to learn: calling it), built once and shared (or taken
 from ``--warm-start DIR``); without it the runs start from the calculator-skilled base, which
@@ -102,6 +104,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      "tokens_per_s": statistics.fmean(g["tokens_per_s"] for g in group),
                      "reward_per_sample": statistics.fmean(rewards),
                      "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0, "seeds": len(group)}
+        heldout = [g["heldout_success_after"] for g in group if g.get("heldout_success_after") is not None]
+        out[name]["heldout_success_after"] = statistics.fmean(heldout) if heldout else None
     sync = out.get("sync")
     etas = {run["config"]: run["eta"] for run in runs}
     for name, s in out.items():
@@ -126,7 +130,8 @@ BESIDE = {
 }
 
 
-def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path, metrics: bool = True) -> list[dict[str, Any]]:
+def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One ``agentrl train``: its training steps' metrics rows and its summary.json."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     if args.threads:  # torch's intra-op threads: spin-waiting teams collapse on a shared machine
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -134,10 +139,8 @@ def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path, me
                            f"trainer.run_name={name}"], capture_output=True, text=True, env=env, timeout=args.timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"agentrl train ({name}) failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
-    if not metrics:
-        return []
     rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "reward/mean" in r]
+    return [r for r in rows if "reward/mean" in r], json.loads((root / name / "summary.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,12 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.sft and not args.warm_start:
                 _train(args, "warm", ["trainer.total_steps=0", "trainer.save_freq=0", "trainer.test_freq=0",
                                       "trainer.val_before_train=false", "trainer.export_hf=false",
-                                      "trainer.save_rollouts=false", "logging.progress=false"], Path(tmp), metrics=False)
+                                      "trainer.save_rollouts=false", "logging.progress=false"], Path(tmp))
                 args.warm_start = str(Path(tmp) / "warm" / "sft_policy")
             for seed, (name, eta, partial) in run_order(configs, seeds):
                 start = time.perf_counter()
-                rows = _train(args, f"{name}-s{seed}", overrides(eta=eta, partial=partial, seed=seed, args=args), Path(tmp))
+                rows, summary = _train(args, f"{name}-s{seed}", overrides(eta=eta, partial=partial, seed=seed, args=args),
+                                       Path(tmp))
                 run = summarize_run(rows, eta=eta, samples_per_step=args.batch_size * args.n)
+                run["heldout_success_after"] = summary.get("heldout_success_after")  # the final greedy validation
                 runs.append({"config": name, "eta": eta, "partial": partial, "seed": seed,
                              "process_wall_s": time.perf_counter() - start, "load_average_after": os.getloadavg()[0], **run})
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # each run as it ends

@@ -53,11 +53,13 @@ def test_the_summary_holds_each_eta_to_its_floor_and_the_reward_to_one_sync_sd()
     def run(config, eta, per_s, reward):
         return {"config": config, "eta": eta, "trajectories_per_s": per_s, "tokens_per_s": 1.0, "reward_per_sample": reward}
 
-    sync = [run("sync", 0, 2.0, 0.5), run("sync", 0, 2.0, 0.7)]  # reward mean 0.6, sd 0.1414
+    sync = [dict(run("sync", 0, 2.0, 0.5), heldout_success_after=0.5), dict(run("sync", 0, 2.0, 0.7), heldout_success_after=1.0)]
+    # reward mean 0.6, sd 0.1414
     summary = summarize(sync + [run("eta1", 1, 3.0, 0.6), run("eta1", 1, 3.0, 0.6),  # 1.5x: just at its floor
                                 run("eta2", 2, 2.9, 0.6), run("eta4", 4, 5.0, 0.45), run("eta4", 4, 5.0, 0.45),
                                 run("eta3", 3, 3.0, 0.6)])
-    assert "floor" not in summary["sync"]
+    assert "floor" not in summary["sync"] and summary["sync"]["heldout_success_after"] == 0.75
+    assert summary["eta1"]["heldout_success_after"] is None  # runs without a final validation
     assert (summary["eta1"]["floor"], summary["eta2"]["floor"], summary["eta3"]["floor"], summary["eta4"]["floor"]) == \
         (1.5, 1.5, 1.5, 2.5)
     assert summary["eta1"]["meets_floors"] and summary["eta3"]["meets_floors"]
