@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from agentrl.data.rollout_store import RolloutStore
+from agentrl.rundir import RunDir
 
 ROWS, BATCH = 8, 2
 STEPS = ROWS // BATCH  # one epoch
@@ -38,6 +39,8 @@ def _in_flight_checkpoint(run: Path) -> tuple[int, dict] | None:
     """The newest complete checkpoint whose trainer state records rows in flight."""
     found = None
     for state_file in (run / "checkpoints").glob("step_*/trainer_state.json"):
+        if state_file.parent.name.endswith(".tmp"):  # being written (it appears whole, renamed)
+            continue
         try:
             state = json.loads(state_file.read_text())
         except (OSError, ValueError):  # being written
@@ -74,6 +77,8 @@ def _kill_after_a_checkpoint_with_rows_in_flight(args: list[str], run: Path, cwd
             time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)  # the driver dies at once: no close, no final checkpoint
         proc.wait(timeout=30)
+        found = _in_flight_checkpoint(run)  # a later step's checkpoint may have landed meanwhile
+        assert found is not None
     except BaseException:
         _end_session(proc.pid)
         raise
@@ -94,8 +99,8 @@ def test_a_sigkilled_async_run_resumes_training_every_prompt_of_the_epoch_exactl
     run = tmp_path / "runs" / "killed"
     args = ARGS + [f"trainer.runs_root={tmp_path / 'runs'}", "trainer.run_name=killed"]
     step, state, killed = _kill_after_a_checkpoint_with_rows_in_flight(args, run, tmp_path)
-    latest = max(int(p.parent.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*/trainer_state.json"))
-    assert step == latest < STEPS, f"killed after the checkpoint of step {latest}: nothing left to resume"
+    latest = RunDir(run).latest_checkpoint()  # what trainer.resume takes
+    assert latest is not None and latest.name == f"step_{step}" and step < STEPS, f"killed after {latest}: nothing left to resume"
     pending = [row_id for row_id, _ in state["async"]["in_flight_rows"]]
     first_batch = state["async"]["batches"]  # the resumed run numbers its batches from here
 
