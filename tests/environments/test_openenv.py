@@ -87,10 +87,10 @@ def test_an_action_with_one_string_field_takes_text_and_any_other_is_a_tool_of_i
 
 def test_a_tool_episode_is_exact_tokens_with_step_rewards_on_the_turns_that_acted(tiny_tokenizer):
     tok = tiny_tokenizer
-    ctx, engine = ctx_for(tok, {"r0": [call(3), call(7)]}, "guess_app")
-    [t] = run(ctx, [("r0", row("guess_app", secret=7))])
+    ctx, engine = ctx_for(tok, {"r0": [call(3), call(5)]}, "guess_app")
+    [t] = run(ctx, [("r0", row("guess_app", secret=5))])
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    c1, c2 = enc(tok, call(3)) + [eos], enc(tok, call(7)) + [eos]
+    c1, c2 = enc(tok, call(3)) + [eos], enc(tok, call(5)) + [eos]
     obs = enc(tok, "\n<|im_start|>user\n<tool_response>\nhigher\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     sep = enc(tok, "\n")
     # the reset observation follows the row's prompt as a user message; the action is the tool
@@ -106,17 +106,17 @@ def test_a_tool_episode_is_exact_tokens_with_step_rewards_on_the_turns_that_acte
     assert t.finish_reason == "stop" and t.reward == 0.0 and t.agent_name == "openenv_env"
     assert t.metrics["env/return"] == 0.75 and t.metrics["env/steps"] == 2 and t.metrics["env/done"] == 1
     assert [(c.name, c.arguments, c.result, c.reward) for c in t.tool_calls] == [
-        ("guess", {"guess": 3}, "higher", -0.25), ("guess", {"guess": 7}, "correct", 1.0)]
+        ("guess", {"guess": 3}, "higher", -0.25), ("guess", {"guess": 5}, "correct", 1.0)]
 
 
 def test_a_text_episode_sends_the_reply_and_shows_the_observation_as_a_user_turn(tiny_tokenizer):
     tok = tiny_tokenizer
-    ctx, _ = ctx_for(tok, {"r0": ["banana", "apple"]}, "ReplyEnvironment")
-    [t] = run(ctx, [("r0", row("ReplyEnvironment", letter="a"))])
+    ctx, _ = ctx_for(tok, {"r0": ["beetle", "her"]}, "ReplyEnvironment")
+    [t] = run(ctx, [("r0", row("ReplyEnvironment", letter="e"))])
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    a1, a2 = enc(tok, "banana") + [eos], enc(tok, "apple") + [eos]
-    obs = enc(tok, "\n<|im_start|>user\nMore words with a.<|im_end|>\n<|im_start|>assistant\n")
-    messages = [{"role": "user", "content": "Play."}, {"role": "user", "content": "Say words with the letter a."}]
+    a1, a2 = enc(tok, "beetle") + [eos], enc(tok, "her") + [eos]
+    obs = enc(tok, "\n<|im_start|>user\nMore words with e.<|im_end|>\n<|im_start|>assistant\n")
+    messages = [{"role": "user", "content": "Play."}, {"role": "user", "content": "Say words with the letter e."}]
     assert t.prompt_ids == ctx.renderer.prompt_ids(messages, None)
     assert t.response_ids == a1 + obs + a2 + enc(tok, "\n")
     assert t.response_mask == [1] * len(a1) + [0] * len(obs) + [1] * len(a2) + [0]
