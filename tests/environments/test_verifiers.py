@@ -82,8 +82,8 @@ class Guess(vf.MultiTurnEnv):
     async def env_response(self, messages, state, **kwargs):
         guess = (messages[-1].content or "").strip()
         if not guess.isdigit():
-            return [{"role": "user", "content": "Answer with a number."}]
-        return [{"role": "user", "content": "Higher." if int(guess) < int(state["answer"]) else "Lower."}]
+            return [vf.UserMessage(content="Answer with a number.")]
+        return [vf.UserMessage(content="Higher." if int(guess) < int(state["answer"]) else "Lower.")]
 
     @vf.stop
     async def guessed(self, state) -> bool:
@@ -100,7 +100,7 @@ def solved(completion, answer) -> float:
 
 
 def length(completion) -> float:
-    return min(sum(len(m.content or "") for m in completion if m.role == "assistant"), 40) / 40
+    return min(sum(len(m.content or "") for m in completion if m.role == "assistant"), 400) / 400
 
 
 def fewest_guesses(states) -> list[float]:
@@ -112,8 +112,9 @@ def fewest_guesses(states) -> list[float]:
 def load_guess(rows: int = 2, explode: int = -1, max_turns: int = 4):
     data = Dataset.from_list([{"question": "Guess my number (1-9).", "answer": str(7 - i), "info": {"explode": i == explode}}
                               for i in range(rows)])
+    held_out = Dataset.from_list([{"question": "Guess my number (1-9).", "answer": "3", "info": {"explode": False}}])
     rubric = vf.Rubric(funcs=[solved, fewest_guesses, length], weights=[1.0, 0.5, 0.25])
-    return Guess(dataset=data, rubric=rubric, max_turns=max_turns)
+    return Guess(dataset=data, eval_dataset=held_out, rubric=rubric, max_turns=max_turns)
 
 
 def load_broken():
@@ -231,8 +232,8 @@ def test_a_multi_turn_env_answers_as_the_user_and_its_step_rewards_become_turn_r
     # each guess's step reward on its own turn; the @vf.stop condition ended the episode
     assert [(x.role, x.reward) for x in t.turns] == [("assistant", 0.0), ("user", None), ("assistant", 1.0)]
     assert t.finish_reason == "stop" and t.metrics["turns"] == 2.0
-    # solved x1 + fewest_guesses x0.5 (alone in its group) + length x0.25 ("5" and "7": 2 of 40 characters)
-    assert t.reward == pytest.approx(1.0 + 0.5 + 0.25 * 2 / 40, abs=1e-12)
+    # solved x1 + fewest_guesses x0.5 (alone in its group) + length x0.25 ("5" and "7": 2 of 400 characters)
+    assert t.reward == pytest.approx(1.0 + 0.5 + 0.25 * 2 / 400, abs=1e-12)
 
 
 def test_a_group_reward_function_sees_the_whole_group_before_any_member_is_handed_on(envs, tiny_tokenizer):
@@ -250,8 +251,8 @@ def test_a_group_reward_function_sees_the_whole_group_before_any_member_is_hande
 
     assert vf_test_envs.GROUP_SIZES == [3]
     assert [t.metrics["env/fewest_guesses"] for t in group] == [1.0, 0.0, 0.0]
-    # solved + 0.5 x fewest_guesses + 0.25 x characters/40
-    assert [t.reward for t in group] == pytest.approx([1.0 + 0.5 + 0.25 / 40, 1.0 + 0.25 * 2 / 40, 1.0 + 0.25 * 2 / 40])
+    # solved + 0.5 x fewest_guesses + 0.25 x characters/400
+    assert [t.reward for t in group] == pytest.approx([1.0 + 0.5 + 0.25 / 400, 1.0 + 0.25 * 2 / 400, 1.0 + 0.25 * 2 / 400])
     assert sorted(handed_on) == [(t.sample_index, t.reward) for t in group]  # rewards set before on_done saw them
 
 
