@@ -272,17 +272,17 @@ def _check_environment(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 
 def _check_async(cfg: TrainConfig) -> list[tuple[str, str]]:
-    """Asynchronous training (``rollout.max_staleness`` > 0) runs on the built-in engine, without
-    dynamic sampling (its refills are drawn within one step)."""
+    """Asynchronous training (``rollout.max_staleness`` > 0) runs on the built-in engine or SGLang
+    servers, without dynamic sampling (its refills are drawn within one step)."""
     if cfg.rollout.max_staleness == 0:
         if cfg.rollout.partial:
             return [("rollout.partial", "partial rollouts interrupt requests at a weight sync during the rollout, which only "
                                         "happens in asynchronous training: set rollout.max_staleness > 0 or rollout.partial=false")]
         return []
     problems = []
-    if cfg.engine.backend != "builtin":
-        problems.append(("rollout.max_staleness", f"asynchronous training runs on engine=builtin for now, not engine={cfg.engine.backend}; "
-                                                  "set rollout.max_staleness=0"))
+    if cfg.engine.backend not in ("builtin", "sglang"):
+        problems.append(("rollout.max_staleness", f"asynchronous training runs on engine=builtin or engine=sglang, not "
+                                                  f"engine={cfg.engine.backend}; set rollout.max_staleness=0"))
     if cfg.algorithm.filter_groups.enable:
         problems.append(("algorithm.filter_groups.enable", "dynamic sampling is not supported with rollout.max_staleness > 0"))
     return problems

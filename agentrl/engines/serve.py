@@ -256,7 +256,9 @@ class _Server:
             "completion_tokens": len(result.output_ids),
             "cached_tokens": result.cached_tokens,
             "e2e_latency": latency,
-            "weight_version": self.weight_version,
+            # the version that sampled it (as SGLang's, whose requests hold its weights while they run),
+            # not the server's version when the answer is written: an update may have ended meanwhile
+            "weight_version": self.version_label if self.version_label is not None else str(result.weight_version),
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids)]

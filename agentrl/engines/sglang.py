@@ -1,18 +1,6 @@
-"""The SGLang backend: an HTTP client for one server and an engine over several.
-
-``SGLangClient`` speaks SGLang's native protocol (``POST /generate`` with ``input_ids``; token ids
-in, token ids + logprobs out, never text). Every sampling parameter is sent explicitly, because a
-server fills the ones left out from the model's ``generation_config.json``. Transport errors and
-5xx answers are retried with exponential backoff; a 4xx is the request's fault and is not.
-Failures surface as ``agentrl.errors`` types:
-
-    httpx.TimeoutException                  -> EngineTimeout
-    httpx.TransportError, 5xx (after retries) -> EngineUnavailable
-    4xx, a malformed answer, other httpx errors -> EngineError
-
-Stop semantics are SGLang's: generation ends at ``stop_token_ids``, at a ``stop`` string (the
-token completing it is kept in ``output_ids``; ``matched`` is then the string) *and* at the
-model's EOS token(s) (the server's ``ignore_eos`` would disable both, so it is always sent as false).
+"""The SGLang backend: an engine over several servers, each reached by an ``SGLangClient``
+(``sglang_client.py``: the native ``/generate`` protocol, retries, the mapping of httpx errors
+to ``agentrl.errors``, stop semantics, the API key).
 
 ``SGLangEngine`` (the ``Engine`` protocol) spreads requests over several servers: each request
 goes to the healthy server with the fewest outstanding requests, except that a trajectory
@@ -22,11 +10,16 @@ its retries is taken out of rotation, the request is retried on another one, and
 server is probed with ``/health`` in the background; it rejoins once it answers (after being
 brought to the current weights when they came from disk).
 
-Every request carries ``Authorization: Bearer <api_key>`` when the client has a key (``api_key=``,
-else ``$AGENTRL_API_KEY``): SGLang's ``--api-key`` and ``agentrl serve`` check it (a 401 says so).
-
 Weight sync: ``update_weights(path=...)`` calls ``/update_weights_from_disk`` on every server
-(SGLang drains running requests around it). The NCCL path is ``init_weights_update_group`` +
+(SGLang drains running requests around it). With ``partial=True`` (partial rollouts,
+``rollout.partial``) an update does not wait for them: it asks every server to abort its running
+requests first (``abort_all_requests``), and each interrupted ``generate`` call, once the update
+has finished, is sent again as its prompt plus the tokens sampled so far with what is left of its
+``max_new_tokens``; the caller gets one result whose tokens, logprobs and per-token weight
+versions join the pieces (``output_versions``), whatever the number of interruptions. Requests
+wait while an update runs. A request aborted by the caller (``abort``), or by the server with no
+update under way, is not resumed. A stop string split across an interruption is not seen by the
+server (it matches within one piece); stop tokens are. The NCCL path is ``init_weights_update_group`` +
 ``update_weights_from_distributed``: this process is rank 0 of a separate process group with the
 servers' ranks and broadcasts each tensor, in the announced order, while the HTTP calls that
 make the servers receive them are in flight (see ``weight_sync.py``).
@@ -40,7 +33,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import httpx
@@ -49,239 +42,12 @@ if TYPE_CHECKING:  # tensors only pass through (weight sync imports torch itself
     import torch
 
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
-from agentrl.engines.guard import API_KEY_ENV, api_key_from_env, auth_headers
-from agentrl.errors import EngineError, EngineTimeout, EngineUnavailable
+from agentrl.engines.sglang_client import SGLangClient, generate_payload, map_http_error, parse_generate_response
+from agentrl.errors import EngineError, EngineUnavailable
 
 __all__ = ["SGLangClient", "SGLangEngine", "generate_payload", "parse_generate_response", "map_http_error"]
 
 log = logging.getLogger(__name__)
-
-
-def generate_payload(request: GenerateRequest) -> dict[str, Any]:
-    """The /generate body for one request, every sampling parameter explicit."""
-    sampling = request.sampling
-    return {
-        "input_ids": list(request.input_ids),
-        "sampling_params": {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "frequency_penalty": 0.0,
-            "presence_penalty": 0.0,
-            "min_new_tokens": 0,
-            "n": 1,
-            "stop_token_ids": list(sampling.stop_token_ids),
-            "stop": list(sampling.stop),  # strings: SGLang ends at the token completing one and keeps it (no_stop_trim)
-            "ignore_eos": False,
-            "skip_special_tokens": False,
-            "no_stop_trim": True,
-            "sampling_seed": sampling.seed,
-        },
-        "return_logprob": True,
-        "logprob_start_len": -1,
-        "rid": request.rid,
-        "stream": False,
-    }
-
-
-def parse_generate_response(body: Any, *, fallback_version: int = 0) -> GenerateResult:
-    """A /generate answer (one request) as a GenerateResult; EngineError if it is malformed."""
-    try:
-        meta = body["meta_info"]
-        output_ids = [int(t) for t in body["output_ids"]]
-        entries = meta.get("output_token_logprobs") or []
-        logprobs = [float(entry[0]) for entry in entries]
-        logprob_ids = [int(entry[1]) for entry in entries]
-        finish = meta["finish_reason"] or {}
-        kind = finish.get("type")
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise EngineError(f"malformed /generate response: {exc!r} in {str(body)[:300]}") from exc
-    if logprob_ids != output_ids:
-        raise EngineError(
-            f"/generate returned {len(output_ids)} output_ids but logprobs for {len(logprob_ids)} tokens "
-            f"({logprob_ids[:8]} vs {output_ids[:8]})"
-        )
-    reasons = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-    if kind not in reasons:
-        raise EngineError(f"/generate returned an unknown finish_reason {finish!r}")
-    matched = finish.get("matched") if kind == "stop" and isinstance(finish.get("matched"), (int, str)) else None
-    version = str(meta.get("weight_version", ""))
-    return GenerateResult(
-        output_ids=output_ids,
-        logprobs=logprobs,
-        finish_reason=reasons[kind],
-        matched_stop=matched,
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        weight_version=int(version) if version.lstrip("-").isdigit() else fallback_version,
-        cached_tokens=int(meta.get("cached_tokens", 0) or 0),
-    )
-
-
-def map_http_error(exc: httpx.HTTPError, url: str) -> EngineError:
-    """The agentrl error for an httpx failure talking to ``url`` (the caller raises it from exc)."""
-    if isinstance(exc, httpx.TimeoutException):
-        return EngineTimeout(f"{url}: timed out ({type(exc).__name__})")
-    if isinstance(exc, httpx.HTTPStatusError):
-        status = exc.response.status_code
-        detail = exc.response.text[:500]
-        if status >= 500:
-            return EngineUnavailable(f"{url}: server error {status}: {detail}")
-        if status == 401:
-            return EngineError(f"{url}: 401 unauthorized: the server needs its API key (pass api_key=, or set {API_KEY_ENV})")
-        return EngineError(f"{url}: request rejected with {status}: {detail}")
-    if isinstance(exc, (httpx.UnsupportedProtocol, httpx.LocalProtocolError)):
-        return EngineError(f"{url}: cannot send the request: {exc}")
-    if isinstance(exc, httpx.TransportError):
-        return EngineUnavailable(f"{url}: unreachable ({type(exc).__name__}: {exc})")
-    return EngineError(f"{url}: {type(exc).__name__}: {exc}")
-
-
-def _retryable(exc: httpx.HTTPError) -> bool:
-    if isinstance(exc, httpx.HTTPStatusError):
-        return exc.response.status_code >= 500
-    return isinstance(exc, httpx.TransportError) and not isinstance(
-        exc, (httpx.TimeoutException, httpx.UnsupportedProtocol, httpx.LocalProtocolError)
-    )
-
-
-class SGLangClient:
-    """One SGLang (or ``agentrl serve``) server over the native HTTP protocol."""
-
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        timeout_s: float = 300.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 8.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-        api_key: str | None = None,
-    ):
-        if max_retries < 0 or backoff_s < 0:
-            raise ValueError("max_retries and backoff_s must be >= 0")
-        self.base_url = base_url.rstrip("/")
-        self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
-        headers = auth_headers(api_key or api_key_from_env())
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport, headers=headers)
-
-    async def generate(self, request: GenerateRequest, *, fallback_version: int = 0) -> GenerateResult:
-        body = await self._call("POST", "/generate", json=generate_payload(request))
-        return parse_generate_response(body, fallback_version=fallback_version)
-
-    async def abort(self, rid: str) -> None:
-        await self._call("POST", "/abort_request", json={"rid": rid}, retries=0, expect_json=False)
-
-    async def abort_all(self) -> None:
-        await self._call("POST", "/abort_request", json={"abort_all": True}, retries=0, expect_json=False)
-
-    async def health(self, timeout_s: float = 5.0) -> bool:
-        """GET /health once, without retries."""
-        try:
-            response = await self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
-    async def health_generate(self, timeout_s: float = 60.0) -> bool:
-        try:
-            response = await self._http.get("/health_generate", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
-    async def model_info(self) -> dict[str, Any]:
-        return await self._call("GET", "/get_model_info")
-
-    async def server_info(self) -> dict[str, Any]:
-        return await self._call("GET", "/get_server_info")
-
-    async def flush_cache(self) -> None:
-        await self._call("POST", "/flush_cache", expect_json=False)
-
-    async def update_weights_from_disk(
-        self, path: str, *, weight_version: str | None = None, abort_all_requests: bool = False
-    ) -> None:
-        payload = {"model_path": path, "flush_cache": True, "abort_all_requests": abort_all_requests}
-        if weight_version is not None:
-            payload["weight_version"] = weight_version
-        await self._control("/update_weights_from_disk", payload)
-
-    async def init_weights_update_group(
-        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-    ) -> None:
-        await self._control(
-            "/init_weights_update_group",
-            {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": rank_offset,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            },
-        )
-
-    async def update_weights_from_distributed(
-        self,
-        *,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        group_name: str,
-        weight_version: str | None = None,
-    ) -> None:
-        payload: dict[str, Any] = {
-            "names": list(names),
-            "dtypes": list(dtypes),
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "flush_cache": True,
-        }
-        if weight_version is not None:
-            payload["weight_version"] = weight_version
-        await self._control("/update_weights_from_distributed", payload)
-
-    async def destroy_weights_update_group(self, group_name: str) -> None:
-        await self._control("/destroy_weights_update_group", {"group_name": group_name})
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def _control(self, path: str, payload: dict[str, Any]) -> None:
-        """A weight/control endpoint answering {success, message}; never retried (not idempotent)."""
-        try:
-            response = await self._http.post(path, json=payload)
-        except httpx.HTTPError as exc:
-            raise map_http_error(exc, self.base_url + path) from exc
-        try:
-            body = response.json()
-        except ValueError:
-            body = {"success": False, "message": response.text[:500]}
-        if response.status_code != 200 or not body.get("success", False):
-            raise EngineError(f"{self.base_url}{path} failed ({response.status_code}): {body.get('message')}")
-
-    async def _call(
-        self, method: str, path: str, *, json: Any = None, retries: int | None = None, expect_json: bool = True
-    ) -> Any:
-        retries = self.max_retries if retries is None else retries
-        for attempt in itertools.count():
-            try:
-                response = await self._http.request(method, path, json=json)
-                response.raise_for_status()
-                return response.json() if expect_json else response.text
-            except httpx.HTTPError as exc:
-                if attempt >= retries or not _retryable(exc):
-                    raise map_http_error(exc, self.base_url + path) from exc
-                delay = min(self.backoff_s * 2**attempt, self.max_backoff_s)
-                log.warning("%s%s failed (%r); retry %d/%d in %.2fs", self.base_url, path, exc, attempt + 1, retries, delay)
-                await asyncio.sleep(delay)
-            except ValueError as exc:  # the body was not JSON
-                raise EngineError(f"{self.base_url}{path}: answer is not JSON: {exc}") from exc
-        raise AssertionError("unreachable")
 
 
 @dataclass(eq=False)
@@ -308,8 +74,11 @@ class SGLangEngine:
         max_sessions: int = 100_000,
         transport: httpx.AsyncBaseTransport | None = None,
         api_key: str | None = None,
+        partial: bool = False,
     ):
-        """``api_key``: sent to every server (default ``$AGENTRL_API_KEY``); ``launch_servers(...).api_key``."""
+        """``api_key``: sent to every server (default ``$AGENTRL_API_KEY``); ``launch_servers(...).api_key``.
+        ``partial``: a weight update interrupts running requests, which resume under the new weights
+        (see the module docstring)."""
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         self.servers = [
@@ -326,12 +95,71 @@ class SGLangEngine:
         self._probes: set[asyncio.Task] = set()
         self._group: Any = None
         self._group_name: str | None = None
+        self.partial = partial
+        self.interrupted_requests = 0  # generate calls a weight update interrupted (partial rollouts)
+        self.resumed_requests = 0  # ... and sent again under the new weights
+        self._updates_begun = 0  # weight updates started: an abort during one of them is an interruption
+        self._admitting = asyncio.Event()  # cleared while an update runs: no request is sent meanwhile
+        self._admitting.set()
+        self._wire_rids: dict[str, str] = {}  # caller's rid -> the rid of the piece on a server now
+        self._resumable: set[str] = set()  # caller's rids of the generate calls that resume after an update
+        self._cancelled: set[str] = set()  # ... of those the caller aborted: not resumed
+        self._sync_pending: dict[str, str] = {}  # server URL -> the call of the running weight sync it has not answered
 
     # ------------------------------------------------------------------ Engine protocol
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        if request.rid is None:
-            request = GenerateRequest(request.input_ids, request.sampling, rid=uuid.uuid4().hex, session_id=request.session_id)
+        rid = request.rid if request.rid is not None else uuid.uuid4().hex
+        if not self.partial:
+            return await self._send(replace(request, rid=rid), rid)
+        sampling = request.sampling
+        output_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        first: GenerateResult | None = None
+        pieces = 0
+        self._resumable.add(rid)
+        try:
+            while True:
+                await self._admitting.wait()
+                if pieces and rid in self._cancelled:  # the caller aborted it while it waited to resume
+                    finish = FinishReason.ABORT
+                    break
+                updates = self._updates_begun
+                wire = GenerateRequest(request.input_ids + output_ids,
+                                       replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids)),
+                                       rid=rid if pieces == 0 else f"{rid}#{pieces}", session_id=request.session_id)
+                if pieces:
+                    self.resumed_requests += 1
+                result = await self._send(wire, rid)
+                first = first or result
+                output_ids += result.output_ids
+                logprobs += result.logprobs
+                versions += result.token_versions()
+                finish = result.finish_reason
+                if finish is not FinishReason.ABORT or self._updates_begun == updates or rid in self._cancelled:
+                    break
+                self.interrupted_requests += 1  # aborted by the update: resume it once the update is done
+                if output_ids and output_ids[-1] in sampling.stop_token_ids:  # the abort came with its last token
+                    finish = FinishReason.STOP
+                    break
+                if len(output_ids) >= sampling.max_new_tokens:
+                    finish = FinishReason.LENGTH
+                    break
+                pieces += 1
+        finally:
+            self._resumable.discard(rid)
+            self._cancelled.discard(rid)
+        assert first is not None
+        matched = result.matched_stop if finish is result.finish_reason else (output_ids[-1] if finish is FinishReason.STOP else None)
+        return GenerateResult(
+            output_ids=output_ids, logprobs=logprobs, finish_reason=finish, matched_stop=matched,
+            prompt_tokens=first.prompt_tokens, weight_version=result.weight_version, cached_tokens=first.cached_tokens,
+            output_versions=versions if len(set(versions)) > 1 else [],
+        )
+
+    async def _send(self, request: GenerateRequest, rid: str) -> GenerateResult:
+        """One request to one server, failing over to the others (``rid``: the caller's id, to abort it)."""
         tried: set[int] = set()
         last_error: EngineError | None = None
         while True:
@@ -343,7 +171,8 @@ class SGLangEngine:
                 raise EngineUnavailable(f"no healthy SGLang server among {[s.client.base_url for s in self.servers]}{detail}")
             tried.add(id(server))
             server.outstanding += 1
-            self._in_flight[request.rid] = server
+            self._in_flight[rid] = server
+            self._wire_rids[rid] = request.rid or rid
             try:
                 return await server.client.generate(request, fallback_version=self.weight_version)
             except EngineUnavailable as exc:
@@ -351,17 +180,22 @@ class SGLangEngine:
                 self._take_out(server, exc)
             finally:
                 server.outstanding -= 1
-                self._in_flight.pop(request.rid, None)
+                self._in_flight.pop(rid, None)
+                self._wire_rids.pop(rid, None)
 
     async def abort(self, rid: str) -> None:
         server = self._in_flight.get(rid)
+        if rid in self._resumable:
+            self._cancelled.add(rid)
+        wire = self._wire_rids.get(rid, rid)
         targets = [server] if server is not None else [s for s in self.servers if s.healthy]
-        await asyncio.gather(*(s.client.abort(rid) for s in targets), return_exceptions=True)
+        await asyncio.gather(*(s.client.abort(wire) for s in targets), return_exceptions=True)
 
     async def update_weights(
         self, state_dict: Mapping[str, torch.Tensor] | None = None, *, path: str | None = None, version: int | None = None
     ) -> None:
-        """``/update_weights_from_disk`` on every healthy server (SGLang drains requests around it)."""
+        """``/update_weights_from_disk`` on every healthy server (SGLang drains requests around it;
+        with ``partial`` they are aborted first and resume afterwards, see the module docstring)."""
         if state_dict is not None:
             raise ValueError(
                 "SGLang servers cannot take an in-memory state dict over HTTP: save it and pass path=, "
@@ -371,15 +205,45 @@ class SGLangEngine:
             raise ValueError("update_weights needs path= (a checkpoint directory the servers can read)")
         new_version = version if version is not None else self.weight_version + 1
         targets = [s for s in self.servers if s.healthy]
-        results = await asyncio.gather(
-            *(s.client.update_weights_from_disk(path, weight_version=str(new_version)) for s in targets), return_exceptions=True
-        )
+        self._updates_begun += 1
+        self._admitting.clear()
+        try:
+            results = await asyncio.gather(
+                *(self._sync_call(s, s.client.update_weights_from_disk(path, weight_version=str(new_version),
+                                                                         abort_all_requests=self.partial),
+                                  "/update_weights_from_disk") for s in targets),
+                return_exceptions=True,
+            )
+        finally:
+            self._sync_pending.clear()
+            self._admitting.set()
         failures = [(s, r) for s, r in zip(targets, results) if isinstance(r, BaseException)]
         for server, error in failures:
             self._take_out(server, error)  # it has stale weights now: it must not serve until resynced
         if len(failures) == len(targets):
             raise EngineUnavailable(f"no server loaded the weights from {path}: {failures[0][1] if failures else 'none healthy'}")
         self.weight_version, self._weights_path = new_version, path
+
+    async def _sync_call(self, server: _Server, call: Any, endpoint: str) -> None:
+        url = server.client.base_url
+        self._sync_pending[url] = endpoint
+        try:
+            await call
+        finally:
+            self._sync_pending.pop(url, None)
+
+    def sync_waiting(self) -> str:
+        """What the running weight sync waits for: the servers that have not answered, with this
+        engine's requests on each (a server without partial rollouts drains them first)."""
+        if not self._sync_pending:
+            return "no server call pending"
+        parts = []
+        for server in self.servers:
+            endpoint = self._sync_pending.get(server.client.base_url)
+            if endpoint is not None:
+                parts.append(f"{server.client.base_url}{endpoint} not answered, "
+                             f"{server.outstanding} requests of this engine running there")
+        return "; ".join(parts)
 
     async def health(self) -> bool:
         checks = await asyncio.gather(*(s.client.health() for s in self.servers))

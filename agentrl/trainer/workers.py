@@ -107,7 +107,7 @@ class ActorWorker(Worker):
             # of this worker runs on this one (asyncio.run would give each call a new loop).
             self._engine_loop = asyncio.new_event_loop()
             self.engine = SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries,
-                                        api_key=setup.api_key)
+                                        api_key=setup.api_key, partial=setup.max_staleness > 0 and setup.partial)
         else:
             self.engine = self._builtin_engine(setup)
         # engine_stats reports what happened between calls, from here on
@@ -379,8 +379,13 @@ class ActorWorker(Worker):
     def engine_stats(self) -> dict[str, float]:
         if self.engine is None:
             return {}
-        if not hasattr(self.engine, "stats"):  # SGLang: the servers keep their own counters
-            return {"engine/weight_version": float(self.engine.weight_version)}
+        if not hasattr(self.engine, "stats"):  # SGLang: the servers keep their own counters, the client its interruptions
+            counts = (self.engine.interrupted_requests, self.engine.resumed_requests)
+            before = getattr(self, "_last_sglang_counts", (0, 0))
+            self._last_sglang_counts = counts
+            return {"engine/weight_version": float(self.engine.weight_version),
+                    "engine/interrupted_requests": float(counts[0] - before[0]),
+                    "engine/resumed_requests": float(counts[1] - before[1])}
         stats = self.engine.stats()
         now = time.perf_counter()
         last = getattr(self, "_last_engine_stats", None)
@@ -551,8 +556,9 @@ async def _bounded_sync(worker: "ActorWorker", update: Any, version: int, what: 
     from agentrl.errors import EngineTimeout
 
     limit = worker.rollout_setup.sync_timeout_s if worker.rollout_setup is not None else 600.0
+    task = asyncio.ensure_future(update)
     try:
-        await asyncio.wait_for(update, limit)
+        await asyncio.wait_for(asyncio.shield(task), limit)
     except asyncio.TimeoutError:
         engine = worker.engine
         urls = getattr(worker.rollout_setup, "server_urls", ()) if getattr(worker.rollout_setup, "engine_backend", "") == "sglang" else ()
@@ -561,6 +567,10 @@ async def _bounded_sync(worker: "ActorWorker", update: Any, version: int, what: 
         if hasattr(engine, "stats"):
             stats = engine.stats()
             waiting = f" ({stats.running} requests running, {stats.waiting} waiting: a sync drains the running ones first)"
+        elif hasattr(engine, "sync_waiting"):  # SGLang: the servers that have not answered
+            waiting = f" ({engine.sync_waiting()})"
+        task.cancel()  # described first: cancelling it ends the calls it waits on
+        await asyncio.gather(task, return_exceptions=True)
         raise EngineTimeout(
             f"weight sync to version {version} ({what}) into {where} did not finish within "
             f"engine.sync_timeout_s={limit} s{waiting}") from None
