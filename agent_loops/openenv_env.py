@@ -133,7 +133,7 @@ class OpenEnvLoop(AgentLoop):
         state.steps += 1
         state.total += outcome.reward
         state.done = outcome.done
-        if state.reward_mode == "turns" and outcome.reward:
+        if state.reward_mode == "turns":  # a step's 0.0 too: the turn was judged
             turn.reward = (turn.reward or 0.0) + outcome.reward
 
     async def _play_text(self, episode: Episode, state: _EnvEpisode) -> TrajectoryFinish:
