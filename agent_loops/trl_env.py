@@ -17,14 +17,12 @@ import inspect
 from typing import Any
 
 from agentrl.agent.loop import AgentLoop, Episode, LoopContext
+from agentrl.agent.outcomes import FAILED
 from agentrl.data.row import Message, Row
 from agentrl.engines.base import FinishReason
 from agentrl.environments import trl
 from agentrl.errors import PluginError
 from agentrl.trajectory import Trajectory, TrajectoryFinish
-
-OUT_OF_LOSS = frozenset({TrajectoryFinish.LOOP_ERROR, TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.ABORT,
-                         TrajectoryFinish.INTERACTION_ERROR, TrajectoryFinish.ENVIRONMENT_ERROR})
 
 
 class TrlEnvLoop(AgentLoop):
@@ -96,7 +94,7 @@ class TrlEnvLoop(AgentLoop):
     @staticmethod
     def _mark_failed(traj: Trajectory, kind: str, error: str) -> None:
         traj.metrics[f"env_errors/{kind}"] = 1.0
-        if traj.finish_reason not in OUT_OF_LOSS:  # an earlier failure stays the reason
+        if traj.finish_reason not in FAILED:  # an earlier failure stays the reason
             traj.finish_reason = TrajectoryFinish.ENVIRONMENT_ERROR
             traj.reward_info["error"] = error
         traj.reward = 0.0

@@ -44,7 +44,7 @@ __all__ = ["TRL_VERSION", "environment_class", "tool_names", "tool_schema", "res
 TRL_VERSION = "1.16"  # the TRL whose GRPOTrainer semantics this module follows (extra trl-env)
 _SKIPPED = ("reset", "get_reward")
 _lock = threading.Lock()
-_tool_classes: dict[tuple[type, str], type[Tool]] = {}
+_tool_classes: dict[tuple[type, str], type["_MethodTool"]] = {}
 _reward_cache: dict[tuple[str, ...], list["RewardFunction"]] = {}
 
 
@@ -67,7 +67,7 @@ def tool_names(env_type: type) -> list[str]:
 
 def tool_schema(method: Callable[..., Any]) -> dict[str, Any]:
     """The schema transformers (and so TRL) renders for a tool method: ``get_json_schema``."""
-    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import get_json_schema
 
     try:
         return dict(get_json_schema(method))
@@ -92,15 +92,20 @@ def first_prompt(messages: list[dict[str, Any]], observation: Any) -> list[dict[
     return messages[:-1] + [{**messages[-1], "content": content + observation}]
 
 
-def _tool_class(env_type: type, name: str, schema: dict[str, Any]) -> type[Tool]:
+def _tool_class(env_type: type, name: str, method: Callable[..., Any]) -> type["_MethodTool"]:
+    """The tool class of one method of a class, its schema built once per process."""
     key = (env_type, name)
     with _lock:
         cls = _tool_classes.get(key)
-        if cls is None:
-            cls = _tool_classes[key] = types.new_class(f"{env_type.__name__}_{name}", (_MethodTool,), {}, lambda ns: ns.update(
-                name=name, description=schema["function"].get("description", ""),
-                parameters=schema["function"].get("parameters") or {"type": "object", "properties": {}}, full_schema=schema))
-        return cls
+    if cls is None:
+        schema = tool_schema(method)
+        function = schema["function"]
+        attrs = {"name": name, "description": function.get("description", ""), "full_schema": schema,
+                 "parameters": function.get("parameters") or {"type": "object", "properties": {}}}
+        made: type[_MethodTool] = type(f"{env_type.__name__}_{name}", (_MethodTool,), attrs)
+        with _lock:
+            cls = _tool_classes.setdefault(key, made)
+    return cls
 
 
 class _MethodTool(Tool):
@@ -140,8 +145,7 @@ def tool_box(env: Any, *, max_parallel_calls: int, tool_timeout_s: float) -> Too
     tools: dict[str, Tool] = {}
     for name in tool_names(env_type):
         method = getattr(env, name)
-        cls = _tool_class(env_type, name, tool_schema(method))
-        tools[name] = cls(method, serial)
+        tools[name] = _tool_class(env_type, name, method)(method, serial)
     return ToolBox(tools, max_parallel_calls=max_parallel_calls, tool_timeout_s=tool_timeout_s)
 
 
@@ -174,9 +178,9 @@ def reward_functions(config: TrlEnvironmentConfig, env_type: type | None, regist
         return _reward_cache.setdefault(key, funcs)
 
 
-def _get_reward(env_type: type) -> Callable[..., Any]:
+def _get_reward(env_type: Any) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(env_type.get_reward):
-        async def get_reward(environments: list[Any], **kwargs: Any) -> list[Any]:
+        async def get_reward(environments: list[Any], **kwargs: Any) -> list[Any]:  # TRL's wrapper
             return [await e.get_reward() if type(e) is env_type else None for e in environments]
         return get_reward
 
