@@ -224,3 +224,17 @@ def test_agentrl_train_runs_a_trl_environment_class_token_exactly_and_its_reward
     # the model called the environment's method (the skilled base knows a calculator) and was scored for it
     assert any(t.metrics["env/used_tools"] == 1.0 for t in good) and any(c.name == "calculator" and c.error is None
                                                                       for t in good for c in t.tool_calls)
+
+
+def test_the_reward_functions_are_checked_with_the_config():
+    from agentrl.config import validate_config
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate_config({"environment": {"trl": {"reward_funcs": ["trl_env_fixture:used_tools", "trl_env_fixture:nope"]}}},
+                        check_files=False)
+    problems = dict(err.value.problems)
+    assert list(problems) == ["environment.trl.reward_funcs.1"] and "has no attribute 'nope'" in problems["environment.trl.reward_funcs.1"]
+    with pytest.raises(ConfigError, match="reward_weights has 1 weights for 2 reward_funcs"):
+        validate_config({"environment": {"trl": {"reward_funcs": ["trl_env_fixture:used_tools", "trl_env_fixture:odd_length"],
+                                                 "reward_weights": [1.0]}}}, check_files=False)
