@@ -147,6 +147,30 @@ def test_an_exception_in_the_environment_code_ends_the_trajectory_environment_er
     assert good.finish_reason == "stop" and "env_errors/server_restarts" not in good.metrics
 
 
+def test_a_server_given_by_url_is_used_as_it_is_and_one_that_does_not_answer_fails_at_start(tiny_tokenizer):
+    ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call(5)]}, "guess_app")
+    own = server_for(ctx.environment_ref(row("guess_app")), ctx.environment.openenv)
+    run(ctx, [("r0", row("guess_app", secret=5))])  # agentrl's server of guess_app is up
+    ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call(5)]}, "guess_app", url=own.url)
+    [t] = run(ctx, [("r0", row("guess_app", secret=5))])
+    assert t.finish_reason == "stop" and t.metrics["env/return"] == 1.0
+    theirs = server_for(ctx.environment_ref(row("guess_app")), ctx.environment.openenv)
+    assert theirs is not own and theirs.url == own.url and theirs.process is None and theirs.generation == 0
+    gone = f"http://127.0.0.1:{_closed_port()}"
+    ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call(5)]}, "guess_app", url=gone)
+    [t] = run(ctx, [("r0", row("guess_app", secret=5))])
+    assert t.finish_reason == "environment_error" and t.metrics["env_errors/server_start"] == 1
+    assert f"GET {gone}/schema: ConnectError" in t.reward_info["error"]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_a_server_killed_mid_episode_fails_its_trajectory_and_the_next_one_restarts_it(tiny_tokenizer):
     server = {}
 
