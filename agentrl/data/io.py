@@ -85,6 +85,8 @@ def decode_row(row: dict[str, Any]) -> dict[str, Any]:
     for key in _STRUCTS:
         if isinstance(row.get(key), dict):
             row[key] = _drop_nulls(row[key])
+        elif key in row and row[key] is None:  # a row written without it, in a file where others have it
+            del row[key]
     extra = row.get("extra_info")
     if isinstance(extra, dict):
         for key in _EXTRA_JSON:

@@ -56,8 +56,11 @@ def env_module(tmp_path, monkeypatch):
 
 def test_a_rows_environment_survives_parquet_and_args_stay_its_own(tmp_path):
     path = write_rows([row({"library": "trl", "name": "my_envs:Counter", "args": {"size": 3}}),
-                       row({"library": "verifiers", "name": "my_envs", "args": {"level": "hard"}}), row()], tmp_path / "d.parquet")
+                       {**row({"library": "verifiers", "name": "my_envs", "args": {"level": "hard"}}),
+                        "reward_model": {"style": "rule", "ground_truth": "7"}}, row()], tmp_path / "d.parquet")
+    # rows of two libraries mix in one file: a row written without reward_model reads as having the default
     rows = [Row.model_validate(raw) for _, raw in iter_raw_rows(path)]
+    assert rows[1].ground_truth == "7" and rows[0].ground_truth is None
     assert rows[0].extra_info.environment == spec.EnvironmentRef(library="trl", name="my_envs:Counter", args={"size": 3})
     assert rows[1].extra_info.environment.args == {"level": "hard"}  # no 'size': None merged in from row 0
     assert rows[2].extra_info.environment is None
