@@ -68,7 +68,6 @@ def test_one_run_trains_rows_of_a_trl_class_and_a_verifiers_environment_together
         sys.modules.pop("vf_mixed_env", None)
         spec.clear_cache()
     trl_rows = [{"data_source": "trl/arith", "prompt": task["prompt"], "answer": task["reward_model"]["ground_truth"],
-                 "reward_model": task["reward_model"],
                  "extra_info": {"index": i, "environment": {"library": "trl", "name": "trl_env_fixture:ArithEnv"}}}
                 for i, task in enumerate(generate("arith", 2, seed=5))]
     write_rows(vf_rows + trl_rows, tmp_path / "rows.parquet")
