@@ -60,7 +60,8 @@ def site(tmp_path_factory) -> Path:
 def test_the_site_builds_strictly_with_every_docs_page_in_it(site):
     pages = sorted(p.relative_to(REPO / "docs").with_suffix("").as_posix() for p in (REPO / "docs").rglob("*.md"))
     for page in pages:
-        built = site / ("index.html" if page == "index" else f"{page}/index.html")
+        # a folder's index.md is the folder's page (environments/index.md -> environments/index.html)
+        built = site / (page.removesuffix("index") + "index.html" if page.rsplit("/", 1)[-1] == "index" else f"{page}/index.html")
         assert built.exists(), f"docs/{page}.md was not built"
 
 
