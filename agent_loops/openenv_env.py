@@ -27,7 +27,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any
 
-from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd, LoopContext
+from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd, LoopContext, trajectory_instance_id
 from agentrl.agent.tool_parsers import ParsedCall
 from agentrl.agent.tools_runtime import schema_problem
 from agentrl.config.schema import OpenEnvEnvironmentConfig
@@ -67,7 +67,7 @@ class OpenEnvLoop(AgentLoop):
                             f"(library openenv) or environment.library=openenv (row {row_id} has {ref})")
         settings: OpenEnvEnvironmentConfig = ctx.environment.openenv
         state = _EnvEpisode(observation_field=settings.observation_field, reward_mode=settings.reward)
-        instance_id = f"{group_id}#{sample_index}"
+        instance_id = trajectory_instance_id(group_id, sample_index)
         try:
             server = server_for(ref, settings)
             state.session = OpenEnvSession(server, waiter=f"trajectory {instance_id} (openenv_env)")

@@ -358,15 +358,17 @@ class OpenEnvSession:
                            done=bool(result.done))
 
     async def close(self) -> None:
+        """Close the session (at most ten seconds for a polite close) and free its slot, always."""
         client, self.client = self.client, None
-        if client is not None:
-            try:
+        try:
+            if client is not None:
                 await asyncio.wait_for(_awaited(client.close()), 10.0)
-            except Exception:  # a dead server's socket (or a timeout): nothing to close politely
-                pass
-        if self._slot:
-            self._slot = False
-            self.server.sessions.release()
+        except Exception:  # a dead server's socket (or a timeout): nothing to close politely
+            pass
+        finally:
+            if self._slot:
+                self._slot = False
+                self.server.sessions.release()
 
 
 async def _awaited(value: Any) -> Any:

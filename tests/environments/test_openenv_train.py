@@ -70,8 +70,8 @@ def test_three_grpo_steps_on_an_openenv_environment_with_its_server_killed_mid_r
     assert steps[0]["env_errors/server_lost"] == 1 and steps[0]["env_errors/server_restarts"] == 1
     for s in steps[1:]:
         assert s["failures/rate"] == 0.0 and s["trajectories/loop_errors"] == 0 and "env_errors/server_restarts" not in s
-    for s in steps:  # the trainer's logprobs of the sampled tokens are the engine's
-        assert s["logprob_mismatch/mean"] < 1e-5 and s["logprob_mismatch/max"] < 1e-3, s
+    for s in steps:  # the trainer's logprobs of the sampled tokens are the engine's (measured: mean 2e-7, max 1e-6)
+        assert s["logprob_mismatch/mean"] < 1e-5 and s["logprob_mismatch/max"] < 1e-5, s
     stored = list(RolloutStore(tmp_path / "oe" / "rollouts").iter_stored())
     assert len(stored) == 3 * 4 * 2
     failed = [s.trajectory for s in stored if s.trajectory.finish_reason == "environment_error"]
