@@ -35,7 +35,7 @@ def anyio_backend():
 def child(model_dir):
     """One engine process shared by the comparison and partial-rollout tests (partial=True: with
     no weight update it runs every request as the plain engine does)."""
-    engine = EngineProcess(model_dir, threads=1, max_batch_size=4, seed=0, partial=True, start_timeout_s=START_S)
+    engine = EngineProcess(model_dir, threads=1, max_batch_size=4, seed=123, partial=True, start_timeout_s=START_S)
     yield engine
     engine.close()
 
@@ -63,7 +63,7 @@ async def tokens_reach(engine, generated: int) -> None:
 
 
 async def test_the_process_engine_samples_the_tokens_and_logprobs_of_the_in_process_engine(child, model_dir):
-    local = BuiltinEngine(model_dir, max_batch_size=4, seed=0)
+    local = BuiltinEngine(model_dir, max_batch_size=4, seed=123)
     try:
         expected = [await local.generate(r) for r in requests()]
         expected_together = await asyncio.gather(*(local.generate(r) for r in requests()))
@@ -93,6 +93,27 @@ async def test_a_bad_request_is_the_callers_error_and_the_child_lives_on(child):
         await child.update_weights({"nope": torch.zeros(2)}, version=9, strict=False)
     assert await child.health()
     assert len((await child.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=4)))).output_ids) == 4
+
+
+async def test_abort_and_a_cancelled_call_stop_the_childs_request(child):
+    start = child.stats().generated_tokens
+    running = asyncio.create_task(child.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=400), rid="long")))
+    await tokens_reach(child, start + 3)
+    await child.abort("long")
+    result = await running
+    assert result.finish_reason is FinishReason.ABORT and 3 <= len(result.output_ids) < 400
+    before = child.stats().generated_tokens
+    cancelled = asyncio.create_task(child.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=400))))
+    await tokens_reach(child, before + 3)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    for _ in range(2000):  # the abort the cancellation sent reaches the child
+        if child.stats().running == 0:
+            break
+        await asyncio.sleep(0.001)
+    stats = child.stats()
+    assert stats.running == 0 and stats.generated_tokens - before < 400  # stopped early, not run to its end
 
 
 async def test_interrupted_requests_resume_under_new_weights_sent_through_the_shared_mapping(child, model_dir, other_model_dir):
