@@ -304,3 +304,23 @@ def test_a_name_that_is_no_verifiers_environment_is_refused_naming_it(envs):
         av.load(ref("load_guess", nope=1))
     with pytest.raises(PluginError, match="returned str, not a verifiers Environment"):
         av.load(EnvironmentRef(library="verifiers", name="json:dumps", args={"obj": 1}))
+
+
+def test_a_group_that_cannot_be_scored_is_handed_on_as_loop_errors_with_the_reason(envs, tiny_tokenizer):
+    from agentrl_agent_loops.verifiers_env import VerifiersEnvLoop
+
+    class Unreachable(VerifiersEnvLoop):
+        async def finish_group(self, group):
+            raise RuntimeError("the judge is unreachable")
+
+    class Loops(LoopTable):
+        def get(self, name):
+            return loop
+
+    loop = Unreachable()
+    env_ref = ref("load_guess", rows=1)
+    ctx = context(ScriptedEngine(tiny_tokenizer, {"r0": ["7"]}), tiny_tokenizer, env_ref)
+    rows = [("r0", Row.model_validate(av.rows(env_ref)[0]))]
+    group = asyncio.run(RolloutRunner(ctx, Loops("tool_agent")).run(rows, n=2))
+    assert [t.finish_reason for t in group] == ["loop_error", "loop_error"]
+    assert {t.reward_info["error"] for t in group} == {"finishing the group failed: RuntimeError: the judge is unreachable"}
