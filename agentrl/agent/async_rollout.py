@@ -1,8 +1,9 @@
-"""Rollouts that keep running while the trainer trains (asynchronous training, docs/async.md).
+"""Rollouts that keep running while the trainer trains (asynchronous training, docs/training.md).
 
 ``BackgroundRollout`` owns an asyncio event loop on a thread of its own: the agent loops, tools
-and interactions run there, the engine steps on its own thread, and the caller (the trainer's
-actor, rank 0) is free to train. Batches of rows are submitted with the weight version they were
+and interactions run there, the built-in engine steps in a process of its own
+(``agentrl.engines.process.EngineProcess``, so no engine step holds this loop), and the caller
+(the trainer's actor, rank 0) is free to train. Batches of rows are submitted with the weight version they were
 dispatched at; each group (the ``n`` samples of one row) comes back as one ``FinishedGroup``
 when its last sample ends, never split. The caller takes finished groups as they come
 (``finished``), waiting at most the time it names.

@@ -135,8 +135,9 @@ class ActorWorker(Worker):
         # parameters) the engine loads its own copy and syncs by copy.
         # A LoRA policy is never shared: the engine gets merged weights under the base names.
         # Asynchronous training (rollout.max_staleness > 0) never shares: the trainer updates its
-        # weights while the engine samples, so the engine holds its own copy, steps on its own
-        # thread and takes each new version through update_weights (which drains running requests).
+        # weights while the engine samples, so the engine holds its own copy (in its own process,
+        # or on its own thread with engine.process=false) and takes each new version through
+        # update_weights (which drains running requests, or interrupts them with rollout.partial).
         # engine.process (the default in asynchronous training): the engine in a process of its
         # own, with its own threads and weight copy (engines/process.py); a sync goes through a
         # shared file mapping (memory) or the exported checkpoint (disk)
