@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         (f"eta{eta}" + ("_partial" if p == "on" else ""), eta, p == "on")
         for eta in (int(e) for e in args.etas.split(",") if e) for p in args.partial.split(",") if p]
     seeds = [int(s) for s in args.seeds.split(",")]
-    busy = subprocess.Popen([sys.executable, "-c", BESIDE[args.beside_cpu_job]]) if args.beside_cpu_job else None
+    beside_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's default thread count
+    busy = subprocess.Popen([sys.executable, "-c", BESIDE[args.beside_cpu_job]], env=beside_env) if args.beside_cpu_job else None
     runs = []
     load_before = os.getloadavg()
     try:
