@@ -155,9 +155,9 @@ class OpenEnvServer:
     (and restarts) or, with ``settings.url``, a user's server."""
 
     def __init__(self, name: str, settings: OpenEnvEnvironmentConfig):
-        self.name, self.settings = name, settings
-        self.max_sessions, self.start_timeout_s, self.step_timeout_s = settings.max_sessions, settings.start_timeout_s, settings.step_timeout_s
-        self.action_mode = settings.action
+        self.name = name
+        self.max_sessions, self.action_mode = settings.max_sessions, settings.action
+        self.start_timeout_s, self.step_timeout_s = settings.start_timeout_s, settings.step_timeout_s
         self.own = settings.url is None
         self.url: str | None = None if self.own else str(settings.url).rstrip("/")
         self.process: subprocess.Popen[bytes] | None = None
@@ -221,7 +221,7 @@ class OpenEnvServer:
                 raise EnvironmentFailure(f"the OpenEnv server of {self.name!r} exited with code {code} before it answered "
                                          f"GET /health:\n{tail}", "server_start")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=not self.own).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -237,7 +237,7 @@ class OpenEnvServer:
         import httpx
 
         try:
-            response = httpx.get(f"{self.url}/schema", timeout=self.step_timeout_s)
+            response = httpx.get(f"{self.url}/schema", timeout=self.step_timeout_s, trust_env=not self.own)
             response.raise_for_status()
             return dict(response.json()["action"])
         except (httpx.HTTPError, KeyError, ValueError) as exc:
@@ -257,7 +257,7 @@ class OpenEnvServer:
         import httpx
 
         try:
-            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+            return httpx.get(f"{self.url}/health", timeout=2.0, trust_env=not self.own).status_code == 200
         except httpx.HTTPError:
             return False
 
