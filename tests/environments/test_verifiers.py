@@ -125,6 +125,36 @@ def load_broken():
     return Broken(dataset=Dataset.from_list([{"question": "Say hi.", "answer": "hi"}]), max_turns=3)
 
 
+def open_vault(guess: str, code: str) -> str:
+    """Try to open the vault.
+
+    Args:
+        guess: the code you try
+        code: the vault's code (the environment fills it in)
+    """
+    return "open" if guess == code else "still closed"
+
+
+class Vault(vf.StatefulToolEnv):
+    """A StatefulToolEnv: the tool's code argument is hidden from the model and filled from the row."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_tool(open_vault, args_to_skip=["code"])
+
+    def update_tool_args(self, tool_name, tool_args, messages, state, **kwargs):
+        return {**tool_args, "code": state["info"]["code"]}
+
+
+def load_vault():
+    data = Dataset.from_list([{"question": "Open the vault.", "answer": "open", "info": {"code": "42"}}])
+    return Vault(dataset=data, max_turns=3, rubric=vf.Rubric(funcs=[opened], weights=[1.0]))
+
+
+def opened(completion) -> float:
+    return 1.0 if any(m.role == "tool" and m.content == "open" for m in completion) else 0.0
+
+
 not_an_env = object()
 '''
 
@@ -324,3 +354,18 @@ def test_a_group_that_cannot_be_scored_is_handed_on_as_loop_errors_with_the_reas
     group = asyncio.run(RolloutRunner(ctx, Loops("tool_agent")).run(rows, n=2))
     assert [t.finish_reason for t in group] == ["loop_error", "loop_error"]
     assert {t.reward_info["error"] for t in group} == {"finishing the group failed: RuntimeError: the judge is unreachable"}
+
+
+def test_a_stateful_tool_env_hides_the_argument_it_fills_in_from_the_rows_state(envs, tiny_tokenizer):
+    env_ref = ref("load_vault")
+    call = '<tool_call>\n{"name": "open_vault", "arguments": {"guess": "42"}}\n</tool_call>'
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": [call, "Done."]})
+    ctx = context(engine, tiny_tokenizer, env_ref)
+    (t,) = rollout(ctx, env_ref)
+    r = ctx.renderer
+    prompt = tiny_tokenizer.decode(t.prompt_ids)
+    assert '"guess"' in prompt and '"code"' not in prompt  # the model is shown guess only
+    sampled1 = tiny_tokenizer.encode(call, add_special_tokens=False) + [r.eos_id]
+    observed = r.observation_ids([{"role": "tool", "content": "open"}])  # the row's code reached the tool
+    assert t.response_ids[: len(sampled1) + len(observed)] == sampled1 + observed
+    assert t.finish_reason == "stop" and t.reward == 1.0 and t.metrics["env/open_vault_calls"] == 1.0
