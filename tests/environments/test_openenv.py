@@ -34,8 +34,9 @@ def servers():
     spec.clear_cache()
 
 
-def ctx_for(tokenizer, script, name: str, **openenv):
-    env = EnvironmentConfig(library="openenv", name=f"openenv_fixture:{name}", openenv={"max_sessions": 4, "step_timeout_s": 5.0, **openenv})
+def ctx_for(tokenizer, script, name: str, args: dict | None = None, **openenv):
+    env = EnvironmentConfig(library="openenv", name=f"openenv_fixture:{name}", args=args or {},
+                            openenv={"max_sessions": 4, "step_timeout_s": 5.0, **openenv})
     cfg = TrainConfig(environment=env, data=DataConfig(max_response_length=512))
     engine = ScriptedEngine(tokenizer, script)
     return build_context(engine, tokenizer, RolloutSetup.from_config(cfg), tool_names=[]), engine
@@ -128,6 +129,15 @@ def test_reward_trajectory_makes_the_return_the_trajectory_reward(tiny_tokenizer
     ctx, _ = ctx_for(tiny_tokenizer, {"r0": ["banana", "apple"]}, "ReplyEnvironment", reward="trajectory")
     [t] = run(ctx, [("r0", row("ReplyEnvironment", letter="a"))])
     assert t.reward == 1.0 and [x.reward for x in t.turns] == [None, None, None]
+
+
+def test_a_row_without_an_environment_plays_the_configs_with_its_args(tiny_tokenizer):
+    ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call(3), call(2)]}, "guess_app", args={"secret": 2})
+    plain = Row.model_validate({"data_source": "openenv/test", "prompt": [{"role": "user", "content": "Play."}],
+                                "extra_info": {"index": 0}})
+    [t] = run(ctx, [("r0", plain)])
+    assert [(c.arguments, c.result, c.reward) for c in t.tool_calls] == [({"guess": 3}, "lower", -0.25), ({"guess": 2}, "correct", 1.0)]
+    assert t.finish_reason == "stop" and t.metrics["env/return"] == 0.75
 
 
 def test_bad_arguments_are_told_to_the_model_and_do_not_step(tiny_tokenizer):
