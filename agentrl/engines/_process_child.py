@@ -3,7 +3,8 @@
 Started as ``python -m agentrl.engines._process_child FD`` with the thread counts and the OpenMP
 wait policy already in its environment (set by the parent before torch loads here). One asyncio
 event loop on the main thread runs the engine's steps (``steps_on="event_loop"``: one OpenMP
-team) and the requests; a reader thread only moves the parent's messages onto that loop. The
+team) and the requests; a reader thread moves the parent's messages onto that loop, and answers
+stats calls itself (counters read between two of the GIL's switches, even while a step runs). The
 socket closing (the parent ended, or was killed) ends this process.
 
 Messages, parent to child: ``("start", spec)`` first, then ``("generate", call, request)``,
@@ -52,23 +53,28 @@ async def _serve(conn: Connection, spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[tuple[Any, ...] | None] = asyncio.Queue()
 
-    def read() -> None:  # the reader thread: blocks in recv, never touches the engine
+    sending = threading.Lock()  # replies go out from the loop and (stats) from the reader thread
+
+    def read() -> None:  # the reader thread: blocks in recv; answers stats itself, even mid-step
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
                 message = None  # the parent is gone
+            if message is not None and message[0] == "stats":
+                reply(("ok", message[1], engine.stats()))  # counters only: read, never changed here
+                continue
             loop.call_soon_threadsafe(inbox.put_nowait, message)
             if message is None or message[0] == "close":
                 return
 
-    threading.Thread(target=read, name="agentrl-engine-inbox", daemon=True).start()
     maps: dict[str, Any] = {}  # path of a shared weights file -> its byte tensor
     tasks: set[asyncio.Task] = set()
 
     def reply(message: tuple[Any, ...]) -> None:
         try:
-            conn.send(message)
+            with sending:
+                conn.send(message)
         except OSError:
             pass  # the parent is gone; the reader thread ends the loop
 
@@ -83,6 +89,7 @@ async def _serve(conn: Connection, spec: dict[str, Any]) -> None:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
+    threading.Thread(target=read, name="agentrl-engine-inbox", daemon=True).start()
     reply(("ready", {"pid": os.getpid(), "vocab_size": engine.vocab_size, "max_seq_len": engine.max_seq_len,
                      "weight_version": engine.weight_version, "threads": torch_threads()}))
     try:
@@ -100,8 +107,6 @@ async def _serve(conn: Connection, spec: dict[str, Any]) -> None:
             elif kind == "update":
                 _, call, version, source, strict = message
                 start(call, _update(engine, maps, version, source, strict))
-            elif kind == "stats":
-                reply(("ok", message[1], engine.stats()))
             elif kind == "flush":
                 start(message[1], engine.flush_cache())
             else:

@@ -22,7 +22,7 @@ hands the child a checkpoint directory (``engine.weight_sync=disk``). Which is f
 docs/benchmarks.md "The engine in its own process".
 
 Every wait is bounded: start-up by ``start_timeout_s`` (default ``sync_timeout_s``), a weight
-update, a cache flush and a stats call by ``sync_timeout_s``, closing by the lesser of it and 30 s; a child
+update and a cache flush by ``sync_timeout_s``, a stats call and closing by less; a child
 that dies fails every call waiting on it, and every later one, with ``EngineUnavailable`` naming
 the process, its pid and how it ended.
 """
@@ -51,6 +51,11 @@ if TYPE_CHECKING:
     from agentrl.engines.builtin import EngineStats
 
 __all__ = ["EngineProcess", "default_engine_threads"]
+
+# the child's reader thread answers a stats call at once, even mid-step: a child that does not
+# within this bound is stopped or stuck (and a caller that asks while reporting a stuck weight
+# sync must not wait another engine.sync_timeout_s)
+STATS_TIMEOUT_S = 10.0
 
 
 def default_engine_threads() -> int:
@@ -178,8 +183,9 @@ class EngineProcess:
             done.set()
 
         self._register(settle, lambda call: ("stats", call))
-        if not done.wait(self.sync_timeout_s):
-            raise EngineTimeout(f"{self.name} did not answer a stats call within engine.sync_timeout_s={self.sync_timeout_s} s")
+        limit = min(self.sync_timeout_s, STATS_TIMEOUT_S)
+        if not done.wait(limit):
+            raise EngineTimeout(f"{self.name} did not answer a stats call within {limit} s")
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]  # type: ignore[return-value]

@@ -206,22 +206,26 @@ def build_slow_model(path: Path) -> Path:
     return path
 
 
-async def tool_overruns(engine, count: int = 6) -> tuple[list[float], int]:
+async def tool_overruns(engine, count: int = 6) -> tuple[list[float], list[float]]:
     """A tool that awaits ``asyncio.sleep(0.2)``, ``count`` times, on the loop that also waits on
-    long requests to the engine; returns how far each sleep overran, and the tokens generated."""
+    long requests to the engine; returns how far each sleep overran, and how long a stats call
+    took after each sleep."""
     prompts = [[(i * 7 + j) % 256 for j in range(1000)] for i in range(4)]
     calls = [asyncio.create_task(engine.generate(GenerateRequest(p, SamplingParams(max_new_tokens=400, temperature=1.0, seed=i))))
              for i, p in enumerate(prompts)]
     await asyncio.sleep(0)
-    overruns = []
+    overruns, stats_s = [], []
     for _ in range(count):
         started = time.perf_counter()
         await asyncio.sleep(0.2)
         overruns.append(time.perf_counter() - started - 0.2)
+        started = time.perf_counter()
+        engine.stats()
+        stats_s.append(time.perf_counter() - started)
     for call in calls:
         call.cancel()
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    return overruns, sum(len(r.output_ids) for r in results if not isinstance(r, BaseException))
+    await asyncio.gather(*calls, return_exceptions=True)
+    return overruns, stats_s
 
 
 async def test_engine_steps_in_their_own_process_never_hold_the_tools_event_loop(tmp_path):
@@ -231,8 +235,9 @@ async def test_engine_steps_in_their_own_process_never_hold_the_tools_event_loop
     process = EngineProcess(model, threads=1, max_batch_size=8, max_prefill_tokens=2048, seed=0, start_timeout_s=START_S)
     try:
         await process.generate(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2)))  # warm
-        apart, _ = await tool_overruns(process)
+        apart, stats_s = await tool_overruns(process)
         assert process.stats().prefill_tokens >= 2 * 1000  # the child ran long prefill steps meanwhile
+        assert max(stats_s) < 0.25, stats_s  # answered by the child's reader thread, not after a prefill step
     finally:
         process.close()
     local = BuiltinEngine(model, max_batch_size=8, max_prefill_tokens=2048, seed=0, steps_on="event_loop")
