@@ -179,16 +179,27 @@ class SGLangClient:
     async def server_info(self) -> dict[str, Any]:
         return await self._call("GET", "/get_server_info")
 
-    async def flush_cache(self) -> None:
-        await self._call("POST", "/flush_cache", expect_json=False)
+    async def flush_cache(self, *, wait_s: float = 0.0) -> None:
+        """Forget the cached prefixes; ``wait_s`` > 0: SGLang waits up to that long for its scheduler
+        to be idle (``/flush_cache?timeout=``), else refuses while requests are in it (an EngineError)."""
+        await self._call("POST", f"/flush_cache?timeout={wait_s:g}" if wait_s > 0 else "/flush_cache", expect_json=False)
 
     async def update_weights_from_disk(
-        self, path: str, *, weight_version: str | None = None, abort_all_requests: bool = False
+        self, path: str, *, weight_version: str | None = None, abort_all_requests: bool = False, flush_wait_s: float = 60.0
     ) -> None:
+        """``/update_weights_from_disk``, the prefix cache flushed with it. SGLang refuses the flush
+        (after loading the weights) while its scheduler still holds requests the update aborted or
+        waited for, which it drops at its next iteration: the flush is then asked again, waiting
+        up to ``flush_wait_s`` for the scheduler to be idle."""
         payload = {"model_path": path, "flush_cache": True, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        await self._control("/update_weights_from_disk", payload)
+        try:
+            await self._control("/update_weights_from_disk", payload)
+        except EngineError as exc:
+            if "the cache was not flushed" not in str(exc):
+                raise
+            await self.flush_cache(wait_s=flush_wait_s)
 
     async def init_weights_update_group(
         self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str

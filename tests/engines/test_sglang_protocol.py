@@ -209,3 +209,27 @@ async def test_nccl_payloads_give_each_server_its_rank_offset_and_announce_tenso
 
 def test_the_module_exports_what_it_documents():
     assert set(sglang_module.__all__) == {"SGLangClient", "SGLangEngine", "generate_payload", "parse_generate_response", "map_http_error"}
+
+
+async def test_an_update_whose_flush_sglang_refused_flushes_again_once_the_scheduler_is_idle():
+    """SGLang 0.5.23 loads the weights and then refuses the flush while its scheduler still holds
+    the requests the update aborted (seen on the real server with abort_all_requests)."""
+    refused = {"success": False, "message": "Weights were updated, but the cache was not flushed because requests are "
+                                            "still running or queued. Retract or finish them, then call /flush_cache."}
+    flushes = []
+
+    def handler(req, body):
+        if req.url.path == "/update_weights_from_disk":
+            return httpx.Response(400, json=refused)
+        flushes.append(str(req.url))
+        return httpx.Response(200 if len(flushes) == 1 else 400, text="Timed out waiting for idle state.")
+
+    client = SGLangClient("http://a", transport=transport(FakeServers({"a": handler})))
+    await client.update_weights_from_disk("/w", weight_version="3", abort_all_requests=True, flush_wait_s=30)
+    assert flushes == ["http://a/flush_cache?timeout=30"]
+    with pytest.raises(EngineError, match=r"http://a/flush_cache\?timeout=30: request rejected with 400: Timed out waiting for idle state"):
+        await client.update_weights_from_disk("/w", weight_version="4", abort_all_requests=True, flush_wait_s=30)
+    other = {"success": False, "message": "failed to load weights from /w: no such directory"}
+    client = SGLangClient("http://a", transport=transport(FakeServers({"a": lambda req, body: httpx.Response(400, json=other)})))
+    with pytest.raises(EngineError, match="update_weights_from_disk failed \\(400\\): failed to load weights"):
+        await client.update_weights_from_disk("/w")

@@ -223,6 +223,43 @@ def test_update_weights_from_disk_makes_sglang_follow_the_new_weights(
     assert [r.output_ids for r in restored] == [r.output_ids for r in before]
 
 
+def test_a_request_interrupted_by_three_weight_updates_gives_the_greedy_tokens_of_an_uninterrupted_one(
+    sglang_url, served_model_dir
+):
+    """Partial rollouts on real SGLang: each update aborts the running request
+    (``abort_all_requests``) and the client sends prompt + tokens so far with the rest of the
+    budget. The weights reloaded are the same, so the pieces must join into the uninterrupted
+    greedy output."""
+    prompt, sampling = [5, 17, 42, 99, 3, 64, 128, 7], SamplingParams(max_new_tokens=192, temperature=0.0)
+
+    async def run() -> tuple[GenerateResult, GenerateResult, int]:
+        engine = SGLangEngine([sglang_url], max_retries=0, partial=True)
+        try:
+            started = time.perf_counter()
+            expected = await engine.generate(GenerateRequest(prompt, sampling))
+            # the machine's pace: an update every twelfth of it, the three well before the end
+            # (how soon an abort lands varies with the load; a piece may be empty)
+            whole = time.perf_counter() - started
+            running = asyncio.create_task(engine.generate(GenerateRequest(prompt, sampling)))
+            for version in (100, 101, 102):
+                await asyncio.sleep(whole / 12)
+                await engine.update_weights(path=str(served_model_dir), version=version)
+            return expected, await running, engine.interrupted_requests
+        finally:
+            await engine.aclose()
+
+    expected, result, interrupted = asyncio.run(run())
+    assert len(expected.output_ids) == 192 and expected.output_versions == []  # it ran whole, at one version
+    pieces = {v: result.output_versions.count(v) for v in (100, 101, 102)}
+    assert interrupted == 3 and pieces[102] > 0, f"{interrupted} interruptions, pieces {pieces}: the updates came too late"
+    assert len(set(result.output_versions)) >= 2 and result.output_versions == sorted(result.output_versions)
+    assert result.weight_version == 102
+    assert result.output_ids == expected.output_ids and result.finish_reason is FinishReason.LENGTH
+    gap = max(abs(a - b) for a, b in zip(result.logprobs, expected.logprobs))
+    assert gap < LOGPROB_TOLERANCE
+    print(f"\npieces {[len(result.output_ids) - sum(pieces.values()), *pieces.values()]}, largest logprob gap {gap:.2e}")
+
+
 # ---------------------------------------------------------------- a multi-turn tool rollout
 
 QUESTION, ANSWER = "What is 12 * 34?", "408"
