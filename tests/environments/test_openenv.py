@@ -211,3 +211,19 @@ def test_a_name_that_is_not_an_openenv_app_or_environment_is_refused_before_a_se
     ctx, _ = ctx_for(tiny_tokenizer, {"r0": ["hi"]}, "NOT_AN_APP")
     with pytest.raises(PluginError, match="'openenv_fixture:NOT_AN_APP' is a str: name a FastAPI app built with openenv's create_app"):
         run(ctx, [("r0", row("NOT_AN_APP"))])
+
+
+def test_the_server_process_ends_itself_when_its_parent_is_gone(tmp_path):
+    """A worker killed without cleanup leaves no server: the server watches its parent's pid (here a
+    pid that is not its parent's, as after the parent died), before it imports anything heavy."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    started = subprocess.Popen([sys.executable, "-m", "agentrl.environments.openenv_serve", "openenv_fixture:guess_app",
+                                "--port", str(_closed_port()), "--parent-pid", "1"], env=env, cwd=tmp_path)
+    try:
+        assert started.wait(timeout=60) == 0
+    finally:
+        started.kill()
