@@ -4,7 +4,9 @@ TRL 1.16's ``GRPOTrainer`` (the race's ``GRPOConfig`` and tools) samples one bat
 start with its own tool loop (``_generate_and_score_completions``: ``--prompts`` prompts x ``--n``
 samples); that batch, token for token (prompts, completions, the tool mask), goes through
 
-* TRL's loss (``compute_loss``, ``loss_type="dapo"``) and its gradient, and
+* TRL's loss (``compute_loss``, ``loss_type="dapo"``) and its gradient (the race's ``GRPOConfig``,
+  ``trainer.trl_config``: fp32; ``--trl-bf16``: TRL's default ``bf16=True``, under which the loss's
+  forward runs in the CPU's bf16 autocast and its gradient is off the exact one: docs/learning.md), and
 * agentrl's actor update (``ActorWorker.update``, ``token-mean``, one rank in this process, plain
   SGD at learning rate 1 with no clipping, so the gradient is read off as the trainer computed it),
   with agentrl's GRPO advantages of the same 0/1 rewards;
@@ -12,7 +14,7 @@ samples); that batch, token for token (prompts, completions, the tool mask), goe
 and the two are compared: loss tokens, advantages, gradient norms, the cosine of the two gradients.
 Also the batch's trajectory statistics (sampled tokens, tool use, reward). Prints one JSON object.
 
-    python -m agentrl_benchmarks.race_batch [--seed 0] [--batch 0] [--prompts 8] [--n 8]
+    python -m agentrl_benchmarks.race_batch [--seed 0] [--batch 0] [--prompts 8] [--n 8] [--start DIR] [--trl-bf16]
 """
 
 from __future__ import annotations
@@ -27,31 +29,29 @@ from typing import Any
 __all__ = ["main", "compare"]
 
 
-def _trl_trainer(start: Path, work: Path, settings: Any, n: int, prompts: int) -> tuple[Any, list[dict[str, Any]]]:
+def _trl_trainer(start: Path, work: Path, settings: Any, prompts: int, trl_bf16: bool) -> tuple[Any, list[dict[str, Any]]]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from agentrl_benchmarks import trainer_calculator as calculator
+    from agentrl_benchmarks.trainer import trl_config
 
     tokenizer = AutoTokenizer.from_pretrained(start)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
     rows, reward, parts = calculator.trl_parts(tokenizer, settings)
-    config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=prompts * n, num_generations=n, gradient_accumulation_steps=1,
-        max_completion_length=settings.max_new_tokens, max_steps=1, learning_rate=settings.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, epsilon=settings.clip_ratio, beta=0.0, loss_type="dapo",
-        scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, use_cpu=True, report_to="none",
-        seed=settings.seed, disable_tqdm=True, gradient_checkpointing=False, save_strategy="no", **parts["config"],
-    )
+    # the race's own config (fp32 unless trl_bf16: TRL's default), one step of `prompts` x `settings.n`
+    config = trl_config(settings, work / "trl", per_device_train_batch_size=prompts * settings.n, max_steps=1, bf16=trl_bf16,
+                        **parts["config"])
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, tools=parts["tools"])
     return trainer, rows
 
 
-def compare(start: Path, work: Path, *, seed: int = 0, batch: int = 0, prompts: int = 8, n: int = 8) -> dict[str, Any]:
+def compare(start: Path, work: Path, *, seed: int = 0, batch: int = 0, prompts: int = 8, n: int = 8,
+            trl_bf16: bool = False) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -63,8 +63,9 @@ def compare(start: Path, work: Path, *, seed: int = 0, batch: int = 0, prompts: 
     from agentrl.trainer.workers import ActorWorker
     from agentrl_benchmarks.trainer import TASK_DEFAULTS, Settings
 
-    settings = Settings(**{"task": "calculator", **TASK_DEFAULTS["calculator"], "seed": seed, "prompts": prompts * (batch + 1), "steps": 1})
-    trainer, rows = _trl_trainer(start, work, settings, n, prompts)
+    settings = Settings(**{"task": "calculator", **TASK_DEFAULTS["calculator"], "seed": seed, "prompts": prompts * (batch + 1),
+                           "n": n, "steps": 1})
+    trainer, rows = _trl_trainer(start, work, settings, prompts, trl_bf16)
     trainer.model.train()
     out = trainer._generate_and_score_completions([rows[batch * prompts + k] for k in range(prompts) for _ in range(n)])
     trainer.model.zero_grad()
@@ -107,7 +108,7 @@ def compare(start: Path, work: Path, *, seed: int = 0, batch: int = 0, prompts: 
     call = trainer.processing_class.convert_tokens_to_ids("<tool_call>")
     calls = [sum(1 for t, m in zip(r, k) if m and t == call) for r, k in zip(responses, masks)]
     return {
-        "seed": seed, "batch": batch, "trajectories": rows_n,
+        "seed": seed, "batch": batch, "trl_bf16": trl_bf16, "trajectories": rows_n,
         "sampled_tokens_mean": round(float(mask.sum()) / rows_n, 2), "tool_use": round(sum(c > 0 for c in calls) / rows_n, 4),
         "reward_mean": round(float(trainer._metrics["train"]["reward"][-1]), 4),
         "groups_with_signal": int(sum(bool(trl_advantages[g * n:(g + 1) * n].abs().sum() > 0) for g in range(prompts))),
@@ -151,11 +152,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--start", type=Path, help="a warm start already built (default: build the race's for --seed)")
+    parser.add_argument("--trl-bf16", action="store_true",
+                        help="TRL's own default bf16=True (the race sets False): its loss forward under the CPU's bf16 autocast")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         start = args.start or warm_start(Path(tmp) / "start", SimpleNamespace(seed=args.seed))
-        result = compare(start, Path(tmp), seed=args.seed, batch=args.batch, prompts=args.prompts, n=args.n)
+        result = compare(start, Path(tmp), seed=args.seed, batch=args.batch, prompts=args.prompts, n=args.n, trl_bf16=args.trl_bf16)
     print(json.dumps(result))
     return result
 

@@ -36,7 +36,7 @@ phases (``startup/*`` of its summary), each the median over the repeats. Besides
 over agentrl's), ``e2e_ratio`` (the same end to end), ``order``, ``repeats``, ``start_reward``,
 ``eval_answers``, ``trl_version`` and the settings.
 
-    agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--rl-seed S] [--skip-trl]
+    agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--rl-seed S] [--skip-trl | --skip-agentrl]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from agentrl_benchmarks import trainer_calculator as calculator
 from agentrl_benchmarks._scratch import private_ray_temp_dir, scratch_dir
 from agentrl_benchmarks._sft import supervised
 
-__all__ = ["main", "Settings"]
+__all__ = ["main", "Settings", "trl_config"]
 
 GROUND_TRUTH = "7"
 DATA_SOURCE = "bench/seven"
@@ -248,11 +248,31 @@ def run_agentrl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
     }
 
 
+def trl_config(settings: Settings, output_dir: Path, **extra: Any):
+    """TRL's side of the matched settings: the race's ``GRPOConfig`` (``extra``: the task's keys,
+    or what a probe changes, such as the batch of one step). fp32 as agentrl's side: TRL's
+    ``bf16`` defaults to on, which on the CPU runs the loss's forward under bf16 autocast."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(**{
+        "output_dir": str(output_dir), "per_device_train_batch_size": settings.prompts * settings.n, "num_generations": settings.n,
+        "gradient_accumulation_steps": 1, "max_completion_length": settings.max_new_tokens, "max_steps": settings.steps,
+        "learning_rate": settings.lr, "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
+        "epsilon": settings.clip_ratio, "beta": 0.0, "loss_type": "dapo", "scale_rewards": "group", "num_iterations": 1,
+        "temperature": settings.temperature, "top_p": 1.0, "top_k": 0, "use_cpu": True, "bf16": False, "fp16": False,
+        "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": settings.trainer_seed, "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "gradient_checkpointing": False,  # TRL's default is on; agentrl's is off (model.gradient_checkpointing)
+        # on the CPU generate is TRL's fastest option (docs/benchmarks.md); continuous batching is measurable
+        "use_transformers_continuous_batching": settings.trl_generation == "continuous", **extra,
+    })
+
+
 def run_trl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     torch.set_num_threads(settings.threads)
     tokenizer = AutoTokenizer.from_pretrained(start)
@@ -286,17 +306,7 @@ def run_trl(start: Path, work: Path, settings: Settings) -> dict[str, Any]:
                 self.logs.append(dict(logs))
 
     batch = settings.prompts * settings.n
-    config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=batch, num_generations=settings.n,
-        gradient_accumulation_steps=1, max_completion_length=settings.max_new_tokens, max_steps=settings.steps,
-        learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        epsilon=settings.clip_ratio, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
-        temperature=settings.temperature, top_p=1.0, top_k=0, use_cpu=True, bf16=False, fp16=False, logging_steps=1,
-        save_strategy="no", report_to="none", seed=settings.trainer_seed, disable_tqdm=True, dataloader_num_workers=0,
-        gradient_checkpointing=False,  # TRL's default is on; agentrl's is off (model.gradient_checkpointing)
-        # on the CPU generate is TRL's fastest option (docs/benchmarks.md); continuous batching is measurable
-        use_transformers_continuous_batching=settings.trl_generation == "continuous", **task_config,
-    )
+    config = trl_config(settings, work / "trl", **task_config)
     timer = StepTimer()
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
@@ -367,7 +377,7 @@ def _spread(values: list[float]) -> dict[str, Any]:
     return {"": statistics.median(values), "_min": min(values), "_max": max(values), "_all": values}
 
 
-def _run_both(settings: Settings, work: Path, *, with_trl: bool) -> dict[str, Any]:
+def _run_both(settings: Settings, work: Path, *, with_trl: bool, with_agentrl: bool = True) -> dict[str, Any]:
     """``settings.repeats`` runs per side, alternating. The keys of one run (step time, reward,
     ...) hold the median over the repeats; ``*_min``, ``*_max`` and ``*_all`` the spread."""
     from agentrl.tiny import tiny_model_dir
@@ -377,7 +387,7 @@ def _run_both(settings: Settings, work: Path, *, with_trl: bool) -> dict[str, An
     else:
         start = warm_start(tiny_model_dir(settings.model_size, seed=settings.seed), work / "start", settings)
     out: dict[str, Any] = {"settings": asdict(settings), "start_reward": evaluate(start, settings, work / "eval-start")}
-    sides = SIDES if with_trl else SIDES[:1]
+    sides = tuple(side for side, on in zip(SIDES, (with_agentrl, with_trl)) if on)
     order = _side_order(settings.repeats, sides)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for repeat, side in order:
@@ -405,9 +415,10 @@ def _run_both(settings: Settings, work: Path, *, with_trl: bool) -> dict[str, An
     if with_trl:
         import trl
 
+        out["trl_version"] = trl.__version__
+    if with_trl and with_agentrl:
         out["ratio"] = out["trl_step_s"] / out["agentrl_step_s"]
         out["e2e_ratio"] = out["trl_e2e_s"] / out["agentrl_e2e_s"]
-        out["trl_version"] = trl.__version__
     return out
 
 
@@ -443,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         default = None if any(name in task for task in TASK_DEFAULTS.values()) else value
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=default, choices=choices)
     parser.add_argument("--skip-trl", action="store_true", help="run agentrl only (TRL not installed)")
+    parser.add_argument("--skip-agentrl", action="store_true", help="run TRL only (its spread over --rl-seed)")
     parser.add_argument("--keep", help="keep the work directory here instead of a temporary one")
     # one side's training in a process of its own (what the benchmark runs; not for direct use)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
@@ -451,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     given = {name: getattr(args, name) for name in asdict(defaults) if getattr(args, name) is not None}
     settings = Settings(**{**TASK_DEFAULTS[args.task], **given})
+    if args.skip_trl and args.skip_agentrl:
+        parser.error("--skip-trl and --skip-agentrl leave nothing to run")
     if settings.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {settings.repeats}")
     if settings.task == "calculator" and settings.model_size != "1m":
@@ -470,10 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(settings.threads)
     # stdout carries only the JSON object.
     with scratch_dir("trainer", keep=args.keep) as work, private_ray_temp_dir(), contextlib.redirect_stdout(sys.stderr):
-        out = _run_both(settings, work, with_trl=not args.skip_trl)
+        out = _run_both(settings, work, with_trl=not args.skip_trl, with_agentrl=not args.skip_agentrl)
     out = {k: _rounded(v) for k, v in out.items()}
     if not args.json:
-        print(f"agentrl {out['agentrl_step_s']:.3f} s/step, {out['agentrl_e2e_s']:.1f} s end to end; "
+        print(f"agentrl {out.get('agentrl_step_s', float('nan')):.3f} s/step, {out.get('agentrl_e2e_s', float('nan')):.1f} s end to end; "
               f"TRL {out.get('trl_step_s', float('nan')):.3f} s/step, {out.get('trl_e2e_s', float('nan')):.1f} s end to end", file=sys.stderr)
     print(json.dumps(out))
     return 0
