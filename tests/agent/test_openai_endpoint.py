@@ -329,3 +329,57 @@ def test_the_strict_flag_of_a_tool_is_not_rendered(tiny_tokenizer, make_ctx):
     assert engine.requests[0].input_ids == engine.requests[1].input_ids == ctx.renderer.prompt_ids(row().messages(), [CALCULATOR])
     assert "strict" not in tiny_tokenizer.decode(engine.requests[0].input_ids)
 
+
+
+def test_vllm_token_fields_tokenize_and_the_tokens_route_for_clients_that_keep_ids(tiny_tokenizer, make_ctx):
+    """What verifiers' token client (prime-rl's) asks of vLLM: the sampled tokens' logprobs and
+    ids, /tokenize, and generation from prompt ids it stitched: ids that extend the trajectory
+    are merged (the rest masked as sent); others start a segment; a bad id is refused by name."""
+    import httpx
+
+    engine = ScriptedEngine(tiny_tokenizer, {"r0": ["first", "second", "third"]})
+    ctx = make_ctx(engine)
+    r = ctx.renderer
+    seen = {}
+
+    def program(task):
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        first = client.chat.completions.create(model=task.model, messages=task.messages, logprobs=True,
+                                               extra_body={"return_token_ids": True})
+        seen["first"] = first
+        http = httpx.Client(headers={"Authorization": f"Bearer {task.api_key}"})
+        messages = task.messages + [{"role": "assistant", "content": "first"}, {"role": "user", "content": "again"}]
+        seen["tokenize"] = http.post(task.base_url.removesuffix("/v1") + "/tokenize", json={"messages": messages}).json()
+        seen["tokenize_base"] = http.post(task.base_url + "/tokenize", json={
+            "messages": messages[:-1], "add_generation_prompt": False}).json()
+        seen["bad"] = http.post(task.base_url + "/chat/completions/tokens", json={"messages": messages, "tokens": [-1]})
+        extra = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+        seen["delta"] = r.observation_ids([{"role": "user", "content": "again"}])
+        second = http.post(task.base_url + "/chat/completions/tokens", json={
+            "messages": messages, "tokens": extra + seen["delta"], "return_token_ids": True}).json()
+        seen["second"] = second
+        rewritten = r.prompt_ids([{"role": "user", "content": "Start over."}])
+        http.post(task.base_url + "/chat/completions/tokens", json={"messages": [{"role": "user", "content": "Start over."}],
+                                                                     "tokens": rewritten})
+        return "third"
+
+    (t,) = run(loop_with(program), ctx, [("r0", row())])
+    first = seen["first"]
+    sampled1 = tiny_tokenizer.encode("first", add_special_tokens=False) + [r.eos_id]
+    assert first.model_extra["prompt_token_ids"] == r.prompt_ids(row().messages())
+    assert first.choices[0].model_extra["token_ids"] == sampled1
+    assert [c.logprob for c in first.choices[0].logprobs.content] == [-0.5] * len(sampled1)
+    assert "".join(c.token for c in first.choices[0].logprobs.content) == tiny_tokenizer.decode(sampled1)
+    whole = row().messages() + [{"role": "assistant", "content": "first"}, {"role": "user", "content": "again"}]
+    assert seen["tokenize"]["tokens"] == r.prompt_ids(whole) and seen["tokenize"]["count"] == len(r.prompt_ids(whole))
+    assert seen["tokenize_base"]["tokens"] == r.render_ids(whole[:-1])
+    assert seen["bad"].status_code == 400 and seen["bad"].json()["error"]["param"] == "tokens"
+    # the stitched ids extended the first segment: the observation exactly as sent, masked
+    sampled2 = tiny_tokenizer.encode("second", add_special_tokens=False) + [r.eos_id]
+    assert engine.requests[1].input_ids == r.prompt_ids(row().messages()) + sampled1 + seen["delta"]
+    assert seen["second"]["choices"][0]["token_ids"] == sampled2
+    (seg,) = t.earlier_segments
+    assert seg.response_ids == sampled1 + seen["delta"] + sampled2
+    assert seg.response_mask == [1] * len(sampled1) + [0] * len(seen["delta"]) + [1] * len(sampled2)
+    # ids that do not extend it start a segment of their own, from exactly those ids
+    assert t.prompt_ids == r.prompt_ids([{"role": "user", "content": "Start over."}]) and t.metrics["segment_splits"] == 1
