@@ -34,7 +34,8 @@ Prints one JSON object. Per side (``agentrl_*``, ``trl_*``), the median over the
 ``*_train_rewards`` (the first repeat's, per step); ``agentrl_startup_s``: agentrl's start-up
 phases (``startup/*`` of its summary), each the median over the repeats. Besides: ``ratio`` (TRL's median step time
 over agentrl's), ``e2e_ratio`` (the same end to end), ``order``, ``repeats``, ``start_reward``,
-``eval_answers``, ``trl_version`` and the settings.
+``eval_answers`` (with ``start_reward_se`` and ``*_reward_se``: a held-out figure's own binomial
+standard error over that many 0/1 answers), ``trl_version`` and the settings.
 
     agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--rl-seed S] [--skip-trl | --skip-agentrl]
 """
@@ -100,7 +101,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "seven": {},
     # a response of a call, its result and the answer; the quickstart's RL learning rate is 5e-5
     # with warmup and a KL loss, neither of which is matched here
-    "calculator": {"max_new_tokens": 96, "lr": 1e-4},
+    "calculator": {"max_new_tokens": 96, "lr": 1e-4, "eval_prompts": calculator.EVAL_QUESTIONS, "eval_samples": calculator.EVAL_SAMPLES},
 }
 
 
@@ -373,6 +374,11 @@ def _run_side_process(side: str, start: Path, work: Path, settings: Settings) ->
     return run
 
 
+def _binomial_se(reward: float, answers: int) -> float:
+    """The standard error of a mean of ``answers`` scores of 0 or 1 whose mean is ``reward``."""
+    return (reward * (1 - reward) / answers) ** 0.5
+
+
 def _spread(values: list[float]) -> dict[str, Any]:
     return {"": statistics.median(values), "_min": min(values), "_max": max(values), "_all": values}
 
@@ -396,7 +402,9 @@ def _run_both(settings: Settings, work: Path, *, with_trl: bool, with_agentrl: b
         run["reward"] = evaluate(run["policy"], settings, work / f"eval-{side}-{repeat}")
         runs[side].append(run)
     out["repeats"], out["order"] = settings.repeats, [side for _, side in order]
-    out["eval_answers"] = settings.eval_prompts * settings.eval_samples
+    out["eval_answers"] = answers = settings.eval_prompts * settings.eval_samples
+    # each answer scores 0 or 1: a held-out figure's own sampling error is binomial
+    out["start_reward_se"] = _binomial_se(out["start_reward"], answers)
     for side, side_runs in runs.items():
         summaries = [
             _summary(run) | {"e2e_s": run["e2e_s"], "outside_train_s": run["e2e_s"] - run["wall_s"], "reward": run["reward"]}
@@ -408,6 +416,7 @@ def _run_both(settings: Settings, work: Path, *, with_trl: bool, with_agentrl: b
                 out.update({f"{side}_{key}{suffix}": value for suffix, value in _spread(values).items()})
             else:
                 out[f"{side}_{key}"] = statistics.median(values)
+        out[f"{side}_reward_se"] = _binomial_se(out[f"{side}_reward"], answers)
         out[f"{side}_train_rewards"] = side_runs[0]["train_rewards"]  # the first repeat's, step by step
         if "startup" in side_runs[0]:  # agentrl's start-up phases, each the median over the repeats
             out[f"{side}_startup_s"] = {phase: statistics.median(run["startup"][phase] for run in side_runs)

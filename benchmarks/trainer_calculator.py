@@ -19,7 +19,8 @@ do, so TRL parses them with its Qwen3 response template. Matched: the response b
 turns (``max_new_tokens``: TRL's ``max_completion_length``, agentrl's ``data.max_response_length``
 and per-turn cap alike), at most ``TOOL_ROUNDS`` calls then an answer, no KL, the same
 optimizer settings. Both are evaluated by one evaluator: ``agentrl rollout`` of the tool loop on
-held-out questions, ``EVAL_SAMPLES`` samples each at temperature 1, fixed seeds.
+held-out questions (``--eval-prompts``, default ``EVAL_QUESTIONS``), ``--eval-samples`` each (default
+``EVAL_SAMPLES``) at temperature 1, fixed seeds.
 """
 
 from __future__ import annotations
@@ -85,15 +86,16 @@ def agentrl_overrides(train_file: Path, settings: Any) -> list[str]:
 
 
 def evaluate(policy: Path, work: Path, settings: Any) -> float:
-    """Mean reward of the tool loop on held-out questions (``agentrl rollout``, T = 1, fixed seeds)."""
+    """Mean reward of the tool loop on held-out questions (``agentrl rollout``, T = 1, fixed seeds):
+    ``settings.eval_prompts`` questions x ``settings.eval_samples`` samples."""
     from agentrl.agent.rollout_cli import cli_main
     from agentrl.data.io import write_rows
     from agentrl_data_prep.tasks import generate
 
     work.mkdir(parents=True, exist_ok=True)
-    questions = write_rows(generate(TASK, EVAL_QUESTIONS, seed=settings.seed, split="test"), work / "eval.parquet")
+    questions = write_rows(generate(TASK, settings.eval_prompts, seed=settings.seed, split="test"), work / "eval.parquet")
     code = cli_main([
-        f"model.path={policy}", "data.task=null", f"data.train_files=[{questions}]", f"rollout.n={EVAL_SAMPLES}",
+        f"model.path={policy}", "data.task=null", f"data.train_files=[{questions}]", f"rollout.n={settings.eval_samples}",
         "rollout.temperature=1.0", f"trainer.seed={settings.seed}", *_turn_limits(settings),
         f"trainer.runs_root={work}", "trainer.run_name=eval", "logging.progress=false",
     ])

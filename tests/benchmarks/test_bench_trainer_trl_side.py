@@ -53,3 +53,39 @@ def test_skip_agentrl_runs_trl_alone_without_ratios(tmp_path, monkeypatch):
 def test_skipping_both_sides_is_refused():
     with pytest.raises(SystemExit):
         bench.main(["--skip-trl", "--skip-agentrl"])
+
+
+def test_the_calculator_race_scores_the_held_out_answers_it_reports_with_their_standard_error(tmp_path, monkeypatch):
+    """The calculator's evaluation is ``--eval-prompts`` questions x ``--eval-samples`` samples
+    (its defaults 64 x 4), the count ``eval_answers`` reports; each held-out figure comes with its
+    binomial standard error over those answers."""
+    import json
+
+    import agentrl.agent.rollout_cli as rollout_cli
+    from agentrl.data.io import count_rows
+    from agentrl_benchmarks import trainer_calculator as calculator
+
+    seen: dict[str, object] = {}
+
+    def fake_rollout(argv):
+        args = dict(a.split("=", 1) for a in argv)
+        seen["n"], seen["rows"] = args["rollout.n"], count_rows(args["data.train_files"].strip("[]"))
+        run = Path(args["trainer.runs_root"]) / args["trainer.run_name"]
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"reward_mean": 0.75}))
+        return 0
+
+    monkeypatch.setattr(rollout_cli, "cli_main", fake_rollout)
+    settings = bench.Settings(**{"task": "calculator", **bench.TASK_DEFAULTS["calculator"]})
+    assert (settings.eval_prompts, settings.eval_samples) == (64, 4)
+    assert calculator.evaluate(tmp_path / "policy", tmp_path / "eval", settings) == 0.75
+    assert seen == {"n": "4", "rows": 64}
+
+    monkeypatch.setattr(calculator, "warm_start", lambda out, settings: out)
+    monkeypatch.setattr(bench, "_run_side_process", lambda side, start, work, settings: {
+        "step_times": [2.0, 1.0], "tokens": [8.0, 8.0], "train_rewards": [0.1, 0.2], "wall_s": 3.0, "e2e_s": 4.0, "policy": Path(side)})
+    monkeypatch.setattr(bench, "evaluate", lambda path, settings, work: 0.5 if path.name == "start" else 0.75)
+    out = bench._run_both(bench.Settings(**{**settings.__dict__, "repeats": 1}), tmp_path / "race", with_trl=False)
+    assert out["eval_answers"] == 256
+    assert out["start_reward_se"] == pytest.approx((0.25 / 256) ** 0.5)
+    assert out["agentrl_reward_se"] == pytest.approx((0.75 * 0.25 / 256) ** 0.5)
