@@ -100,7 +100,10 @@ class VerifiersEnvLoop(AgentLoop):
         step_rewards = [step.get("reward") for step in state["trajectory"]] if state is not None else []
         trajectory = _trajectory(row, ctx, session, finish, error, kind, step_rewards, self.name,
                                  row_id=row_id, group_id=group_id, sample_index=sample_index)
-        if state is None or finish in (TrajectoryFinish.ENVIRONMENT_ERROR, TrajectoryFinish.LOOP_ERROR):
+        if state is None:
+            return trajectory
+        if finish in (TrajectoryFinish.ENVIRONMENT_ERROR, TrajectoryFinish.LOOP_ERROR):  # not scored; released
+            await env.rubric.cleanup(state)
             return trajectory
         if env.rubric.has_group_rewards:  # scored with its group (finish_group)
             self._waiting[(group_id, sample_index)] = _Waiting(env, state, trajectory)

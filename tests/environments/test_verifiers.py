@@ -33,6 +33,13 @@ import verifiers as vf
 from datasets import Dataset
 
 GROUP_SIZES = []  # what the group reward function saw
+RELEASED = []  # the rollouts whose rubric cleanup ran
+
+
+class ReleasingRubric(vf.Rubric):
+    @vf.cleanup
+    async def release(self, state):
+        RELEASED.append(state["trajectory_id"])
 
 
 def calculator(expression: str) -> str:
@@ -66,7 +73,7 @@ def load_calculator(rows: int = 2, stop_on_division_error: bool = False):
     data = Dataset.from_list([{"question": f"What is {i} * 34?", "answer": str(i * 34)} for i in range(12, 12 + rows)])
     held_out = Dataset.from_list([{"question": "What is 2 * 3?", "answer": "6"}])
     return vf.ToolEnv(dataset=data, eval_dataset=held_out, tools=[calculator, divide], max_turns=3,
-                      rubric=vf.Rubric(funcs=[correct, concise], weights=[1.0, 0.5]), system_prompt="Use the calculator.",
+                      rubric=ReleasingRubric(funcs=[correct, concise], weights=[1.0, 0.5]), system_prompt="Use the calculator.",
                       stop_errors=[ZeroDivisionError] if stop_on_division_error else None)
 
 
@@ -294,6 +301,9 @@ def test_the_environments_failures_end_the_trajectory_as_environment_errors_coun
     assert t.finish_reason == "environment_error" and t.reward == 0.0
     assert t.metrics["env_errors/ToolCallError"] == 1.0 and t.reward_info["error_kind"] == "ToolCallError"
     assert sum(t.response_mask) > 0 and len(engine.requests) == 1  # its sampled turn is kept (out of the loss)
+    import vf_test_envs
+
+    assert len(vf_test_envs.RELEASED) == 1  # not scored, but the rubric's cleanup released its resources
 
     broken = ref("load_broken")
     engine = ScriptedEngine(tiny_tokenizer, {"r0": ["hi", "hi"]})
