@@ -9,7 +9,9 @@ Per trajectory (``agentrl.environments.openenv`` has the server and session side
    action (also when ``rollout.max_new_tokens`` cut it: the environment judges what the model
    wrote), and the next observation comes back as a user message; otherwise the action is a tool
    (its fields are the parameters), each tool call a ``step``, each observation the call's tool
-   result. A reply without a tool call ends the episode (``stop``);
+   result; an MCP environment's action (``CallToolAction``) offers the environment's MCP tools
+   instead (``list_tools`` after reset), each call a ``call_tool`` step. A reply without a tool
+   call ends the episode (``stop``);
 3. each step's reward judges the assistant turn that made the action: its turn reward
    (``environment.openenv.reward=turns``), or their sum is the trajectory reward (``trajectory``);
    ``done`` ends the episode (``stop``);
@@ -33,7 +35,8 @@ from agentrl.agent.tools_runtime import schema_problem
 from agentrl.config.schema import OpenEnvEnvironmentConfig
 from agentrl.data.row import Row
 from agentrl.engines.base import FinishReason
-from agentrl.environments.openenv import ActionSpec, EnvironmentFailure, OpenEnvSession, StepOutcome, observation_text, server_for
+from agentrl.environments.openenv import (ActionSpec, EnvironmentFailure, OpenEnvSession, StepOutcome, mcp_result,
+                                         observation_text, server_for)
 from agentrl.errors import DataError
 from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, Turn
 
@@ -94,8 +97,16 @@ class OpenEnvLoop(AgentLoop):
         return messages
 
     def prompt_tools(self, tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-        action = _CURRENT.get().action
-        return (action.tools() or None) if action is not None else None
+        return self._tools(_CURRENT.get()) or None
+
+    @staticmethod
+    def _tools(state: _EnvEpisode) -> list[dict[str, Any]]:
+        """The tools the model is offered: the action as a tool, or an MCP environment's tools."""
+        if state.action is None:
+            return []
+        if state.action.mode == "mcp":
+            return state.session.tools if state.session is not None else []
+        return state.action.tools()
 
     def _observation(self, state: _EnvEpisode, outcome: StepOutcome) -> str:
         try:
@@ -199,12 +210,19 @@ class OpenEnvLoop(AgentLoop):
         assert action is not None and session is not None
         if call.error is not None:
             return f"Error: {call.detail}", call.error, None
-        if call.name != action.tool_name:
-            return f"Error: unknown tool {call.name!r} (available: {action.tool_name})", "unknown_tool", None
+        tools = {t["function"]["name"]: t["function"]["parameters"] for t in self._tools(state)}
+        if call.name not in tools:
+            return f"Error: unknown tool {call.name!r} (available: {', '.join(tools)})", "unknown_tool", None
         arguments = call.arguments or {}
-        problem = schema_problem(action.tool_name, action.tool["function"]["parameters"], arguments)
+        problem = schema_problem(call.name, tools[call.name], arguments)
         if problem is not None:
             return f"Error: {problem}", "invalid_arguments", None
+        if action.mode == "mcp":
+            outcome = await session.step({"type": "call_tool", "tool_name": call.name, "arguments": arguments})
+            self._reward(episode, state, turn, outcome)
+            shown, tool_error = mcp_result(outcome.observation)
+            # the environment's tool raised or refused: told to the model, as agentrl's own tools are
+            return shown, (None if tool_error is None else "tool_exception"), outcome.reward
         outcome = await session.step(arguments)
         self._reward(episode, state, turn, outcome)
         shown = self._observation(state, outcome)

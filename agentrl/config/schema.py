@@ -481,8 +481,9 @@ class OpenEnvEnvironmentConfig(Section):
     max_sessions: int = Field(1, ge=1)
     start_timeout_s: float = Field(120.0, gt=0)  # from starting the server to its answering GET /health
     step_timeout_s: float = Field(60.0, gt=0)  # each connect, reset and step; then environment_error
-    # the model's turn as the action: auto (text for an action whose one field is a string, else a
-    # tool with the action's fields as parameters), text, or tool
+    # the model's turn as the action: auto (an MCP environment's tools for OpenEnv's CallToolAction,
+    # text for an action whose one field is a string, else a tool with the action's fields as
+    # parameters), text, or tool
     action: Literal["auto", "text", "tool"] = "auto"
     observation_field: str | None = None  # the observation field shown (null: its only field, else all as JSON)
     # where step rewards go: turns (each on the assistant turn whose action it judges; the

@@ -15,8 +15,9 @@ WebSocket, used through an ``EnvClient``. agentrl drives it as a user's agent wo
   ``max_sessions`` at once per server, and calls ``reset(**args)`` with the row's
   ``extra_info.environment.args`` (else the config's ``environment.args``).
 * **actions** (``ActionSpec``, from the server's ``GET /schema``): an action with one string field
-  takes the model's reply text (``text``); any other action is one tool whose parameters are the
-  action's fields (``tool``), called with the model's tool calls.
+  takes the model's reply text (``text``); OpenEnv's ``CallToolAction`` (an ``MCPEnvironment``)
+  offers the environment's MCP tools (``mcp``); any other action is one tool whose parameters are
+  the action's fields (``tool``), called with the model's tool calls.
 * **failures**: a server that cannot start, dies, or does not answer within ``step_timeout_s``,
   and an exception in the environment's code, end the trajectory with ``environment_error``
   (``EnvironmentFailure``, the waiter and what it waited for in the message).
@@ -46,8 +47,8 @@ from agentrl.data.row import EnvironmentRef
 from agentrl.environments.spec import cached, resolve
 from agentrl.errors import PluginError
 
-__all__ = ["ActionSpec", "EnvironmentFailure", "OpenEnvServer", "OpenEnvSession", "action_spec", "observation_text",
-           "server_for", "stop_all_servers"]
+__all__ = ["ActionSpec", "EnvironmentFailure", "OpenEnvServer", "OpenEnvSession", "action_spec", "mcp_result", "mcp_tools",
+           "observation_text", "server_for", "stop_all_servers"]
 
 
 class EnvironmentFailure(Exception):
@@ -69,9 +70,11 @@ class ActionSpec:
     """How the model's turn becomes the environment's action.
 
     ``text``: the reply text goes into the action's one string field ``text_field``. ``tool``: the
-    action is a tool named ``tool_name`` whose parameters are the action's fields (``tool``)."""
+    action is a tool named ``tool_name`` whose parameters are the action's fields (``tool``).
+    ``mcp``: the action is OpenEnv's ``CallToolAction`` (an ``MCPEnvironment``): the tools are the
+    environment's MCP tools, listed per session (``list_tools``), each call a ``call_tool`` step."""
 
-    mode: str  # "text" | "tool"
+    mode: str  # "text" | "tool" | "mcp"
     text_field: str | None = None
     tool: dict[str, Any] = field(default_factory=dict)
 
@@ -91,8 +94,11 @@ def _snake(title: str) -> str:
 
 def action_spec(schema: dict[str, Any], mode: str = "auto") -> ActionSpec:
     """The ``ActionSpec`` of an action JSON schema (``GET /schema``'s ``action``): ``auto`` picks
-    ``text`` for an action whose only field (``metadata`` aside) is a required string, else ``tool``."""
+    ``mcp`` for OpenEnv's ``CallToolAction``, ``text`` for an action whose only field (``metadata``
+    aside) is a required string, else ``tool``."""
     properties = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
+    if mode == "auto" and {"tool_name", "arguments"} <= set(properties) and properties.get("type", {}).get("const") == "call_tool":
+        return ActionSpec(mode="mcp")
     required = [k for k in schema.get("required") or [] if k in properties]
     if not properties:
         raise EnvironmentFailure(f"the OpenEnv action {schema.get('title', '?')!r} has no fields the model could fill",
@@ -117,8 +123,11 @@ def action_spec(schema: dict[str, Any], mode: str = "auto") -> ActionSpec:
 
 def observation_text(observation: dict[str, Any], field_name: str | None = None) -> str:
     """What the model is shown of an observation (``reward``, ``done`` and ``metadata`` aside):
-    ``field_name``'s value, else the value of its only field, else its fields as JSON."""
+    ``field_name``'s value, else the value of its only field, else its fields as JSON (nothing for
+    an observation without fields)."""
     fields = {k: v for k, v in observation.items() if k not in ("metadata", "reward", "done")}
+    if not fields and field_name is None:
+        return ""
     if field_name is not None:
         if field_name not in fields:
             raise EnvironmentFailure(f"environment.openenv.observation_field={field_name!r}: the observation has "
@@ -129,6 +138,28 @@ def observation_text(observation: dict[str, Any], field_name: str | None = None)
     else:
         return json.dumps(fields, ensure_ascii=False)
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def mcp_tools(observation: dict[str, Any]) -> list[dict[str, Any]]:
+    """An MCP environment's ``ListToolsObservation`` as chat-template tool schemas."""
+    return [{"type": "function", "function": {"name": str(t["name"]), "description": str(t.get("description") or ""),
+                                              "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}}
+            for t in observation.get("tools") or []]
+
+
+def mcp_result(observation: dict[str, Any]) -> tuple[str, str | None]:
+    """What the model is shown of a ``CallToolObservation``, and the tool's error type (None: no error):
+    the text parts of the MCP result, else its data as JSON."""
+    error = observation.get("error")
+    if error:
+        return f"Error: {error.get('message', error)}", str(error.get("error_type") or "execution_error")
+    result = observation.get("result")
+    if isinstance(result, dict):
+        texts = [str(c.get("text", "")) for c in result.get("content") or [] if isinstance(c, dict) and c.get("type") == "text"]
+        if texts:
+            return "\n".join(texts), None
+        result = result.get("data", result)
+    return (result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)), None
 
 
 # ----------------------------------------------------------------------------- the server
@@ -311,6 +342,7 @@ class OpenEnvSession:
     def __init__(self, server: OpenEnvServer, waiter: str):
         self.server, self.waiter = server, waiter
         self.client: Any = None
+        self.tools: list[dict[str, Any]] = []  # an MCP environment's tools (ActionSpec mode mcp)
         self.generation = 0
         self.restarts = 0
         self._slot = False
@@ -331,7 +363,14 @@ class OpenEnvSession:
         timeout = server.step_timeout_s
         self.client = GenericEnvClient(base_url=server.url, connect_timeout_s=timeout, message_timeout_s=timeout)
         await self._call("connect", self.client.connect)
-        return await self._call("reset", lambda: self.client.reset(**reset_args))
+        first = await self._call("reset", lambda: self.client.reset(**reset_args))
+        if server.action is not None and server.action.mode == "mcp":
+            listed = await self._call("list_tools", lambda: self.client.step({"type": "list_tools"}))
+            self.tools = mcp_tools(listed.observation)
+            if not self.tools:
+                raise EnvironmentFailure(f"the MCP environment {server.name!r} lists no tools "
+                                         f"({listed.observation.get('metadata') or 'no error given'})", "bad_action")
+        return first
 
     async def step(self, action: dict[str, Any]) -> StepOutcome:
         return await self._call("step", lambda: self.client.step(action))

@@ -64,8 +64,12 @@ def app_for(obj: Any, name: str, max_sessions: int) -> Any:
 
 def _step_types(cls: type, name: str) -> tuple[type, type]:
     """The Action and Observation classes of an Environment subclass, from ``step``'s annotations."""
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
     from openenv.core.env_server.types import Action, Observation
 
+    if issubclass(cls, MCPEnvironment):  # served as OpenEnv's MCP environments are: create_app(cls, CallToolAction, ...)
+        return CallToolAction, CallToolObservation
     hints = typing.get_type_hints(cls.step)
     params = [p for p in inspect.signature(cls.step).parameters if p != "self"]
     action = hints.get(params[0]) if params else None

@@ -3,7 +3,8 @@ would, for tests/environments/test_openenv*.py. A module of its own, importing n
 the server process agentrl starts imports it, and stays light.
 
 ``guess_app`` is what an environment's ``server/app.py`` holds (the app OpenEnv's ``create_app``
-builds); ``ReplyEnvironment`` is named as the class itself (agentrl builds the app the same way).
+builds); ``ReplyEnvironment`` is named as the class itself (agentrl builds the app the same way);
+``calc_app`` serves an MCP environment (its tools are MCP tools).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import os
 import time
 from uuid import uuid4
 
+from fastmcp import FastMCP
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
@@ -101,3 +105,46 @@ class ReplyEnvironment(Environment):
 
 
 NOT_AN_APP = "a string cannot be served"
+
+
+class CalcEnvironment(MCPEnvironment):
+    """An MCP environment (OpenEnv RFC 003): its tools are a FastMCP server's; a call whose result is
+    the sum of reset's ``a`` and ``b`` earns 1.0 and ends the episode, other calls 0.0 (three at most)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        mcp = FastMCP("calc")
+
+        @mcp.tool()
+        def add(a: int, b: int) -> int:
+            """Add two integers."""
+            return a + b
+
+        super().__init__(mcp)
+        self._state = State(episode_id=str(uuid4()), step_count=0)
+        self.target = 0
+
+    def reset(self, seed=None, episode_id=None, a: int = 2, b: int = 3, **kwargs) -> Observation:
+        self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
+        self.target = a + b
+        return Observation(done=False, reward=0.0, metadata={"task": f"add {a} and {b}"})
+
+    async def step_async(self, action, timeout_s=None, **kwargs) -> Observation:
+        observation = await super().step_async(action, timeout_s=timeout_s, **kwargs)
+        if isinstance(action, CallToolAction):
+            self._state.step_count += 1
+            right = observation.result is not None and observation.result.data == self.target
+            observation.reward, observation.done = (1.0, True) if right else (0.0, self._state.step_count >= 3)
+        return observation
+
+    def _step_impl(self, action, timeout_s=None, **kwargs) -> Observation:
+        return Observation(done=False, reward=0.0, metadata={"error": f"unknown action {type(action).__name__}"})
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+# what an MCP environment's server/app.py holds
+calc_app = create_app(CalcEnvironment, CallToolAction, CallToolObservation, env_name="calc", max_concurrent_envs=4)

@@ -22,7 +22,7 @@ from agentrl.agent.setup import RolloutSetup
 from agentrl.config.schema import DataConfig, EnvironmentConfig, TrainConfig
 from agentrl.data.row import Row
 from agentrl.environments import spec
-from agentrl.environments.openenv import action_spec, observation_text, server_for, stop_all_servers
+from agentrl.environments.openenv import action_spec, mcp_result, observation_text, server_for, stop_all_servers
 from agentrl.errors import PluginError
 
 
@@ -84,6 +84,14 @@ def test_an_action_with_one_string_field_takes_text_and_any_other_is_a_tool_of_i
     assert observation_text(observation) == "hi"
     assert observation_text({"a": 1, "b": "x", "metadata": {}}) == '{"a": 1, "b": "x"}'
     assert observation_text({"a": 1, "b": "x"}, "a") == "1"
+    assert observation_text({"metadata": {"task": "x"}, "reward": 0.0, "done": False}) == ""
+    from openenv.core.env_server.mcp_types import CallToolAction
+
+    assert action_spec(CallToolAction.model_json_schema()).mode == "mcp"
+    assert action_spec(CallToolAction.model_json_schema(), "tool").tool_name == "call_tool"
+    assert mcp_result({"tool_name": "f", "result": None, "error": {"error_type": "execution_error", "message": "boom"}}) == (
+        "Error: boom", "execution_error")
+    assert mcp_result({"result": {"content": [], "data": {"x": 1}}, "error": None}) == ('{"x": 1}', None)
 
 
 def test_a_tool_episode_is_exact_tokens_with_step_rewards_on_the_turns_that_acted(tiny_tokenizer):
@@ -227,3 +235,25 @@ def test_the_server_process_ends_itself_when_its_parent_is_gone(tmp_path):
         assert started.wait(timeout=60) == 0
     finally:
         started.kill()
+
+
+def test_an_mcp_environment_offers_its_mcp_tools_and_each_call_is_a_call_tool_step(tiny_tokenizer):
+    tok = tiny_tokenizer
+
+    def mcp_call(name, **arguments):
+        return '<tool_call>\n' + json.dumps({"name": name, "arguments": arguments}) + '\n</tool_call>'
+
+    script = {"r0": [mcp_call("add", a=1, b=1), mcp_call("mul", a=2), mcp_call("add", a=4, b=5)]}
+    ctx, _ = ctx_for(tok, script, "calc_app")
+    [t] = run(ctx, [("r0", row("calc_app", a=4, b=5))])
+    add = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "additionalProperties": False, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "type": "object"}}}
+    # the reset observation has no fields: the prompt is the row's, with the environment's tools
+    assert t.prompt_ids == ctx.renderer.prompt_ids([{"role": "user", "content": "Play."}], [add])
+    assert [(c.name, c.result, c.error, c.reward) for c in t.tool_calls] == [
+        ("add", "2", None, 0.0), ("mul", "Error: unknown tool 'mul' (available: add)", "unknown_tool", None),
+        ("add", "9", None, 1.0)]
+    assert [x.reward for x in t.turns if x.role == "assistant"] == [0.0, None, 1.0]
+    assert t.finish_reason == "stop" and t.metrics["env/steps"] == 2 and t.metrics["env/done"] == 1
+    assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["2", "Error: unknown tool 'mul' (available: add)"]
