@@ -1,12 +1,15 @@
 """OpenEnv environments (openenv 0.10) driven by the ``openenv_env`` loop through OpenEnv's own
-client, each served by OpenEnv's own server code in a process agentrl starts: the environments
-below are written against OpenEnv's public API as a third party would (an ``Environment``
-subclass with typed ``Action`` / ``Observation`` models; one served from the app ``create_app``
-builds, the other from its class). With the scripted engine: the exact token stream of a tool
-episode and of a text episode, step rewards on the turns that made the actions, the failures
-(environment code raising, a server killed mid-episode and restarted, a step that times out, a
-server that cannot start) ending their trajectories ``environment_error`` with the kind counted.
-The ``agentrl train`` run is in test_openenv_train.py."""
+client, each served by OpenEnv's own server code in a process agentrl starts. The environments
+(openenv_fixture.py) are written against OpenEnv's public API as a third party would: an
+``Environment`` subclass with typed ``Action`` / ``Observation`` models served from the app
+``create_app`` builds, one named as its class, and an ``MCPEnvironment`` with FastMCP tools. With
+the scripted engine: the exact token stream of a tool episode and of a text episode, step rewards
+on the turns that made the actions, MCP tools offered and called, a server given by URL; the
+failures (environment code raising, a server killed mid-episode and restarted by the next
+trajectory, a step that times out, a server that does not answer) ending their trajectories
+``environment_error`` with the kind counted; a name that cannot be served refused before a server
+starts; the server ending itself with its parent. The ``agentrl train`` run is in
+test_openenv_train.py."""
 
 from __future__ import annotations
 
