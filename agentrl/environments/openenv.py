@@ -325,7 +325,7 @@ def server_for(ref: EnvironmentRef, settings: OpenEnvEnvironmentConfig) -> OpenE
         except TypeError as exc:
             raise PluginError(str(exc)) from exc
     key = EnvironmentRef(library="openenv", name=ref.name)
-    return cached(key, lambda r: OpenEnvServer(str(r.name), settings), kind=f"server:{settings.url}")
+    return cached(key, lambda r: OpenEnvServer(str(r.name or settings.url), settings), kind=f"server:{settings.url}")
 
 
 # ----------------------------------------------------------------------------- a session

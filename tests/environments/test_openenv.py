@@ -173,10 +173,13 @@ def test_a_server_given_by_url_is_used_as_it_is_and_one_that_does_not_answer_fai
     own = server_for(ctx.environment_ref(row("guess_app")), ctx.environment.openenv)
     run(ctx, [("r0", row("guess_app", secret=5))])  # agentrl's server of guess_app is up
     ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call(5)]}, "guess_app", url=own.url)
-    [t] = run(ctx, [("r0", row("guess_app", secret=5))])
+    nameless = Row.model_validate({"data_source": "openenv/test", "prompt": [{"role": "user", "content": "Play."}],
+                                   "extra_info": {"index": 0, "environment": {"library": "openenv", "args": {"secret": 5}}}})
+    [t] = run(ctx, [("r0", nameless)])  # with a URL the row need not name what the server serves
     assert t.finish_reason == "stop" and t.metrics["env/return"] == 1.0
-    theirs = server_for(ctx.environment_ref(row("guess_app")), ctx.environment.openenv)
+    theirs = server_for(ctx.environment_ref(nameless), ctx.environment.openenv)
     assert theirs is not own and theirs.url == own.url and theirs.process is None and theirs.generation == 0
+    assert theirs.name == own.url
     gone = f"http://127.0.0.1:{_closed_port()}"
     ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call(5)]}, "guess_app", url=gone)
     [t] = run(ctx, [("r0", row("guess_app", secret=5))])
