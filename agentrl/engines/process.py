@@ -72,7 +72,8 @@ class EngineProcess:
     the engine's (``device``, ``dtype``, ``max_batch_size``, ``seed``, ``partial``, ...)."""
 
     def __init__(self, model: str | Path, *, threads: int, sync_timeout_s: float = 600.0, start_timeout_s: float | None = None,
-                 name: str = "the built-in engine process", omp_wait_policy: str = "PASSIVE", **engine_kwargs: Any):
+                 name: str = "the built-in engine process", omp_wait_policy: str = "PASSIVE", wait_ready: bool = True,
+                 **engine_kwargs: Any):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if not Path(model).is_dir():
@@ -102,36 +103,64 @@ class EngineProcess:
         self.name = f"{name} (pid {self.pid})"
         self._conn = Connection(ours.detach())
         self._conn.send(("start", {"model": str(model), "threads": threads, "engine": engine_kwargs}))
-        ready = threading.Event()
+        self._ready = threading.Event()
         self._info: dict[str, Any] = {}
+        self._model = str(model)
+        self._start_timeout_s = start_timeout_s or sync_timeout_s
 
         def on_ready(info: object) -> None:
             if isinstance(info, BaseException):
                 self._info["error"] = info
             else:
                 self._info.update(info)  # type: ignore[call-overload]
-            ready.set()
+            self._ready.set()
 
         self._calls[-1] = on_ready
+        self._version: int | None = None
         self._reader = threading.Thread(target=self._read, name="agentrl-engine-results", daemon=True)
         self._reader.start()
-        start_timeout_s = start_timeout_s or sync_timeout_s
-        if not ready.wait(start_timeout_s):
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the child has loaded the model (at most ``start_timeout_s``); raise its
+        start-up failure. ``wait_ready=False`` at construction leaves this to the first call, so
+        the child loads while the caller goes on (the trainer's start-up)."""
+        if not self._ready.wait(self._start_timeout_s):
             self.close()
-            raise EngineTimeout(f"{self.name} did not load {model} within {start_timeout_s} s")
+            raise EngineTimeout(f"{self.name} did not load {self._model} within {self._start_timeout_s} s")
         if "error" in self._info:
             self.close()
             raise self._info["error"]
-        self.vocab_size: int = self._info["vocab_size"]
-        self.max_seq_len: int = self._info["max_seq_len"]
-        self.threads: int = self._info["threads"]
-        self._version: int = self._info["weight_version"]
+
+    async def _ready_async(self) -> None:
+        if not self._ready.is_set():
+            await asyncio.to_thread(self.wait_ready)  # the caller's event loop keeps running meanwhile
+        elif "error" in self._info:
+            self.wait_ready()
+
+    @property
+    def vocab_size(self) -> int:
+        self.wait_ready()
+        return int(self._info["vocab_size"])
+
+    @property
+    def max_seq_len(self) -> int:
+        self.wait_ready()
+        return int(self._info["max_seq_len"])
+
+    @property
+    def threads(self) -> int:
+        """The child's torch threads, as it reports them."""
+        self.wait_ready()
+        return int(self._info["threads"])
 
     # ------------------------------------------------------------------ Engine protocol
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if request.rid is None:  # aborting a cancelled call needs the id the child knows
             request = dataclasses.replace(request, rid=uuid.uuid4().hex)
+        await self._ready_async()
         future = self._call_async(lambda call: ("generate", call, request))
         try:
             result: GenerateResult = await future
@@ -153,6 +182,7 @@ class EngineProcess:
         directory it reads; drains (or, with ``partial``, interrupts) its running requests first."""
         if (state_dict is None) == (path is None):
             raise ValueError("update_weights needs exactly one of state_dict or path")
+        await self._ready_async()
         source = ("path", str(path)) if path is not None else self._write_map(state_dict)  # type: ignore[arg-type]
         what = f"a weight update to version {version}" if version is not None else "a weight update"
         self._version = await self._bounded(self._call_async(lambda call: ("update", call, version, source, strict)), what)
@@ -166,15 +196,20 @@ class EngineProcess:
     # ------------------------------------------------------------------ extras
 
     async def flush_cache(self) -> None:
+        await self._ready_async()
         await self._bounded(self._call_async(lambda call: ("flush", call)), "a cache flush")
 
     @property
     def weight_version(self) -> int:
         """The version of the last weights the child confirmed."""
+        if self._version is None:
+            self.wait_ready()
+            self._version = int(self._info["weight_version"])
         return self._version
 
     def stats(self) -> EngineStats:
         """The child engine's counters (a round trip, bounded by ``sync_timeout_s``)."""
+        self.wait_ready()
         done = threading.Event()
         box: list[object] = []
 

@@ -152,7 +152,8 @@ class ActorWorker(Worker):
 
             return EngineProcess(
                 self.model_path, threads=setup.engine_threads, sync_timeout_s=setup.sync_timeout_s,
-                name="the built-in engine process of the actor's rank 0", device=str(self.device), dtype=self.param_dtype,
+                name="the built-in engine process of the actor's rank 0", wait_ready=False,  # it loads while the trainer starts
+                device=str(self.device), dtype=self.param_dtype,
                 max_batch_size=setup.engine_max_batch_size, seed=setup.seed, decode_graphs=setup.engine_decode_graphs,
                 partial=asynchronous and setup.partial,
             )

@@ -35,7 +35,9 @@ def anyio_backend():
 def child(model_dir):
     """One engine process shared by the comparison and partial-rollout tests (partial=True: with
     no weight update it runs every request as the plain engine does)."""
-    engine = EngineProcess(model_dir, threads=1, max_batch_size=4, seed=123, partial=True, start_timeout_s=START_S)
+    # wait_ready=False (the trainer's way): the first call waits for the child to load the model
+    engine = EngineProcess(model_dir, threads=1, max_batch_size=4, seed=123, partial=True, start_timeout_s=START_S,
+                           wait_ready=False)
     yield engine
     engine.close()
 
@@ -142,8 +144,9 @@ async def test_interrupted_requests_resume_under_new_weights_sent_through_the_sh
 
 async def test_repeated_interruptions_through_a_checkpoint_directory_sample_what_an_uninterrupted_run_samples(child, model_dir):
     request = GenerateRequest(PROMPT, SamplingParams(max_new_tokens=150, temperature=1.0, seed=11))
+    await child.flush_cache()  # both runs prefill the prompt afresh (no K/V reused from earlier requests)
     expected = await child.generate(request)  # no update meanwhile: uninterrupted
-    await child.flush_cache()  # the run below prefills its prompt as this one did (no reuse of its K/V)
+    await child.flush_cache()
     before = child.stats()
     running = asyncio.create_task(child.generate(request))
     versions = []
@@ -193,6 +196,18 @@ async def test_a_stopped_child_times_out_and_a_killed_one_fails_every_call_namin
         engine.close()
 
 
+async def test_a_child_that_cannot_load_its_model_fails_the_first_call_with_its_reason(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a directory, but no model in it
+    engine = EngineProcess(tmp_path, threads=1, start_timeout_s=START_S, wait_ready=False)
+    try:
+        with pytest.raises(EngineUnavailable, match=rf"pid {engine.pid}\) exited with code 1: \w+Error: .+"):
+            await engine.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=4)))
+        with pytest.raises(EngineUnavailable, match=rf"pid {engine.pid}\) exited with code 1"):
+            engine.stats()
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------- the tools' event loop
 
 
@@ -236,7 +251,11 @@ async def test_engine_steps_in_their_own_process_never_hold_the_tools_event_loop
     try:
         await process.generate(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2)))  # warm
         apart, stats_s = await tool_overruns(process)
-        assert process.stats().prefill_tokens >= 2 * 1000  # the child ran long prefill steps meanwhile
+        for _ in range(600):  # the child ran long prefill steps meanwhile (counted when a step ends)
+            if process.stats().prefill_tokens >= 2 * 1000:
+                break
+            await asyncio.sleep(0.05)
+        assert process.stats().prefill_tokens >= 2 * 1000
         assert max(stats_s) < 0.25, stats_s  # answered by the child's reader thread, not after a prefill step
     finally:
         process.close()
