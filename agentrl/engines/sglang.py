@@ -19,7 +19,10 @@ has finished, is sent again as its prompt plus the tokens sampled so far with wh
 versions join the pieces (``output_versions``), whatever the number of interruptions. Requests
 wait while an update runs. A request aborted by the caller (``abort``), or by the server with no
 update under way, is not resumed. A stop string split across an interruption is not seen by the
-server (it matches within one piece); stop tokens are. The NCCL path is ``init_weights_update_group`` +
+server (it matches within one piece); stop tokens are. Each piece carries the request's seed:
+SGLang's seeded sampling (``--enable-deterministic-inference``) draws by seed and position, so a
+resumed piece draws what the uninterrupted request would have given the same logits (`agentrl
+serve` starts the request's random stream again instead). The NCCL path is ``init_weights_update_group`` +
 ``update_weights_from_distributed``: this process is rank 0 of a separate process group with the
 servers' ranks and broadcasts each tensor, in the announced order, while the HTTP calls that
 make the servers receive them are in flight (see ``weight_sync.py``).
