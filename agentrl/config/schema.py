@@ -41,6 +41,7 @@ __all__ = [
     "EnvironmentLibrary",
     "ENVIRONMENT_LOOPS",
     "ENVIRONMENT_EXTRAS",
+    "environment_import_hint",
     "EnvironmentConfig",
     "OpenEnvEnvironmentConfig",
     "VerifiersEnvironmentConfig",
@@ -447,6 +448,16 @@ EnvironmentLibrary = Literal["verifiers", "openenv", "trl"]
 ENVIRONMENT_LOOPS: dict[str, str] = {"verifiers": "verifiers_env", "openenv": "openenv_env", "trl": "trl_env"}
 # The optional-dependency extra of agentrl that installs each library (pip install 'agentrl[<extra>]').
 ENVIRONMENT_EXTRAS: dict[str, str] = {"verifiers": "verifiers", "openenv": "openenv", "trl": "trl-env"}
+
+
+def environment_import_hint(library: str, name: str) -> str:
+    """What to do when an environment's name does not import: install the library's extra when
+    the library itself is missing; else the user's own package is (a reinstalled library would not help)."""
+    import importlib.util
+
+    if importlib.util.find_spec(library) is None:  # the library's module has the library's name
+        return f"the library installs with pip install 'agentrl[{ENVIRONMENT_EXTRAS[library]}]'"
+    return f"{library} is installed: is the package that defines {name!r} installed or on PYTHONPATH?"
 
 
 class TrlEnvironmentConfig(Section):

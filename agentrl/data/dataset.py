@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
+from agentrl.config.schema import environment_import_hint
 from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
 from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
@@ -161,7 +162,7 @@ def row_plugin_problems(
         if known is not None and name not in known:
             yield field, f"unknown {kind} {name!r} (known: {', '.join(sorted(known)) or 'none'})"
         elif import_problem is not None and (problem := import_problem(group, name)) is not None:
-            hint = f" (the library installs with pip install 'agentrl[{own.extra}]')" if group == "environments" and own else ""
+            hint = f" ({environment_import_hint(own.library, name)})" if group == "environments" and own else ""
             yield field, f"{kind} {name!r} cannot be loaded: {problem}{hint}"
 
 

@@ -16,7 +16,7 @@ import json
 import threading
 from typing import Any, Callable, TypeVar
 
-from agentrl.config.schema import ENVIRONMENT_EXTRAS, ENVIRONMENT_LOOPS, EnvironmentConfig
+from agentrl.config.schema import ENVIRONMENT_EXTRAS, ENVIRONMENT_LOOPS, EnvironmentConfig, environment_import_hint
 from agentrl.data.row import EnvironmentRef
 from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry
@@ -51,7 +51,7 @@ def resolve(ref: EnvironmentRef, registry: PluginRegistry | None = None) -> Any:
         obj = (registry or PluginRegistry()).load_object("environments", ref.name)
     except PluginError as exc:
         raise PluginError(f"{ref.library} environment {ref.name!r} cannot be loaded: {exc} "
-                          f"(the library installs with pip install 'agentrl[{ref.extra}]')") from exc
+                          f"({environment_import_hint(ref.library, ref.name)})") from exc
     with _lock:
         return _resolved.setdefault(key, obj)
 

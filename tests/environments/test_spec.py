@@ -123,7 +123,9 @@ def test_bad_refs_fail_at_load_naming_file_row_and_field(tmp_path, env_module):
     assert all(text.startswith(f"file {path}, row ") for text in found.values())
     assert "no module named 'no_such_env_module'" in found[(3, "extra_info.environment.name")]
     missing = found[(4, "extra_info.environment.name")]
-    assert "the package 'surely_not_installed_pkg' is not installed" in missing and "agentrl[verifiers]" in missing
+    # verifiers itself is installed (the test extra): the hint points at the user's module, not at the extra
+    assert "the package 'surely_not_installed_pkg' is not installed" in missing and "verifiers is installed" in missing
+    assert "agentrl[verifiers]" not in missing
     assert "has no attribute 'Nope'" in found[(5, "extra_info.environment.name")]
     assert "unknown openenv loop 'openenv_env'" in found[(6, "extra_info.environment.library")]
 
@@ -134,7 +136,7 @@ def test_resolve_finds_module_attr_and_module_once_and_names_the_missing_package
     assert spec.resolve(spec.EnvironmentRef(library="trl", name="my_envs:Counter")) is cls
     module = spec.resolve(spec.EnvironmentRef(library="verifiers", name="my_envs"))
     assert module.load_environment(a=1) == ("env", {"a": 1})
-    with pytest.raises(PluginError, match=r"package 'surely_not_installed_pkg' is not installed.*agentrl\[openenv\]"):
+    with pytest.raises(PluginError, match=r"package 'surely_not_installed_pkg' is not installed.*openenv is installed: is the package that defines 'needs_missing'"):
         spec.resolve(spec.EnvironmentRef(library="openenv", name="needs_missing"))
     with pytest.raises(PluginError, match="names nothing"):
         spec.resolve(spec.EnvironmentRef(library="trl"))
@@ -175,8 +177,19 @@ def test_the_config_ref_is_checked_before_any_work(env_module):
     with pytest.raises(ConfigError) as err:
         validate_config({"environment": {"library": "verifiers", "name": "needs_missing"}}, check_files=False)
     name_problem = dict(err.value.problems)["environment.name"]
-    assert "surely_not_installed_pkg" in name_problem and "agentrl[verifiers]" in name_problem
+    assert "surely_not_installed_pkg" in name_problem and "is the package that defines 'needs_missing' installed" in name_problem
     with pytest.raises(ConfigError) as err:
         validate_config({"environment": {"library": "trl", "name": "my_envs:Counter"}, "agent": {"default_loop": "nope"}},
                         check_files=False)
     assert "environment.name" not in dict(err.value.problems)
+
+
+def test_a_missing_library_is_named_with_the_extra_that_installs_it(env_module, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec  # as on a machine without verifiers
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "verifiers" else real(name, *a))
+    spec.clear_cache()
+    with pytest.raises(PluginError) as err:
+        spec.resolve(spec.EnvironmentRef(library="verifiers", name="needs_missing"))
+    assert "pip install 'agentrl[verifiers]'" in str(err.value)
