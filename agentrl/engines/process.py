@@ -339,6 +339,21 @@ class EngineProcess:
         for settle in calls.values():
             settle(failure)
 
+    def _reserve(self, size: int) -> str:
+        """The shared weights file: in /dev/shm (memory), else, where that has no room for it (a
+        container's small /dev/shm), in the temp dir (the page cache still shares it)."""
+        prefix = f"agentrl-engine-{self.pid}-"
+        if self._map_dir is not None:
+            try:
+                return _reserve_file(self._map_dir, prefix, size)
+            except OSError:
+                self._map_dir = None
+        try:
+            return _reserve_file(None, prefix, size)
+        except OSError as exc:
+            raise EngineError(f"{self.name}: no room for the {size}-byte shared weights file in /dev/shm or "
+                              f"{tempfile.gettempdir()}: {exc}") from exc
+
     def _write_map(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[str, str, list[tuple[str, str, tuple[int, ...], int, int]]]:
         """Copy a state dict into the file mapping shared with the child (made for its layout)."""
         import torch
@@ -351,9 +366,7 @@ class EngineProcess:
         if self._map is None or self._map[1] != layout:
             if self._map is not None and not self._map[2].startswith("unlinked:"):
                 Path(self._map[2]).unlink(missing_ok=True)
-            fd, path = tempfile.mkstemp(prefix=f"agentrl-engine-{self.pid}-", suffix=".weights", dir=self._map_dir)
-            os.ftruncate(fd, max(offset, 1))
-            os.close(fd)
+            path = self._reserve(max(offset, 1))
             self._map = (torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8), layout, path)
         buffer, _, path = self._map
         from agentrl.engines._process_child import views
@@ -362,6 +375,20 @@ class EngineProcess:
             for (name, target), tensor in zip(views(buffer, layout).items(), state_dict.values()):
                 target.copy_(tensor.detach().reshape(target.shape))
         return ("map", path.removeprefix("unlinked:"), layout)
+
+
+def _reserve_file(directory: str | None, prefix: str, size: int) -> str:
+    """A file of ``size`` bytes whose blocks are allocated now: a mapping of a sparse file on a full
+    tmpfs would end the process with SIGBUS at the first write past the space left."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".weights", dir=directory)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return path
 
 
 def _remote_error(type_name: str, message: str, who: str) -> BaseException:

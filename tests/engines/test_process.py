@@ -142,6 +142,14 @@ async def test_interrupted_requests_resume_under_new_weights_sent_through_the_sh
         reference_logprobs(new, PROMPT + result.output_ids[:k], result.output_ids[k:], 0.0), abs=5e-5)  # fp32, 200 tokens deep
 
 
+async def test_without_room_in_dev_shm_the_shared_weights_file_goes_to_the_temp_dir(child, model_dir, tmp_path):
+    norm = {"model.norm.weight": load_reference(model_dir).state_dict()["model.norm.weight"]}  # unchanged weights
+    child._map_dir = str(tmp_path / "no-such-dir")  # as a full /dev/shm refuses the reservation
+    version = child.weight_version + 1
+    await child.update_weights(norm, version=version, strict=False)
+    assert child.weight_version == version and child._map_dir is None
+
+
 async def test_repeated_interruptions_through_a_checkpoint_directory_sample_what_an_uninterrupted_run_samples(child, model_dir):
     request = GenerateRequest(PROMPT, SamplingParams(max_new_tokens=150, temperature=1.0, seed=11))
     await child.flush_cache()  # both runs prefill the prompt afresh (no K/V reused from earlier requests)
