@@ -10,6 +10,7 @@
      ├── ToolError            a tool failed in a way the model should be told about
      │    └── ToolArgumentError   arguments did not match the tool's JSON schema
      ├── TrajectoryError      the token stream would lose alignment (ids/mask/logprobs)
+     ├── EnvironmentFailure   a row's environment (its server or its code) failed: environment_error
      ├── CheckpointError      a checkpoint or run directory cannot be used to resume
      ├── WorkerDied           a trainer worker process ended (the step cannot complete)
      └── NotAvailable         a CLI command whose module is not part of this installation
@@ -32,6 +33,7 @@ __all__ = [
     "ToolError",
     "ToolArgumentError",
     "TrajectoryError",
+    "EnvironmentFailure",
     "CheckpointError",
     "WorkerDied",
     "NotAvailable",
@@ -100,6 +102,15 @@ class ToolArgumentError(ToolError):
 
 class TrajectoryError(AgentrlError):
     """Appending would break the alignment of ids, mask and logprobs."""
+
+
+class EnvironmentFailure(AgentrlError):
+    """A row's environment failed (an OpenEnv server, a verifiers or TRL environment's code): the
+    trajectory ends ``environment_error``, out of the loss, counted as ``env_errors/<kind>``."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 class CheckpointError(AgentrlError):

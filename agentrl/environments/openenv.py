@@ -45,23 +45,17 @@ from typing import Any
 from agentrl.config.schema import OpenEnvEnvironmentConfig
 from agentrl.data.row import EnvironmentRef
 from agentrl.environments.spec import cached, resolve
-from agentrl.errors import PluginError
+from agentrl.errors import EnvironmentFailure, PluginError
 
 __all__ = ["ActionSpec", "EnvironmentFailure", "OpenEnvServer", "OpenEnvSession", "action_spec", "mcp_result", "mcp_tools",
            "observation_text", "server_for", "stop_all_servers"]
 
 
-class EnvironmentFailure(Exception):
-    """The environment failed (its server, or its code): the trajectory ends ``environment_error``
-    and counts ``env_errors/<kind>``: ``server_start`` (it did not start or answer ``/health``),
-    ``server_lost`` (the connection failed or closed: a server that died), ``timeout`` (no answer
-    within ``step_timeout_s``), ``env_exception`` (the environment's code raised), ``no_session``
-    (no session free within ``agent.trajectory_timeout_s``), ``bad_action`` / ``bad_observation``
-    (the action or observation cannot be mapped: see ``action_spec``, ``observation_text``)."""
-
-    def __init__(self, message: str, kind: str):
-        super().__init__(message)
-        self.kind = kind
+# EnvironmentFailure's kinds here: ``server_start`` (it did not start or answer ``/health``),
+# ``server_lost`` (the connection failed or closed: a server that died), ``timeout`` (no answer
+# within ``step_timeout_s``), ``env_exception`` (the environment's code raised), ``no_session``
+# (no session free within ``agent.trajectory_timeout_s``), ``bad_action`` / ``bad_observation``
+# (the action or observation cannot be mapped: see ``action_spec``, ``observation_text``).
 
 
 # ----------------------------------------------------------------------------- actions
