@@ -311,9 +311,10 @@ class OpenEnvServer:
 
 def server_for(ref: EnvironmentRef, settings: OpenEnvEnvironmentConfig) -> OpenEnvServer:
     """This process's server of ``ref.name`` (one per environment name or URL, whatever a row's args)."""
-    if settings.url is None:  # a missing package or a name of something else fails here, before any process starts
-        from agentrl.environments.openenv_serve import servable
+    from agentrl.environments.openenv_serve import import_openenv, servable
 
+    import_openenv()  # before the environment's module or the client imports openenv
+    if settings.url is None:  # a missing package or a name of something else fails here, before any process starts
         try:
             servable(resolve(ref), str(ref.name))
         except TypeError as exc:

@@ -14,11 +14,20 @@ on 127.0.0.1, through OpenEnv's own server code:
 
 The process ends itself within a second of its parent's end, so a worker that dies without
 cleaning up leaves no server behind.
+
+OpenEnv's package imports its Gradio web interface eagerly (``openenv.core.env_server`` imports
+``web_interface``, which imports gradio: most of a server's start), though ``create_app`` mounts it
+only with ``ENABLE_WEB_INTERFACE`` set. ``import_openenv`` (called here and by the worker before
+either imports openenv) defers it to its first use: without ``ENABLE_WEB_INTERFACE`` the package
+imports as it does where gradio is absent, and ``create_web_interface_app`` /
+``WebInterfaceManager`` import the web interface when first looked up, from the package or the
+module, so an app that builds its own web interface still gets it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import os
 import sys
@@ -28,7 +37,46 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["app_for", "servable", "main"]
+__all__ = ["app_for", "import_openenv", "servable", "main"]
+
+_WEB_UI = "openenv.core.env_server.web_interface"
+_WEB_UI_NAMES = ("create_web_interface_app", "WebInterfaceManager")
+
+
+def import_openenv() -> None:
+    """Import ``openenv.core`` with its web interface (and gradio) left for its first use; a no-op
+    when openenv is imported already, not installed (the import that needs it then names the
+    extra), or ``ENABLE_WEB_INTERFACE`` asks for the interface (then it is imported as OpenEnv does)."""
+    if "openenv.core" in sys.modules or os.getenv("ENABLE_WEB_INTERFACE", "false").lower() in ("true", "1", "yes"):
+        return
+    sys.modules[_WEB_UI] = None  # type: ignore[assignment]  # the package's `from .web_interface import` takes its no-gradio branch
+    try:
+        import openenv.core
+    except ImportError:
+        return
+    finally:
+        if _WEB_UI in sys.modules and sys.modules[_WEB_UI] is None:
+            del sys.modules[_WEB_UI]
+    for module in (sys.modules["openenv.core.env_server"], openenv.core):
+        _defer_web_ui(module)
+
+
+def _defer_web_ui(module: types.ModuleType) -> None:
+    """``module``'s web-interface names (None after the deferred import) imported at first lookup."""
+    namespace = vars(module)
+    for name in _WEB_UI_NAMES:
+        if name in namespace and namespace[name] is None:
+            del namespace[name]
+    before = namespace.get("__getattr__")
+
+    def __getattr__(name: str) -> Any:
+        if name in _WEB_UI_NAMES:
+            return getattr(importlib.import_module(_WEB_UI), name)
+        if before is not None:
+            return before(name)
+        raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+
+    namespace["__getattr__"] = __getattr__
 
 
 def servable(obj: Any, name: str) -> Any:
@@ -103,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from agentrl.environments.spec import EnvironmentRef, resolve
 
+    import_openenv()
     obj = resolve(EnvironmentRef(library="openenv", name=args.name))
     app = app_for(obj, args.name, args.max_sessions)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", ws_ping_interval=None)

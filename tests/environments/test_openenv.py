@@ -263,3 +263,36 @@ def test_an_mcp_environment_offers_its_mcp_tools_and_each_call_is_a_call_tool_st
     assert [x.reward for x in t.turns if x.role == "assistant"] == [0.0, None, 1.0]
     assert t.finish_reason == "stop" and t.metrics["env/steps"] == 2 and t.metrics["env/done"] == 1
     assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["2", "Error: unknown tool 'mul' (available: add)"]
+
+
+
+def test_openenv_imports_without_gradio_until_its_web_interface_is_asked_for():
+    """The server and the worker import openenv without its Gradio web interface (most of a server's
+    start); an app that asks for the interface, from the package or the module, still gets it; with
+    ENABLE_WEB_INTERFACE set openenv is left to import as it does."""
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, sys
+        from agentrl.environments.openenv_serve import import_openenv
+        os.environ["ENABLE_WEB_INTERFACE"] = "true"
+        import_openenv()
+        print("openenv.core" in sys.modules)
+        del os.environ["ENABLE_WEB_INTERFACE"]
+        import_openenv()
+        from openenv_fixture import guess_app
+        from openenv.core import GenericEnvClient
+        print("gradio" in sys.modules, type(guess_app).__name__)
+        from openenv.core.env_server import create_web_interface_app
+        import openenv.core
+        print("gradio" in sys.modules, create_web_interface_app.__module__, openenv.core.WebInterfaceManager.__module__)
+        from openenv.core.env_server.web_interface import create_web_interface_app as again
+        print(again is create_web_interface_app)
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    web = "openenv.core.env_server.web_interface"
+    assert out.stdout.splitlines() == ["False", "False FastAPI", f"True {web} {web}", "True"]
