@@ -76,8 +76,8 @@ class ReplyObservation(Observation):
 
 class ReplyEnvironment(Environment):
     """Say words with reset's ``letter``: each step's reward is a quarter per occurrence (at most
-    1.0); two steps. A step whose message holds ``die`` (or the first step after reset's
-    ``kill_marker`` file appeared, which it removes) kills the server process."""
+    1.0); two steps. The first step after reset's ``kill_marker`` file appeared (which it removes)
+    kills the server process."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
@@ -92,9 +92,8 @@ class ReplyEnvironment(Environment):
 
     def step(self, action: ReplyAction) -> ReplyObservation:  # type: ignore[override]
         self._state.step_count += 1
-        if "die" in action.message or (self.kill_marker and os.path.exists(self.kill_marker)):
-            if self.kill_marker and os.path.exists(self.kill_marker):
-                os.remove(self.kill_marker)
+        if self.kill_marker and os.path.exists(self.kill_marker):
+            os.remove(self.kill_marker)
             os.kill(os.getpid(), 9)
         reward = min(action.message.count(self.letter), 4) / 4
         return ReplyObservation(prompt=f"More words with {self.letter}.", done=self._state.step_count >= 2, reward=reward)
