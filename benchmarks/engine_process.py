@@ -15,8 +15,11 @@ Three parts, one JSON object:
   machine has cores, alone and beside a CPU job that runs small matrix products on as many
   threads, with libgomp's default wait policy and with ``OMP_WAIT_POLICY=PASSIVE`` (the engine
   process's setting); runs alternate.
+* ``train`` (not in the default parts): asynchronous ``agentrl train`` steps on the tiny model
+  beside a CPU job, the engine on a thread of the trainer's process against its own process, at
+  the default thread counts or (``--train-threads cores``) every process on all cores; runs alternate.
 
-    python -m agentrl_benchmarks.engine_process [--parts sync,loop,contention] [--repeats 3] [--json]
+    python -m agentrl_benchmarks.engine_process [--parts sync,loop,contention,train] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
@@ -172,6 +175,43 @@ async def _contention(model: Path, repeats: int) -> dict:
     return {"threads": cores, **{k: round(statistics.median(v), 3) for k, v in times.items()}}
 
 
+TRAIN = ["trainer.total_steps=6", "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+         "actor.ppo_micro_batch_size_per_gpu=4", "data.task_train_size=64", "data.task_val_size=8", "rollout.max_new_tokens=32",
+         "data.max_response_length=96", "sft.num_demos=32", "sft.epochs=1", "logging.progress=false", "model.tiny.skills=none",
+         "trainer.save_freq=0", "trainer.test_freq=0", "trainer.export_hf=false", "trainer.val_before_train=false",
+         "trainer.save_rollouts=false", "rollout.max_staleness=1", "actor.rollout_correction.level=token"]
+
+
+def _train(root: Path, repeats: int, all_cores: bool) -> dict:
+    """Asynchronous ``agentrl train`` steps (tiny model, eta 1) beside a CPU job on the machine's
+    core count of threads, the engine on a thread of the trainer's process (``engine.process=false``)
+    against its own process; ``all_cores``: the trainer and the engine at the core count of threads
+    too (``OMP_NUM_THREADS``), else at their defaults (the trainer alone on all cores with the engine
+    on its thread; split between the two with the engine process). The median of steps 2 to 6."""
+    cores = os.cpu_count() or 2
+    env = dict(os.environ, OMP_NUM_THREADS=str(cores)) if all_cores else dict(os.environ)
+    if not all_cores:
+        env.pop("OMP_NUM_THREADS", None)
+    env.pop("OMP_WAIT_POLICY", None)
+    steps: dict[str, list[float]] = {}
+    for i in range(repeats):
+        for placement in ("false", "true"):
+            run = root / f"train-{placement}-{i}"
+            burner = _burner(cores)
+            try:
+                done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *TRAIN, f"engine.process={placement}",
+                                       f"trainer.runs_root={run}", "trainer.run_name=r"], env=env, capture_output=True, text=True,
+                                      timeout=1800)
+            finally:
+                _stop(burner)
+            if done.returncode != 0:
+                raise RuntimeError(f"agentrl train failed: {done.stderr[-2000:]}")
+            rows = [json.loads(line) for line in (run / "r" / "metrics.jsonl").read_text().splitlines()]
+            step_s = [r["timing/step_s"] for r in rows if "timing/step_s" in r and r["step"] >= 2]
+            steps.setdefault("engine thread" if placement == "false" else "engine process", []).append(statistics.median(step_s))
+    return {"threads": "all cores" if all_cores else "defaults", **{k: [round(v, 3) for v in vals] for k, vals in steps.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agentrl_benchmarks.engine_process", description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="sync,loop,contention")
@@ -179,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sleeps", type=int, default=8, help="tool sleeps measured per placement (loop)")
     parser.add_argument("--shapes", default="tiny,0.5b", help="model shapes of the sync part")
     parser.add_argument("--threads", type=int, default=1, help="engine threads of the sync and loop parts")
+    parser.add_argument("--train-threads", choices=("defaults", "cores"), default="defaults",
+                        help="train part: the trainer's and engine's default threads, or every process on all cores")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
@@ -192,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 out["loop"] = asyncio.run(_loop(model, args.sleeps, args.threads))
             if "contention" in parts:
                 out["contention"] = asyncio.run(_contention(model, args.repeats))
+        if "train" in parts:
+            out["train"] = _train(root, args.repeats, all_cores=args.train_threads == "cores")
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 
