@@ -14,19 +14,19 @@ the group's statistics. ``segment_splits`` and ``segment_earlier_tokens`` count 
 
 A program that raises while the endpoint and the engine were healthy (a framework giving up on
 the model's output) ends a scored episode, ``program_error``, in the loss; the engine's or the
-endpoint's failure, a refused request and a transport error stay infrastructure
-(``classify_exception``).
+endpoint's failure, a refused request and a transport error
+(``agentrl.agent.openai_wire.is_transport_error``) stay infrastructure (``classify_exception``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
 from typing import Any
 
 from agentrl.agent.loop import AgentLoop, LoopContext
 from agentrl.agent.openai_endpoint import MODEL_NAME, EndpointSession, endpoint
+from agentrl.agent.openai_wire import is_transport_error
 from agentrl.agent.program import AgentResult, AgentTask
 from agentrl.data.row import Row
 from agentrl.errors import PluginError
@@ -49,32 +49,9 @@ def classify_exception(exc: BaseException, session: EndpointSession) -> tuple[Tr
         return TrajectoryFinish.LOOP_ERROR, f"the endpoint failed: {session.crashed} (the program then raised {own})"
     if session.refused is not None:
         return TrajectoryFinish.LOOP_ERROR, f"the endpoint refused a request: {session.refused} (the program then raised {own})"
-    if _in_transport(exc):
+    if is_transport_error(exc):
         return TrajectoryFinish.LOOP_ERROR, own
     return TrajectoryFinish.PROGRAM_ERROR, own
-
-
-def _in_transport(exc: BaseException) -> bool:
-    """Whether ``exc``, or an exception it was raised from, is a failure to reach the endpoint.
-    The HTTP libraries are looked up, never imported here: a first import on this thread while a
-    program's thread uses the library would show that thread a partly initialised module."""
-    transport: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, asyncio.TimeoutError)
-    for name in ("httpx", "httpx2"):  # the program's HTTP client, if it has imported one
-        error = getattr(sys.modules.get(name), "TransportError", None)
-        if isinstance(error, type):
-            transport += (error,)
-    openai = sys.modules.get("openai")  # imported by the program when it uses the client
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, transport):
-            return True
-        if openai is not None and (isinstance(current, openai.APIConnectionError) or (
-                isinstance(current, openai.APIStatusError) and current.status_code >= 500)):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
 
 
 def find_program(row: Row, registry: PluginRegistry) -> Any:

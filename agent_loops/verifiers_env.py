@@ -35,12 +35,12 @@ from typing import Any
 
 from agentrl.agent.loop import AgentLoop, LoopContext
 from agentrl.agent.openai_endpoint import MODEL_NAME, EndpointSession, endpoint
+from agentrl.agent.openai_wire import is_transport_error
 from agentrl.config.schema import VerifiersEnvironmentConfig
 from agentrl.data.row import Row
 from agentrl.environments.verifiers import load, rollout_input
 from agentrl.errors import PluginError
 from agentrl.trajectory import Trajectory, TrajectoryBuilder, TrajectoryFinish, TrajectorySegment
-from agentrl_agent_loops.openai_agent import _in_transport
 
 
 @dataclass(slots=True)
@@ -131,7 +131,7 @@ def _failure(exc: BaseException, session: EndpointSession) -> tuple[TrajectoryFi
     own = f"{type(exc).__name__}: {exc}"
     if session.finish is not None:
         return session.finish, session.error or own
-    if session.crashed is not None or session.refused is not None or _in_transport(exc):
+    if session.crashed is not None or session.refused is not None or is_transport_error(exc):
         why = session.crashed or session.refused
         return TrajectoryFinish.LOOP_ERROR, f"the endpoint failed or refused a request: {why} ({own})" if why else own
     return TrajectoryFinish.ENVIRONMENT_ERROR, own

@@ -1,17 +1,21 @@
 """The OpenAI chat-completions wire format as the endpoint reads and writes it: messages as the
 chat template renders them, the error body, the server-sent-events stream, and the refusal that
-answers a request with a 4xx naming its field (``agentrl.agent.openai_endpoint``)."""
+answers a request with a 4xx naming its field (``agentrl.agent.openai_endpoint``); and, on the
+client's side, whether a program's exception was a failure to reach the endpoint
+(``is_transport_error``: the loops that run programs against the endpoint keep those out of the loss)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from typing import Any, AsyncIterator
 
 from starlette.responses import JSONResponse
 
 from agentrl.trajectory import TrajectoryFinish
 
-__all__ = ["MODEL_NAME", "RequestRefused", "normalize_message", "error_response", "sse_stream"]
+__all__ = ["MODEL_NAME", "RequestRefused", "normalize_message", "error_response", "sse_stream", "is_transport_error"]
 
 MODEL_NAME = "agentrl-policy"
 
@@ -94,3 +98,28 @@ async def sse_stream(response: dict[str, Any], include_usage: bool) -> AsyncIter
     if include_usage:
         yield "data: " + json.dumps({**base, "choices": [], "usage": response["usage"]}) + "\n\n"
     yield "data: [DONE]\n\n"
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from (``__cause__`` / ``__context__``), is a
+    failure to reach the endpoint: no connection, a timeout, httpx's ``TransportError``, openai's
+    ``APIConnectionError`` or an ``APIStatusError`` of 5xx. The HTTP libraries are looked up, never
+    imported here: a first import on this thread while a program's thread uses the library would
+    show that thread a partly initialised module."""
+    transport: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, asyncio.TimeoutError)
+    for name in ("httpx", "httpx2"):  # the program's HTTP client, if it has imported one
+        error = getattr(sys.modules.get(name), "TransportError", None)
+        if isinstance(error, type):
+            transport += (error,)
+    openai = sys.modules.get("openai")  # imported by the program when it uses the client
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, transport):
+            return True
+        if openai is not None and (isinstance(current, openai.APIConnectionError) or (
+                isinstance(current, openai.APIStatusError) and current.status_code >= 500)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False

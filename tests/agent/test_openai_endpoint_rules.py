@@ -201,6 +201,30 @@ def test_an_endpoint_crash_and_a_transport_error_are_infrastructure(tiny_tokeniz
     assert failure_metrics([crashed, lost])["failures/loop_error"] == 2.0
 
 
+def test_a_transport_error_is_found_anywhere_in_the_chain_and_only_a_5xx_status_is_one():
+    import httpx
+
+    from agentrl.agent.openai_wire import is_transport_error
+
+    request = httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions")
+
+    def status(code):
+        return openai.APIStatusError("status", response=httpx.Response(code, request=request), body=None)
+
+    def raised_from(cause):
+        try:
+            try:
+                raise cause
+            except BaseException as exc:
+                raise ValueError("the framework gave up") from exc
+        except ValueError as exc:
+            return exc
+
+    assert is_transport_error(openai.APIConnectionError(request=request)) and is_transport_error(status(502))
+    assert is_transport_error(raised_from(httpx.ConnectError("refused"))) and is_transport_error(raised_from(TimeoutError()))
+    assert not is_transport_error(status(400)) and not is_transport_error(raised_from(KeyError("choices")))
+
+
 def test_a_refused_request_that_the_program_does_not_survive_is_infrastructure(tiny_tokenizer, make_ctx):
     ctx = make_ctx(ScriptedEngine(tiny_tokenizer, {"r0": ["#### 408"]}))
 
