@@ -508,7 +508,9 @@ class EnvironmentConfig(Section):
     library: EnvironmentLibrary | None = None
     # an entry point name in group agentrl.environments, a module `pkg.mod`, or `pkg.mod:attr`
     name: str | None = None
-    args: dict[str, Any] = Field(default_factory=dict)  # the library's constructor / load_environment kwargs
+    # the environment's arguments: verifiers load_environment(**args), a TRL class's constructor
+    # Cls(**args), OpenEnv reset(**args) per trajectory (a row's own args replace these)
+    args: dict[str, Any] = Field(default_factory=dict)
     openenv: OpenEnvEnvironmentConfig = Field(default_factory=OpenEnvEnvironmentConfig)
     verifiers: VerifiersEnvironmentConfig = Field(default_factory=VerifiersEnvironmentConfig)
     trl: TrlEnvironmentConfig = Field(default_factory=TrlEnvironmentConfig)  # library=trl (docs/environments/trl.md)

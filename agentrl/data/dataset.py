@@ -83,6 +83,7 @@ def validate_files(
     max_reported: int = MAX_REPORTED,
     known_agents: Collection[str] | None = None,
     default_environment: EnvironmentRef | None = None,
+    config_known: bool = False,
 ) -> list[DataError]:
     """Every problem in ``paths``, in file and row order: missing or unreadable files, rows that
     fail validation, and (for each ``known_*`` given) rows naming a plugin that is not among
@@ -90,6 +91,8 @@ def validate_files(
     ``extra_info.tools_kwargs``), an interaction (``extra_info.interaction_kwargs.name``) or an
     agent program (``extra_info.agent_program``, the ``openai_agent`` loop's), or the loop of its
     environment's library (``extra_info.environment``, else ``default_environment``: the config's).
+    With ``config_known`` (``default_environment`` is the run's config's, None when it has none),
+    a row's environment that names nothing and cannot take the config's name is a problem too.
     ``import_problem(group, name)`` (``PluginRegistry.import_problem``), when given, is asked
     about each plugin a row names, so one that is installed but fails to import is reported at
     the first row naming it, before any model is loaded. At most ``max_reported`` problems are
@@ -112,7 +115,8 @@ def validate_files(
                     first_defaulted = first_defaulted or (path, index)
                     defaulted += 1
                 for field, problem in row_plugin_problems(row, known, known_tools, known_interactions, import_problem,
-                                                          agents=known_agents, default_environment=default_environment):
+                                                          agents=known_agents, default_environment=default_environment,
+                                                          config_known=config_known):
                     found.add(DataError(problem, file=path, row=index, field=field))
         except DataError as err:
             found.add(err)
@@ -134,13 +138,16 @@ def row_plugin_problems(
     *,
     agents: Collection[str] | None = None,
     default_environment: EnvironmentRef | None = None,
+    config_known: bool = False,
 ) -> Iterator[tuple[str, str]]:
     """``(field, problem)`` for each plugin the row names that is not among the known names of
     its kind (a kind whose names are None is not checked) or, asked through ``import_problem``,
     fails to import: its ``agent_name``, its tools (the keys of ``extra_info.tools_kwargs``), its
     interaction, its agent program (``extra_info.agent_program``), and its environment
     (``extra_info.environment``: the name, and its library's loop when the row names no
-    ``agent_name``; the config's ``default_environment`` is checked once, by the config loader)."""
+    ``agent_name``; the config's ``default_environment`` is checked once, by the config loader;
+    with ``config_known``, a row's environment without a name that the config's cannot give one,
+    OpenEnv's aside: ``environment.openenv.url`` may serve it)."""
     named = []
     if row.agent_name is not None:
         named.append(("agent_name", "agent_loops", "agent_name", row.agent_name, loops))
@@ -151,6 +158,12 @@ def row_plugin_problems(
         named.append((where, "agent_loops", f"{ref.library} loop", ref.loop, loops))
     if own is not None and own.name is not None:
         named.append(("extra_info.environment.name", "environments", f"{own.library} environment", own.name, None))
+    elif config_known and own is not None and ref is not None and ref.name is None and own.library != "openenv":
+        config = ("the config's environment names none either" if default_environment is not None
+                  and default_environment.library == own.library else f"the config's is {default_environment.library}"
+                  if default_environment is not None else "the config names none")
+        yield ("extra_info.environment.name", f"the row's {own.library} environment names nothing and {config}: set "
+               f"extra_info.environment.name, or environment.library={own.library} with environment.name")
     named += [(f"extra_info.tools_kwargs.{name}", "tools", "tool", name, tools) for name in row.extra_info.tools_kwargs]
     spec = row.extra_info.interaction_kwargs
     if spec is not None and spec.name is not None:

@@ -59,6 +59,7 @@ def prepare_data(
         import_problem=registry.import_problem,  # a plugin that fails to import stops the run here, not at its first row
         known_agents=registry.names("agents"),
         default_environment=EnvironmentRef.from_config(cfg.environment),  # rows without their own run in it
+        config_known=True,
     )
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)

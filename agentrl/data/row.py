@@ -128,8 +128,15 @@ class Row(BaseModel):
         return self.reward_model.ground_truth
 
     def environment_ref(self, default: EnvironmentRef | None = None) -> EnvironmentRef | None:
-        """The row's environment ref (``extra_info.environment``), else ``default`` (the config's)."""
-        return self.extra_info.environment if self.extra_info.environment is not None else default
+        """The row's environment ref (``extra_info.environment``), else ``default`` (the config's).
+        A row's ref that names no environment takes ``default``'s name when both are of one
+        library (the row's args stay its own: its arguments to the config's environment)."""
+        own = self.extra_info.environment
+        if own is None:
+            return default
+        if own.name is None and default is not None and default.library == own.library:
+            return own.model_copy(update={"name": default.name})
+        return own
 
     def loop_name(self, default: EnvironmentRef | None = None) -> str | None:
         """The loop this row asks for: its ``agent_name``, else its environment's library loop,

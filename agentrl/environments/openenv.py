@@ -310,7 +310,8 @@ class OpenEnvServer:
 
 
 def server_for(ref: EnvironmentRef, settings: OpenEnvEnvironmentConfig) -> OpenEnvServer:
-    """This process's server of ``ref.name`` (one per environment name or URL, whatever a row's args)."""
+    """This process's server of ``ref.name``, or the one at ``settings.url`` (one per name or URL,
+    whatever a row's args)."""
     from agentrl.environments.openenv_serve import import_openenv, servable
 
     import_openenv()  # before the environment's module or the client imports openenv
@@ -319,8 +320,9 @@ def server_for(ref: EnvironmentRef, settings: OpenEnvEnvironmentConfig) -> OpenE
             servable(resolve(ref), str(ref.name))
         except TypeError as exc:
             raise PluginError(str(exc)) from exc
-    key = EnvironmentRef(library="openenv", name=ref.name)
-    return cached(key, lambda r: OpenEnvServer(str(r.name or settings.url), settings), kind=f"server:{settings.url}")
+    # a server given by URL is one server whatever the rows name, and named by its URL in errors
+    key = EnvironmentRef(library="openenv", name=None if settings.url else ref.name)
+    return cached(key, lambda r: OpenEnvServer(str(settings.url or r.name), settings), kind=f"server:{settings.url}")
 
 
 # ----------------------------------------------------------------------------- a session

@@ -151,6 +151,15 @@ def test_a_row_without_an_environment_plays_the_configs_with_its_args(tiny_token
     assert t.finish_reason == "stop" and t.metrics["env/return"] == 0.75
 
 
+def test_a_row_that_names_no_environment_plays_the_configs_with_the_rows_args(tiny_tokenizer):
+    ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call(9), call(2)]}, "guess_app", args={"secret": 9})
+    nameless = Row.model_validate({"data_source": "openenv/test", "prompt": [{"role": "user", "content": "Play."}],
+                                   "extra_info": {"index": 0, "environment": {"library": "openenv", "args": {"secret": 2}}}})
+    [t] = run(ctx, [("r0", nameless)])
+    assert [(c.arguments, c.result) for c in t.tool_calls] == [({"guess": 9}, "lower"), ({"guess": 2}, "correct")]
+    assert server_for(ctx.environment_ref(nameless), ctx.environment.openenv).name == "openenv_fixture:guess_app"
+
+
 def test_bad_arguments_are_told_to_the_model_and_do_not_step(tiny_tokenizer):
     ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call("x"), call(7)]}, "guess_app")
     [t] = run(ctx, [("r0", row("guess_app", secret=7))])

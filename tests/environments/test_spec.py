@@ -193,3 +193,27 @@ def test_a_missing_library_is_named_with_the_extra_that_installs_it(env_module, 
     with pytest.raises(PluginError) as err:
         spec.resolve(spec.EnvironmentRef(library="verifiers", name="needs_missing"))
     assert "pip install 'agentrl[verifiers]'" in str(err.value)
+
+
+def test_a_rows_ref_without_a_name_takes_the_configs_name_when_their_libraries_agree(tmp_path, env_module):
+    config_ref = spec.EnvironmentRef(library="trl", name="my_envs:Counter", args={"size": 3})
+    nameless = Row.model_validate(row({"library": "trl", "args": {"size": 5}}))
+    # the config's environment with the row's own args (the row's args replace the config's)
+    assert nameless.environment_ref(config_ref) == spec.EnvironmentRef(library="trl", name="my_envs:Counter", args={"size": 5})
+    assert nameless.loop_name(config_ref) == "trl_env"
+    other = spec.EnvironmentRef(library="verifiers", name="my_envs")
+    assert nameless.environment_ref(other) == spec.EnvironmentRef(library="trl", args={"size": 5})  # not another library's
+    assert nameless.environment_ref(None).name is None
+    named = Row.model_validate(row({"library": "trl", "name": "my_envs:Other"}))
+    assert named.environment_ref(config_ref).name == "my_envs:Other"  # a row that names one keeps it
+    # at load, a nameless row of a library whose name cannot come from the config is refused naming the field
+    path = str(write_rows([row({"library": "trl", "args": {"size": 5}}), row({"library": "verifiers"}),
+                           row({"library": "openenv"})], tmp_path / "nameless.parquet"))
+    found = {(p.row, p.field): str(p) for p in validate_files([path], known_agent_names=LOOPS, default_environment=config_ref,
+                                                               config_known=True)}
+    assert sorted(found) == [(1, "extra_info.environment.name")]  # row 0 takes the config's; openenv may have a URL
+    assert ("the row's verifiers environment names nothing and the config's is trl: set extra_info.environment.name, "
+            "or environment.library=verifiers with environment.name") in found[(1, "extra_info.environment.name")]
+    found = {(p.row, p.field) for p in validate_files([path], known_agent_names=LOOPS, config_known=True)}
+    assert found == {(0, "extra_info.environment.name"), (1, "extra_info.environment.name")}
+    assert validate_files([path], known_agent_names=LOOPS) == []  # agentrl data validate: the config may name them
