@@ -312,9 +312,7 @@ class OpenEnvServer:
 def server_for(ref: EnvironmentRef, settings: OpenEnvEnvironmentConfig) -> OpenEnvServer:
     """This process's server of ``ref.name``, or the one at ``settings.url`` (one per name or URL,
     whatever a row's args)."""
-    from agentrl.environments.openenv_serve import import_openenv, servable
-
-    import_openenv()  # before the environment's module or the client imports openenv
+    from agentrl.environments.openenv_serve import servable
     if settings.url is None:  # a missing package or a name of something else fails here, before any process starts
         try:
             servable(resolve(ref), str(ref.name))

@@ -17,17 +17,20 @@ cleaning up leaves no server behind.
 
 OpenEnv's package imports its Gradio web interface eagerly (``openenv.core.env_server`` imports
 ``web_interface``, which imports gradio: most of a server's start), though ``create_app`` mounts it
-only with ``ENABLE_WEB_INTERFACE`` set. ``import_openenv`` (called here and by the worker before
-either imports openenv) defers it to its first use: without ``ENABLE_WEB_INTERFACE`` the package
-imports as it does where gradio is absent, and ``create_web_interface_app`` /
-``WebInterfaceManager`` import the web interface when first looked up, from the package or the
-module, so an app that builds its own web interface still gets it.
+only with ``ENABLE_WEB_INTERFACE`` set. ``defer_openenv_web_ui`` (an import hook, installed here,
+and in every process that imports ``agentrl.environments``: the driver, the workers) defers it to
+its first use: without ``ENABLE_WEB_INTERFACE`` the package imports as it does where gradio is
+absent, and ``create_web_interface_app`` / ``WebInterfaceManager`` import the web interface when
+first looked up, from the package or the module, so an app that builds its own web interface
+still gets it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.abc
+import importlib.util
 import inspect
 import os
 import sys
@@ -37,27 +40,63 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["app_for", "import_openenv", "servable", "main"]
+__all__ = ["app_for", "defer_openenv_web_ui", "servable", "main"]
 
 _WEB_UI = "openenv.core.env_server.web_interface"
 _WEB_UI_NAMES = ("create_web_interface_app", "WebInterfaceManager")
 
 
-def import_openenv() -> None:
-    """Import ``openenv.core`` with its web interface (and gradio) left for its first use; a no-op
-    when openenv is imported already, not installed (the import that needs it then names the
-    extra), or ``ENABLE_WEB_INTERFACE`` asks for the interface (then it is imported as OpenEnv does)."""
-    if "openenv.core" in sys.modules or os.getenv("ENABLE_WEB_INTERFACE", "false").lower() in ("true", "1", "yes"):
+def defer_openenv_web_ui() -> None:
+    """From now on in this process, openenv's first import (``openenv.core``) leaves its web
+    interface (and gradio) for its first use: an import hook that costs nothing until then. A
+    no-op when openenv is imported already; at the import, ``ENABLE_WEB_INTERFACE`` set makes
+    openenv import as it does."""
+    if "openenv.core" in sys.modules or any(isinstance(f, _DeferWebUI) for f in sys.meta_path):
         return
-    sys.modules[_WEB_UI] = None  # type: ignore[assignment]  # the package's `from .web_interface import` takes its no-gradio branch
-    try:
-        import openenv.core
-    except ImportError:
-        return
-    finally:
-        if _WEB_UI in sys.modules and sys.modules[_WEB_UI] is None:
-            del sys.modules[_WEB_UI]
-    for module in (sys.modules["openenv.core.env_server"], openenv.core):
+    sys.meta_path.insert(0, _DeferWebUI())
+
+
+def _web_ui_wanted() -> bool:
+    return os.getenv("ENABLE_WEB_INTERFACE", "false").lower() in ("true", "1", "yes")
+
+
+class _DeferWebUI(importlib.abc.MetaPathFinder):
+    """Finds ``openenv.core`` as the other finders do, with a loader that imports it without its
+    web interface; then leaves ``sys.meta_path``."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "openenv.core":
+            return None
+        sys.meta_path.remove(self)  # once: a package is imported once per process
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or _web_ui_wanted():
+            return spec
+        spec.loader = _WithoutWebUI(spec.loader)
+        return spec
+
+
+class _WithoutWebUI(importlib.abc.Loader):
+    """``openenv.core``'s loader, run with ``web_interface`` unimportable (the package's own
+    ``try: from .web_interface import ...`` then takes its no-gradio branch), its web-interface
+    names then imported at first lookup (``_defer_web_ui``)."""
+
+    def __init__(self, loader: Any):
+        self._loader = loader
+
+    def __getattr__(self, name: str) -> Any:  # resources, is_package, ...: the real loader's
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        sys.modules[_WEB_UI] = None  # type: ignore[assignment]
+        try:
+            self._loader.exec_module(module)
+        finally:
+            if _WEB_UI in sys.modules and sys.modules[_WEB_UI] is None:
+                del sys.modules[_WEB_UI]
+        _defer_web_ui(sys.modules["openenv.core.env_server"])
         _defer_web_ui(module)
 
 
@@ -151,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from agentrl.environments.spec import EnvironmentRef, resolve
 
-    import_openenv()
+    defer_openenv_web_ui()
     obj = resolve(EnvironmentRef(library="openenv", name=args.name))
     app = app_for(obj, args.name, args.max_sessions)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", ws_ping_interval=None)
