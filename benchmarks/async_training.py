@@ -10,7 +10,9 @@ partial rollouts off and on (``rollout.partial``), truncated importance sampling
 Prints one JSON object: ``runs`` (one per configuration and seed: trajectories/s and tokens/s
 over the training steps' wall time, the trainer's idle fraction, the engine's busy fraction,
 the staleness histogram, reward against samples and against wall-clock per step, and the held-out
-success of the run's final greedy validation),
+success of the run's final validation: greedy, or sampled with ``--val-n`` answers a problem at
+``--val-temperature``, which measures the policy after as many samples without the lag of stale
+samples' training reward and without greedy's cliff),
 ``summary`` (per configuration: the means over seeds, the speed-up over the synchronous run,
 the mean reward per sample and its standard deviation over seeds, the mean held-out success)
 and ``settings``.
@@ -26,7 +28,9 @@ thread teams slow a step many times over when another job shares the cores, docs
 ``summary`` also says, per asynchronous configuration, whether it meets issue 36's floors
 (``FLOORS``: eta 1 at least 1.5x the synchronous trajectories/s, eta 4 at least 2.5x; eta 2,
 which the issue leaves out, is held to eta 1's), each with its reward per sample within one
-standard deviation (the synchronous runs' over seeds) of the synchronous mean.
+standard deviation (the synchronous runs' over seeds) of the synchronous mean, and whether its
+held-out success is no more than one synchronous standard deviation below the synchronous one.
+``--correction`` picks the asynchronous runs' off-policy correction (``tis`` or ``decoupled``).
 """
 
 from __future__ import annotations
@@ -63,8 +67,12 @@ def overrides(*, eta: int, partial: bool, seed: int, args: argparse.Namespace) -
     ]
     if getattr(args, "warm_start", None):
         out.append(f"model.path={args.warm_start}")
+    if getattr(args, "val_n", 0):  # the final validation sampled: n answers a problem at val_temperature
+        out += [f"data.task_val_size={args.val_size}", f"rollout.val_n={args.val_n}",
+                f"rollout.val_temperature={args.val_temperature}"]
     if eta > 0:
-        out += [f"rollout.partial={str(partial).lower()}", "actor.rollout_correction.level=token"]
+        out += [f"rollout.partial={str(partial).lower()}", "actor.rollout_correction.level=token",
+                f"actor.rollout_correction.method={getattr(args, 'correction', 'tis')}"]
     return out
 
 
@@ -106,6 +114,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0, "seeds": len(group)}
         heldout = [g["heldout_success_after"] for g in group if g.get("heldout_success_after") is not None]
         out[name]["heldout_success_after"] = statistics.fmean(heldout) if heldout else None
+        out[name]["heldout_std"] = statistics.stdev(heldout) if len(heldout) > 1 else 0.0
     sync = out.get("sync")
     etas = {run["config"]: run["eta"] for run in runs}
     for name, s in out.items():
@@ -114,6 +123,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             s["floor"] = FLOORS[max(k for k in FLOORS if k <= etas[name])]
             s["reward_within_sync_sd"] = abs(s["reward_per_sample"] - sync["reward_per_sample"]) <= sync["reward_std"]
             s["meets_floors"] = s["speedup"] >= s["floor"] and s["reward_within_sync_sd"]
+            # the policy's own reward after as many samples (no lag), where the runs validated
+            if s["heldout_success_after"] is not None and sync["heldout_success_after"] is not None:
+                s["heldout_within_sync_sd"] = (
+                    sync["heldout_success_after"] - s["heldout_success_after"] <= max(sync["heldout_std"], 1e-9))
     return out
 
 
@@ -163,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beside-cpu-job", nargs="?", const="busy", choices=["busy", "torch"], default=None,
                         help="a second CPU job shares the cores with every run: a Python busy loop (busy, the default) "
                              "or a torch matrix-product loop at torch's default thread count (torch)")
+    parser.add_argument("--correction", choices=["tis", "decoupled"], default="tis",
+                        help="actor.rollout_correction.method of the asynchronous runs")
+    parser.add_argument("--val-n", type=int, default=0,
+                        help="sample the final validation: this many answers a problem at --val-temperature "
+                             "(0: one greedy answer, the config's default)")
+    parser.add_argument("--val-size", type=int, default=32, help="with --val-n: data.task_val_size")
+    parser.add_argument("--val-temperature", type=float, default=1.0, help="with --val-n: rollout.val_temperature")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (0: inherit)")
     args = parser.parse_args(argv)
@@ -188,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows, summary = _train(args, f"{name}-s{seed}", overrides(eta=eta, partial=partial, seed=seed, args=args),
                                        Path(tmp))
                 run = summarize_run(rows, eta=eta, samples_per_step=args.batch_size * args.n)
-                run["heldout_success_after"] = summary.get("heldout_success_after")  # the final greedy validation
+                run["heldout_success_after"] = summary.get("heldout_success_after")  # the final validation
                 runs.append({"config": name, "eta": eta, "partial": partial, "seed": seed,
                              "process_wall_s": time.perf_counter() - start, "load_average_after": os.getloadavg()[0], **run})
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # each run as it ends

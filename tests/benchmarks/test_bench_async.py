@@ -66,6 +66,31 @@ def test_the_summary_holds_each_eta_to_its_floor_and_the_reward_to_one_sync_sd()
     assert not summary["eta2"]["meets_floors"] and summary["eta2"]["reward_within_sync_sd"]  # 1.45x
     assert summary["eta4"]["speedup"] == 2.5 and not summary["eta4"]["reward_within_sync_sd"]  # 0.15 below: over one sd
     assert not summary["eta4"]["meets_floors"]
+    assert "heldout_within_sync_sd" not in summary["eta1"]  # no validation to compare
+
+
+def test_held_out_success_is_compared_to_one_sync_sd_below_the_sync_mean():
+    def run(config, eta, heldout):
+        return {"config": config, "eta": eta, "trajectories_per_s": 1.0, "tokens_per_s": 1.0, "reward_per_sample": 0.5,
+                "heldout_success_after": heldout}
+
+    # sync held-out 0.5 and 0.7: mean 0.6, sd 0.1414; above the sync mean is always within
+    summary = summarize([run("sync", 0, 0.5), run("sync", 0, 0.7), run("eta1", 1, 0.46), run("eta2", 2, 0.45),
+                         run("eta4", 4, 0.9)])
+    assert summary["sync"]["heldout_std"] == pytest.approx(0.141421, abs=1e-6)
+    assert summary["eta1"]["heldout_within_sync_sd"] and summary["eta4"]["heldout_within_sync_sd"]
+    assert not summary["eta2"]["heldout_within_sync_sd"]  # 0.15 below
+
+
+def test_sampled_validation_and_the_correction_reach_the_train_config():
+    from agentrl.config import load_config
+
+    args = _args(val_n=4, val_size=32, val_temperature=1.0, correction="decoupled")
+    cfg = load_config("train", overrides(eta=2, partial=True, seed=0, args=args), check_files=False)
+    assert (cfg.rollout.val_n, cfg.rollout.val_temperature, cfg.data.task_val_size) == (4, 1.0, 32)
+    assert (cfg.actor.rollout_correction.method, cfg.actor.rollout_correction.level) == ("decoupled", "token")
+    sync = load_config("train", overrides(eta=0, partial=False, seed=0, args=args), check_files=False)
+    assert sync.actor.rollout_correction.level is None and sync.rollout.val_n == 4
 
 
 def test_configurations_alternate_their_order_from_seed_to_seed():
