@@ -49,16 +49,33 @@ async def wait_for_steps(engine: BuiltinEngine, steps: int) -> None:
     raise AssertionError(f"engine did not reach {steps} steps")
 
 
-async def submitted_together(engine: BuiltinEngine, requests: list[GenerateRequest]) -> list:
+async def submit_together(engine: BuiltinEngine, requests: list[GenerateRequest]) -> list[asyncio.Task]:
     """Submit all requests before the worker can take any: a worker thread already running may
     otherwise start a step between two submissions (a CI run saw the last request of a batch miss
     the first step). The engine's condition lock is reentrant and every submission runs on this
     thread, so holding it keeps only the worker thread out until all are queued."""
+    queued = len(engine._inbox)
     with engine._cv:
         tasks = [asyncio.create_task(engine.generate(r)) for r in requests]
-        while len(engine._inbox) < len(requests):
+        while len(engine._inbox) < queued + len(requests):
             await asyncio.sleep(0)
-    return await asyncio.gather(*tasks)
+    return tasks
+
+
+async def submitted_together(engine: BuiltinEngine, requests: list[GenerateRequest]) -> list:
+    return await asyncio.gather(*await submit_together(engine, requests))
+
+
+async def wait_until_all_admitted(engine: BuiltinEngine, steps: int) -> None:
+    """``steps`` steps have run and no request waits: a request still in the inbox would otherwise
+    join whatever the test submits next (a CI run saw eleven of twelve background requests, queued
+    while the worker stepped the first one, admitted in the same step as a later group)."""
+    for _ in range(100_000):
+        stats = engine.stats()
+        if stats.steps >= steps and stats.waiting == 0:
+            return
+        await asyncio.sleep(0.0005)
+    raise AssertionError(f"engine did not reach {steps} steps with every request admitted")
 
 
 def test_builtin_engine_satisfies_the_engine_protocol(engine):
@@ -344,11 +361,10 @@ async def test_group_samples_copy_the_prompt_from_their_leader_not_the_head_of_r
     engine = BuiltinEngine(model_dir, max_batch_size=32, seed=0)
     head = [1, 2, 3, 4]
     try:
-        background = [
-            asyncio.create_task(engine.generate(GenerateRequest(head + [100 + i, 101 + i], greedy(40), rid=f"bg{i}")))
-            for i in range(12)
-        ]
-        await wait_for_steps(engine, 3)
+        background = await submit_together(
+            engine, [GenerateRequest(head + [100 + i, 101 + i], greedy(40), rid=f"bg{i}") for i in range(12)]
+        )
+        await wait_until_all_admitted(engine, 3)
         prompt = head + list(range(150, 170))
         group = [GenerateRequest(prompt, SamplingParams(max_new_tokens=4, temperature=1.0, seed=s), rid=f"s{s}") for s in range(4)]
         results = await submitted_together(engine, group)
