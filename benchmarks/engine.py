@@ -51,6 +51,7 @@ from agentrl_benchmarks._scratch import scratch_dir
 __all__ = ["main", "Session", "make_sessions", "measure_matmul_gflops"]
 
 VOCAB = 1000  # token ids of generated prompts are drawn below the model's vocabulary size
+PAGE_TOKENS = 256  # tokens per block of transformers' paged cache (its default page size)
 
 
 @dataclass(frozen=True)
@@ -296,10 +297,20 @@ def run_hf_cb(model, sessions: list[Session], concurrency: int) -> tuple[int, fl
     import threading
 
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256, eos_token_id=-1,
                               pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=config)
+    # The KV cache sized to the workload (every running session at its full length, a block to
+    # spare each): left unset, transformers sizes it to the machine's free memory, which on a CPU
+    # is most of the RAM, zeroed at start (30 s of a 1m-model run here) and read through masks
+    # as wide as that cache.
+    warm_up = make_sessions(2, quick=True, seed=99, vocab=model.config.vocab_size)
+    longest = max(len(s.prompt) + sum(s.outputs) + sum(map(len, s.observations)) for s in [*sessions, *warm_up])
+    blocks = max(concurrency, 2) * (-(-longest // PAGE_TOKENS) + 1)
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=blocks)
+    )
     manager.start()
     waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
     submitted: dict[str, float] = {}
@@ -332,7 +343,7 @@ def run_hf_cb(model, sessions: list[Session], concurrency: int) -> tuple[int, fl
         return result.generated_tokens
 
     try:
-        asyncio.run(_drive_sessions(generate, make_sessions(2, quick=True, seed=99, vocab=model.config.vocab_size), 2))  # warm-up
+        asyncio.run(_drive_sessions(generate, warm_up, 2))
         submitted.clear()
         first_token.clear()
         generated, wall, requests = asyncio.run(_drive_sessions(generate, sessions, concurrency))
