@@ -1,7 +1,9 @@
 """``agentrl rollout [overrides]``: run the agent loops over a dataset and store the trajectories.
 
-Uses the ``rollout`` config (``configs/rollout.yaml``): rows from ``data.train_files`` (or the
-built-in ``data.task``), the model from ``model.path`` (or the tiny model), the engine of
+Uses the ``rollout`` config (``configs/rollout.yaml``): rows from ``data.train_files``, else the
+configured environment's own rows (``environment.library=verifiers environment.name=X``: its
+eval dataset when it has one, else its dataset; the console says which), else the built-in
+``data.task``; the model from ``model.path`` (or the tiny model), the engine of
 ``engine.backend`` (the built-in engine in this process, or SGLang servers: ``engine=sglang``
 starts ``engine.num_servers`` of them for this command and stops them at its end, or uses
 ``engine.servers=[url,...]``; ``engine=scripted engine.script=FILE`` answers from a script, no model), ``rollout.n`` samples per row. Trajectories are written as parquet in the rollout store format
@@ -16,6 +18,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from agentrl.config import load_config
@@ -31,7 +34,7 @@ def cli_main(argv: list[str]) -> int:
     from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
     from agentrl.agent.setup import RolloutSetup
     from agentrl.data.dataset import RowDataset
-    from agentrl.data.prepare import prepare_data
+    from agentrl.data.prepare import environment_dataset, prepare_data
     from agentrl.data.rollout_store import RolloutStore
     from agentrl.engines.builtin import BuiltinEngine
     from agentrl.engines.managed import ManagedServers, check_engine_config
@@ -44,9 +47,15 @@ def cli_main(argv: list[str]) -> int:
     check_engine_config(cfg, training=False)
     run = make_run_dir(cfg)
     run.write_config(cfg)  # replay finds the tokenizer and loops here
-    files, _ = prepare_data(cfg, run.data)  # validated before any generation
+    # the rows train would take, the environment's eval dataset first; validated before any generation
+    own = environment_dataset(cfg) if not cfg.data.train_files else None
+    files, _ = prepare_data(cfg, run.data, environment_rows=own, evaluate=True)
     dataset = RowDataset(files, batch_size=1, shuffle=False, seed=cfg.data.seed, drop_last=False)
     rows = [dataset.row(i) for i in range(dataset.num_rows)]
+    if own is not None and rows and rows[0][1].extra_info.environment is not None:  # not the data.task fallback
+        which = "eval dataset" if Path(files[0]).stem == "eval" else "dataset (it has no eval dataset)"
+        print(f"rows: {len(rows)} from the {which} of the {cfg.environment.library} environment {cfg.environment.name!r}",
+              file=sys.stderr)
     script = None
     if cfg.engine.backend == "scripted":
         from agentrl.agent.script_file import load_script, require_script_rows

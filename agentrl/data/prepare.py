@@ -3,6 +3,8 @@ before any compute is spent (every problem reported at once, naming its file, ro
 
 from __future__ import annotations
 
+import functools
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -14,29 +16,53 @@ from agentrl.errors import DataError
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
 
-__all__ = ["prepare_data"]
+__all__ = ["prepare_data", "environment_dataset", "EnvironmentRows"]
+
+EnvironmentRows = Callable[[str], list[dict[str, Any]]]  # split ("train" or "eval") -> the environment's rows
+
+
+def environment_dataset(cfg: "TrainConfig") -> EnvironmentRows | None:
+    """The configured environment's own rows by split (``train``, ``eval``), when its library's
+    adapter (``agentrl.environments.<library>``) offers ``dataset_rows``: verifiers environments
+    carry datasets; OpenEnv servers and TRL classes do not."""
+    ref = EnvironmentRef.from_config(cfg.environment)
+    if ref is None or ref.name is None:
+        return None
+    rows_of = getattr(importlib.import_module(f"agentrl.environments.{ref.library}"), "dataset_rows", None)
+    return None if rows_of is None else functools.partial(rows_of, ref)
 
 
 def prepare_data(
-    cfg: "TrainConfig", data_dir: Path, *, environment_rows: Callable[[str], list[dict[str, Any]]] | None = None
+    cfg: "TrainConfig", data_dir: Path, *, environment_rows: EnvironmentRows | None = None, evaluate: bool = False,
 ) -> tuple[list[str], list[tuple[str, Row]]]:
     """(training files, validation rows as (uid, row)). Without ``data.train_files`` the
     configured environment's own dataset is written into ``data_dir`` when it has one
     (``environment_rows(split)``, split ``train`` and, for validation when no ``data.val_files``
     are given, ``eval``), else the built-in ``data.task`` is generated there (its test split for
-    validation when no ``data.val_files`` are given)."""
-    own = environment_rows("train") if environment_rows is not None and not cfg.data.train_files else []
+    validation when no ``data.val_files`` are given).
+
+    ``evaluate`` (``agentrl rollout``: a checkpoint evaluated on the environment): the files are
+    the environment's eval dataset when it has one, else its dataset (``eval.parquet`` or
+    ``train.parquet`` in ``data_dir``: the file's name says which), and it gives no validation
+    rows of its own."""
+    own: list[dict[str, Any]] = []
+    own_split = "train"
+    if environment_rows is not None and not cfg.data.train_files:
+        for own_split in ("eval", "train") if evaluate else ("train",):
+            own = environment_rows(own_split)
+            if own:
+                break
     if cfg.data.train_files:
         files = list(cfg.data.train_files)
     elif own:
-        files = [str(write_rows(own, data_dir / "train.parquet"))]
+        files = [str(write_rows(own, data_dir / f"{own_split}.parquet"))]
     else:
         from agentrl_data_prep.tasks import generate
 
         files = [str(write_rows(generate(cfg.data.task, cfg.data.task_train_size, cfg.data.seed, "train"), data_dir / "train.parquet"))]
     val_files = list(cfg.data.val_files)
     if not val_files and own:
-        held_out = environment_rows("eval") if environment_rows is not None else []
+        held_out = environment_rows("eval") if environment_rows is not None and not evaluate else []
         val_files = [str(write_rows(held_out, data_dir / "val.parquet"))] if held_out else []
     elif not val_files and cfg.data.task is not None and not cfg.data.train_files:
         from agentrl_data_prep.tasks import validation_rows

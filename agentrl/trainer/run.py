@@ -22,8 +22,6 @@ last checkpoint so that the following steps' metrics equal an uninterrupted run'
 
 from __future__ import annotations
 
-import functools
-import importlib
 import json
 import os
 import shlex
@@ -32,14 +30,13 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from agentrl.agent.families import require_exact_template
 from agentrl.config import TrainConfig, load_config
-from agentrl.data.prepare import prepare_data
-from agentrl.data.row import EnvironmentRef
+from agentrl.data.prepare import environment_dataset, prepare_data
 from agentrl.data.rollout_store import RolloutStore
 from agentrl.engines.guard import api_key_from_env
 from agentrl.engines.managed import ManagedServers, check_engine_config
@@ -63,17 +60,6 @@ __all__ = ["Trainer", "RunResult", "train", "cli_main"]
 class RunResult:
     run_dir: Path
     summary: dict[str, Any]
-
-
-def environment_dataset(cfg: TrainConfig) -> Callable[[str], list[dict[str, Any]]] | None:
-    """The configured environment's own rows by split (``train``, ``eval``), when its library's
-    adapter (``agentrl.environments.<library>``) offers ``dataset_rows``: verifiers environments
-    carry datasets; OpenEnv servers and TRL classes do not."""
-    ref = EnvironmentRef.from_config(cfg.environment)
-    if ref is None or ref.name is None:
-        return None
-    rows_of = getattr(importlib.import_module(f"agentrl.environments.{ref.library}"), "dataset_rows", None)
-    return None if rows_of is None else functools.partial(rows_of, ref)
 
 
 def weight_version_of(state: dict[str, Any], critic_warmup: int) -> int:

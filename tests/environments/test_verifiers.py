@@ -379,3 +379,33 @@ def test_a_stateful_tool_env_hides_the_argument_it_fills_in_from_the_rows_state(
     observed = r.observation_ids([{"role": "tool", "content": "open"}])  # the row's code reached the tool
     assert t.response_ids[: len(sampled1) + len(observed)] == sampled1 + observed
     assert t.finish_reason == "stop" and t.reward == 1.0 and t.metrics["env/open_vault_calls"] == 1.0
+
+
+def test_rollout_on_a_configured_environment_runs_its_eval_dataset_else_its_dataset(envs, tiny_model_dir, tmp_path, capsys):
+    """``agentrl rollout environment.library=verifiers environment.name=X`` needs no data files:
+    the rows are the environment's eval dataset (load_calculator has one: "What is 2 * 3?"),
+    else its dataset (load_vault has none), as ``agentrl train`` builds them."""
+    from agentrl.agent.rollout_cli import cli_main
+    from agentrl.data.rollout_store import RolloutStore
+
+    script = tmp_path / "answers.jsonl"
+    script.write_text(json.dumps({"row": "verifiers/vf_test_envs:load_calculator:0", "answers": ["6"]}) + "\n"
+                      + json.dumps({"row": "verifiers/vf_test_envs:load_vault:0", "answers": [
+                          '<tool_call>\n{"name": "open_vault", "arguments": {"guess": "42"}}\n</tool_call>', "Done."]}) + "\n")
+    stored = {}
+    for name, run in (("load_calculator", "calc"), ("load_vault", "vault")):
+        argv = ["environment.library=verifiers", f"environment.name=vf_test_envs:{name}", f"model.path={tiny_model_dir}",
+                "engine=scripted", f"engine.script={script}", "rollout.n=2", f"trainer.runs_root={tmp_path}",
+                f"trainer.run_name={run}", "logging.progress=false"]
+        assert cli_main(argv) == 0
+        err = capsys.readouterr().err
+        stored[name] = [s.trajectory for s in RolloutStore(tmp_path / run / "rollouts").iter_stored()]
+        if name == "load_calculator":
+            assert "rows: 1 from the eval dataset of the verifiers environment 'vf_test_envs:load_calculator'" in err
+        else:
+            assert "rows: 1 from the dataset (it has no eval dataset) of the verifiers environment 'vf_test_envs:load_vault'" in err
+    calc, vault = stored["load_calculator"], stored["load_vault"]
+    assert [(t.row_id, t.sample_index, t.agent_name) for t in calc] == [
+        ("verifiers/vf_test_envs:load_calculator:0", 0, "verifiers_env"), ("verifiers/vf_test_envs:load_calculator:0", 1, "verifiers_env")]
+    assert [t.ground_truth for t in calc] == ["6", "6"] and [t.reward for t in calc] == [1.5, 1.5]  # correct x1 + concise x0.5
+    assert [(t.ground_truth, t.reward, t.metrics["env/open_vault_calls"]) for t in vault] == [("open", 1.0, 1.0)] * 2
