@@ -3,7 +3,10 @@
     <trainer.runs_root>/<trainer.run_name>/     (the name defaults to the start time)
       config.yaml          the resolved config (replay finds the tokenizer and loops here)
       metrics.jsonl        one JSON object per logged step
+      metrics.superseded.jsonl  rows a resumed run set aside: the steps after its checkpoint that
+                           a killed run had logged (each with ``superseded_at`` and ``superseded_reason``)
       rollouts/            the rollout store (parquet shards, the replay format)
+      rollouts/superseded/<time>/  shards a resumed run set aside (``RolloutStore.set_aside_after``)
       checkpoints/step_N/  trainer state, written whole or not at all; the last few are kept
       checkpoints/final/   the end of ``agentrl sft``
       policy/              the trained policy as a transformers checkpoint
@@ -21,6 +24,7 @@ can use it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -32,7 +36,7 @@ if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
     from agentrl.trajectory import Trajectory
 
-__all__ = ["RunDir", "make_run_dir", "config_yaml"]
+__all__ = ["RunDir", "make_run_dir", "config_yaml", "utc_stamp"]
 
 TRAINER_STATE = "trainer_state.json"  # a checkpoint is complete when this file is in it
 
@@ -52,6 +56,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.path / "metrics.jsonl"
+
+    @property
+    def metrics_superseded(self) -> Path:
+        return self.path / "metrics.superseded.jsonl"
 
     @property
     def rollouts(self) -> Path:
@@ -100,6 +108,47 @@ class RunDir:
         if not self.metrics.is_file():
             return []
         return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+
+    def set_aside_metrics_after(self, step: int, *, reason: str, at: str | None = None) -> int:
+        """A run resumed from the checkpoint of ``step`` trains the steps after it again: the rows
+        of ``metrics.jsonl`` with a larger step (a killed run's, of a training that no longer
+        exists) move to the end of ``metrics.superseded.jsonl``, each with ``superseded_at`` (UTC,
+        ``at`` or now) and ``superseded_reason``, so that every step is in ``metrics.jsonl`` once.
+        Rows up to ``step`` stay, and so do rows without a numeric step. A line that is not JSON
+        (the half-written last row of a killed process) moves too, as ``{"unreadable": text}``.
+        The side file is written (and fsynced) before ``metrics.jsonl`` is replaced whole, so a
+        crash in between leaves a row in both files, never in neither. Returns the rows moved."""
+        if not self.metrics.is_file():
+            return 0
+        kept: list[str] = []
+        moved: list[dict[str, Any]] = []
+        for line in self.metrics.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                moved.append({"unreadable": line})
+                continue
+            later = isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and row["step"] > step
+            if later:
+                moved.append(row)
+            else:
+                kept.append(line)
+        if not moved:
+            return 0
+        stamp = {"superseded_at": at or utc_stamp(), "superseded_reason": reason}
+        with self.metrics_superseded.open("a") as f:
+            f.writelines(json.dumps({**row, **stamp}) + "\n" for row in moved)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp = self.metrics.with_name(f".{self.metrics.name}.tmp-{os.getpid()}")
+        with tmp.open("w") as f:
+            f.writelines(line + "\n" for line in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.metrics)
+        return len(moved)
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         self.summary.write_text(json.dumps(summary, indent=2))
@@ -173,6 +222,11 @@ def auto_resume(runs_root: Path, run_name: str | None) -> Path | None:
     if not found:
         return None
     return max(found, key=lambda pair: (pair[0] / TRAINER_STATE).stat().st_mtime)[1]
+
+
+def utc_stamp() -> str:
+    """Now in UTC to the second, ISO 8601 (``2026-11-27T04:05:06Z``)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def config_yaml(cfg: "TrainConfig") -> str:

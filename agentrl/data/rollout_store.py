@@ -20,6 +20,11 @@ or none, and a crash mid-write leaves the earlier shards as they were. Readers s
 files. Reading streams record batches through ``pyarrow.dataset`` with the filters pushed
 down (files outside the step range are not even opened).
 
+A run resumed from an earlier checkpoint trains the steps after it again: ``set_aside_after``
+moves the shards of those steps (a killed run's, of a training that no longer exists) into
+``<root>/superseded/<time>/`` with a ``superseded.json`` saying when and why, so that readers,
+which read the shards directly under ``root`` only, see one set of trajectories a step.
+
 JSON values round-trip exactly when they are JSON values (dicts with string keys, lists,
 strings, numbers, booleans, None; floats including NaN and infinities); anything else in
 ``reward_info`` is stored as its ``str``.
@@ -40,6 +45,7 @@ import pyarrow.parquet as pq
 
 from agentrl.data.row import Row
 from agentrl.errors import DataError
+from agentrl.rundir import utc_stamp
 from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, TrajectorySegment, Turn
 
 if TYPE_CHECKING:  # pyarrow.dataset (and the pandas it imports, ~0.5 s) loads when a store is read
@@ -267,6 +273,33 @@ class RolloutStore:
             raise
         _fsync_dir(self.root)  # the rename itself survives a power loss
         return path
+
+    def set_aside_after(self, step: int, *, reason: str) -> list[Path]:
+        """Move the shards of every split with a step after ``step`` to a new
+        ``superseded/<UTC time>/`` directory (and write its ``superseded.json``: time, reason,
+        step, the shards' names); returns their new paths, none when there were none. Files whose
+        name is not a shard's stay."""
+        if not self.root.is_dir():
+            return []
+        later = [p for p in sorted(self.root.glob("*.parquet"))
+                 if (m := _SHARD.match(p.name)) is not None and not p.name.startswith((".", "_")) and int(m["step"]) > step]
+        if not later:
+            return []
+        at = utc_stamp()
+        aside = self.root / "superseded" / at.replace(":", "")
+        suffix = 1
+        while aside.exists():  # two resumes in one second
+            aside = aside.with_name(f"{at.replace(':', '')}-{suffix}")
+            suffix += 1
+        aside.mkdir(parents=True)
+        (aside / "superseded.json").write_text(json.dumps(
+            {"superseded_at": at, "superseded_reason": reason, "after_step": step, "shards": [p.name for p in later]}, indent=2))
+        moved = []
+        for path in later:
+            os.replace(path, aside / path.name)
+            moved.append(aside / path.name)
+        _fsync_dir(self.root)
+        return moved
 
     # ------------------------------------------------------------------ reading
     def shards(self, where: TrajectoryFilter | None = None) -> list[Path]:

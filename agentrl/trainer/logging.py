@@ -1,6 +1,12 @@
 """Metrics out: the console and ``metrics.jsonl`` always; TensorBoard, wandb and MLflow when
 installed and asked for (``logging.loggers``). A logger that is asked for but not installed is
-reported once and skipped, never a crash mid-run."""
+reported once and skipped, never a crash mid-run.
+
+A resumed run rewinds to its checkpoint's step (``MetricsLogger.rewind``): the rows a killed run
+logged after it leave ``metrics.jsonl`` for ``metrics.superseded.jsonl``, and TensorBoard is
+reopened with ``purge_step`` so that it hides the killed run's events of those steps (event files
+cannot be rewritten: TensorBoard drops them when it reads them). wandb and MLflow are not rewound
+(docs/training.md says what they show)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config.schema import LoggingConfig
+from agentrl.rundir import RunDir
 
 __all__ = ["MetricsLogger"]
 
@@ -22,13 +29,12 @@ SFT_CONSOLE_EVERY = 25  # SFT steps are many and quick: the console shows one in
 class MetricsLogger:
     def __init__(self, run_dir: Path, config: LoggingConfig):
         self.config = config
-        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.run = RunDir(run_dir)
+        self.jsonl = self.run.metrics.open("a")
         self.tb = self.wandb = self.mlflow = None
         if "tensorboard" in config.loggers:
             try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self.tb = self._tensorboard()
             except ImportError:
                 self.console("tensorboard is not installed: skipping that logger")
         if "wandb" in config.loggers:
@@ -46,6 +52,25 @@ class MetricsLogger:
                 self.mlflow = mlflow.start_run(run_name=run_dir.name)
             except ImportError:
                 self.console("mlflow is not installed: skipping that logger")
+
+    def _tensorboard(self, purge_step: int | None = None) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.run.path / "tensorboard"), purge_step=purge_step)
+
+    def rewind(self, step: int, *, reason: str) -> int:
+        """The run goes on after ``step`` (its checkpoint's): the rows logged after it are set aside
+        (``RunDir.set_aside_metrics_after``) and TensorBoard hides its events after it. Returns
+        the rows set aside."""
+        self.jsonl.close()
+        try:
+            moved = self.run.set_aside_metrics_after(step, reason=reason)
+        finally:
+            self.jsonl = self.run.metrics.open("a")
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = self._tensorboard(purge_step=step + 1)  # events at purge_step and later, from earlier files, are dropped
+        return moved
 
     def console(self, text: str) -> None:
         if "console" in self.config.loggers:

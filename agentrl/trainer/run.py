@@ -322,6 +322,19 @@ class Trainer:
         self.start_step = state["step"]
         self.sync_weights(weight_version_of(state, self.cfg.trainer.critic_warmup))
         self.log.console(f"resumed from {directory} at step {self.start_step}")
+        self.set_aside_superseded(directory)
+
+    def set_aside_superseded(self, checkpoint: Path) -> None:
+        """What an earlier run logged and stored after the checkpoint's step trained a policy that
+        no longer exists: its metrics rows and rollout shards are moved aside (kept, not deleted),
+        so that every step is in ``metrics.jsonl`` and ``rollouts/`` once, as the resumed run trains it."""
+        reason = f"trainer.resume went on from {checkpoint}: steps after {self.start_step} are trained again"
+        rows = self.log.rewind(self.start_step, reason=reason)
+        shards = RolloutStore(self.run.rollouts).set_aside_after(self.start_step, reason=reason)
+        if rows or shards:
+            where = f" and {len(shards)} rollout shards in {shards[0].parent}" if shards else ""
+            self.log.console(f"set aside what was logged after step {self.start_step}: {rows} rows of metrics.jsonl in "
+                             f"{self.run.metrics_superseded.name}{where}")
 
     def close(self) -> None:
         """Stop the engine, the worker groups, the servers and Ray; safe after a setup that failed
