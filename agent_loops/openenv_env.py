@@ -34,7 +34,6 @@ from agentrl.agent.tool_parsers import ParsedCall
 from agentrl.agent.tools_runtime import schema_problem
 from agentrl.config.schema import OpenEnvEnvironmentConfig
 from agentrl.data.row import Row
-from agentrl.engines.base import FinishReason
 from agentrl.environments.openenv import (ActionSpec, EnvironmentFailure, OpenEnvSession, StepOutcome, mcp_result,
                                          observation_text, server_for)
 from agentrl.errors import DataError
@@ -166,14 +165,9 @@ class OpenEnvLoop(AgentLoop):
     async def _play_tools(self, episode: Episode, state: _EnvEpisode) -> TrajectoryFinish:
         action, session = state.action, state.session
         assert action is not None and session is not None
-        while True:
-            turn, result, text = await episode.generate()
-            turn_index = episode.turn_index
-            parsed = episode.parser.parse(text)
-            calls = {"tool_calls": [call.as_message_call() for call in parsed.calls]} if parsed.calls else {}
-            episode.add_assistant_message(parsed.content, **calls)
-            if result.finish_reason is FinishReason.LENGTH:
-                return TrajectoryFinish.LENGTH
+        while True:  # the episode ends it at a turn limit, or a turn cut short (length)
+            step = await episode.assistant_turn()
+            turn, turn_index, parsed = step.turn, step.index, step.parsed
             if not parsed.calls:
                 return TrajectoryFinish.STOP
             try:

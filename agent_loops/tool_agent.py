@@ -8,7 +8,6 @@ may reply and let the model try again), else it ends the episode.
 from __future__ import annotations
 
 from agentrl.agent.loop import AgentLoop, Episode, ask_interaction
-from agentrl.engines.base import FinishReason
 from agentrl.trajectory import TrajectoryFinish
 
 
@@ -16,21 +15,15 @@ class ToolAgentLoop(AgentLoop):
     name = "tool_agent"
 
     async def play(self, episode: Episode) -> TrajectoryFinish:
-        while True:  # the episode ends it when a turn limit is reached
-            turn, result, text = await episode.generate()
-            turn_index = episode.turn_index
-            parsed = episode.parser.parse(text)
-            calls = {"tool_calls": [call.as_message_call() for call in parsed.calls]} if parsed.calls else {}
-            episode.add_assistant_message(parsed.content, **calls)
-            if result.finish_reason is FinishReason.LENGTH:
-                return TrajectoryFinish.LENGTH
-            if parsed.calls:
-                outcomes = await episode.call_tools(turn_index, parsed)
+        while True:  # the episode ends it at a turn limit, or a turn cut short (length)
+            step = await episode.assistant_turn()
+            if step.parsed.calls:
+                outcomes = await episode.call_tools(step.index, step.parsed)
                 # a result message carries its call's id for families that pair them (Mistral)
                 results = [o.call.result_message(episode.truncate_tool_text(o.text)) for o in outcomes]
                 episode.observe(results, "tool")
                 continue
             if episode.interaction is not None:
-                await ask_interaction(episode, turn)
+                await ask_interaction(episode, step.turn)
                 continue
             return TrajectoryFinish.STOP

@@ -19,7 +19,6 @@ from typing import Any
 from agentrl.agent.loop import AgentLoop, Episode, LoopContext
 from agentrl.agent.outcomes import FAILED
 from agentrl.data.row import Message, Row
-from agentrl.engines.base import FinishReason
 from agentrl.environments import trl
 from agentrl.errors import PluginError
 from agentrl.trajectory import Trajectory, TrajectoryFinish
@@ -29,17 +28,11 @@ class TrlEnvLoop(AgentLoop):
     name = "trl_env"
 
     async def play(self, episode: Episode) -> TrajectoryFinish:
-        while True:  # the episode ends it when a turn limit is reached
-            _, result, text = await episode.generate()
-            turn_index = episode.turn_index
-            parsed = episode.parser.parse(text)
-            calls = {"tool_calls": [call.as_message_call() for call in parsed.calls]} if parsed.calls else {}
-            episode.add_assistant_message(parsed.content, **calls)
-            if result.finish_reason is FinishReason.LENGTH:
-                return TrajectoryFinish.LENGTH
-            if not parsed.calls:
+        while True:  # the episode ends it at a turn limit, or a turn cut short (length)
+            step = await episode.assistant_turn()
+            if not step.parsed.calls:
                 return TrajectoryFinish.STOP
-            outcomes = await episode.call_tools(turn_index, parsed)
+            outcomes = await episode.call_tools(step.index, step.parsed)
             # TRL's tool message: role tool, the tool's name, the result as text
             results = [{**o.call.result_message(episode.truncate_tool_text(o.text)), "name": o.call.name or ""} for o in outcomes]
             episode.observe(results, "tool")

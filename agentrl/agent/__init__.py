@@ -13,7 +13,7 @@ limits and finish reasons, ``render.py`` for how the token stream stays exact.
 from __future__ import annotations
 
 from agentrl.agent.interaction import Interaction, InteractionResponse
-from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd, Limits, LoopContext, ask_interaction
+from agentrl.agent.loop import AgentLoop, AssistantTurn, Episode, EpisodeEnd, Limits, LoopContext, ask_interaction
 from agentrl.agent.families import TemplateReport, check_template, detect_tool_parser, stop_tokens
 from agentrl.agent.program import AgentResult, AgentTask
 from agentrl.agent.render import ChatRenderer, TemplateUnsupported
@@ -44,6 +44,7 @@ from agentrl.agent.tools_runtime import (
 __all__ = [
     # loops
     "AgentLoop",
+    "AssistantTurn",
     "Episode",
     "EpisodeEnd",
     "LoopContext",

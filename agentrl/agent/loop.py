@@ -7,7 +7,7 @@ created once and released always, the interaction finalized always, the per-traj
 timeout, engine failures recorded as ``engine_error``, rewards, and metrics. A loop that needs
 full control may override ``run`` itself.
 
-Every turn starts through the episode (``generate``, ``call_tools``, ``observe``), and each of
+Every turn starts through the episode (``generate`` or ``assistant_turn``, ``call_tools``, ``observe``), and each of
 them asks ``Episode.check_turn`` first - the one place the turn limits are checked, so a loop
 (a plugin's too) never checks them itself:
 
@@ -41,7 +41,8 @@ from agentrl.errors import EngineError
 from agentrl.rewards import score_to_float
 from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, TrajectoryFinish, TrajectorySegment, Turn, TurnRole
 
-__all__ = ["AgentLoop", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd", "TrajectoryFinish", "ask_interaction"]
+__all__ = ["AgentLoop", "AssistantTurn", "LoopContext", "Limits", "Episode", "RewardFn", "EpisodeEnd", "TrajectoryFinish",
+           "ask_interaction"]
 
 def trajectory_instance_id(group_id: str, sample_index: int) -> str:
     """The instance id a trajectory's tools and interaction get: ``{group_id}#{sample_index}``,
@@ -93,6 +94,17 @@ class EpisodeEnd(Exception):
         reason = TrajectoryFinish.parse(reason, where="EpisodeEnd")
         super().__init__(reason.value)
         self.reason = reason
+
+
+@dataclass(slots=True)
+class AssistantTurn:
+    """One assistant turn, sampled, recorded and parsed (``Episode.assistant_turn``)."""
+
+    turn: Turn  # its token span in the trajectory's turns, and its reward (tool or interaction rewards add to it)
+    index: int  # its index in the trajectory's turns: what ``call_tools`` and ``ToolCallRecord.turn`` refer to
+    result: GenerateResult  # the engine's answer (ids, logprobs, finish reason)
+    text: str  # the sampled text, without the end-of-turn token
+    parsed: ParsedTurn  # the episode's parser's reading of ``text``: the content and the tool calls
 
 
 class Episode:
@@ -226,6 +238,27 @@ class Episode:
         if result.finish_reason is FinishReason.ABORT:
             raise EpisodeEnd(TrajectoryFinish.ABORT)
         return turn, result, text
+
+    async def assistant_turn(self) -> AssistantTurn:
+        """Sample the next assistant turn and read its tool calls: the step every loop whose
+        model answers in the chat template's tool-calling format starts its turns with
+        (``tool_agent``, ``trl_env``, ``openenv_env``'s tool actions).
+
+        Guarantees, in order: the turn's tokens are in the trajectory exactly as sampled
+        (``generate``: the turn limits are checked first; an engine failure or an abort ends the
+        episode); its text is parsed by the episode's parser (``agent.tool_parser``, or
+        ``agent.tool_parser_by_loop.<loop>``); the assistant message (the parsed content, with
+        ``tool_calls`` when it made any) is added to ``messages``; and a turn that
+        ``max_new_tokens`` or the response budget cut ends the episode with ``length``, its calls
+        neither executed nor returned. What to do with the calls or the answer is the loop's."""
+        turn, result, text = await self.generate()
+        index = self.turn_index
+        parsed = self.parser.parse(text)
+        calls = {"tool_calls": [call.as_message_call() for call in parsed.calls]} if parsed.calls else {}
+        self.add_assistant_message(parsed.content, **calls)
+        if result.finish_reason is FinishReason.LENGTH:
+            raise EpisodeEnd(TrajectoryFinish.LENGTH)
+        return AssistantTurn(turn=turn, index=index, result=result, text=text, parsed=parsed)
 
     # ----------------------------------------------------------------- observations
     def observe(self, messages: list[dict[str, Any]], role: TurnRole) -> Turn:

@@ -97,6 +97,16 @@ def test_length_finish_when_a_turn_hits_max_new_tokens(run_rows):
     assert len(t.response_ids) == 8 and t.response_mask == [1] * 8
 
 
+def test_a_turn_cut_after_a_whole_call_ends_with_length_keeping_the_call_in_the_message_unexecuted(run_rows):
+    [t], _, engine, _ = run_rows({"r0": [CALL_12x34 + " and then some more words", "#### 408"]}, [("r0", make_row())],
+                                 limits={"max_new_tokens": 30})
+    assert t.finish_reason == "length" and len(engine.requests) == 1
+    assert len(t.response_ids) == 30 and t.response_mask == [1] * 30
+    assert t.messages[-1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 34"}}}]
+    assert t.tool_calls == [] and "tool_calls" not in t.metrics
+
+
 def test_long_tool_response_is_truncated_by_tokens_with_a_marker(run_rows, tiny_tokenizer):
     call = CALL_12x34.replace("12 * 34", "123456789 * 987654321")
     [t], *_ = run_rows({"r0": [call, "#### 1"]}, [("r0", make_row())], limits={"max_tool_response_tokens": 10})
