@@ -5,16 +5,16 @@ config's ``environment``). One instance per trajectory, ``reset(**row)``, its ob
 to the prompt, its public methods the model's tools through the ordinary tool-calling turns
 (the token stream as ``tool_agent`` keeps it: sampled ids as the engine gave them, tool results
 as the chat template's masked deltas), and the reward functions of ``environment.trl`` scored as
-TRL scores them (``agentrl.environments.trl`` states the mapping). The environment's own failures
-(its constructor or ``reset`` raised, a reward function raised, no function gave a score) end the
-trajectory as ``environment_error``: kept, counted, out of the loss.
+TRL scores them (``agentrl.environments.trl`` states the mapping): once per group, when its ``n``
+samples have finished (``finish_group``), each argument a list over the group. The environment's
+own failures (its constructor or ``reset`` raised, a reward function raised, no function gave a
+score) end the trajectory as ``environment_error``: kept, counted, out of the loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
 
 from agentrl.agent.loop import AgentLoop, Episode, LoopContext
 from agentrl.agent.outcomes import FAILED
@@ -24,8 +24,21 @@ from agentrl.errors import PluginError
 from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 
+@dataclasses.dataclass(slots=True)
+class _Waiting:
+    """A trajectory waiting for its group to be scored: its reward functions and reward call entry."""
+
+    funcs: list[trl.RewardFunction]
+    completion: trl.Completion
+    trajectory: Trajectory
+    ctx: LoopContext
+
+
 class TrlEnvLoop(AgentLoop):
     name = "trl_env"
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, int], _Waiting] = {}  # (group id, sample index) until finish_group
 
     async def play(self, episode: Episode) -> TrajectoryFinish:
         while True:  # the episode ends it at a turn limit, or a turn cut short (length)
@@ -61,19 +74,28 @@ class TrlEnvLoop(AgentLoop):
         own = dataclasses.replace(ctx, toolbox=box, reward_fn=(lambda data_source: None) if funcs else ctx.reward_fn)
         prompted = row.model_copy(update={"prompt": [Message.model_validate(m) for m in messages]})
         traj = await super().run(prompted, own, row_id=row_id, group_id=group_id, sample_index=sample_index, seed=seed)
-        if funcs:
-            await self._score(traj, funcs, messages, env, columns, ctx)
+        if funcs:  # scored with its group (finish_group), as TRL calls the reward functions with its batch
+            completion = trl.Completion(messages, traj.messages[len(messages):], list(traj.response_ids), env, columns)
+            self._waiting[(group_id, sample_index)] = _Waiting(funcs, completion, traj, ctx)
         return traj
 
-    async def _score(self, traj: Trajectory, funcs: list[trl.RewardFunction], prompt: list[dict[str, Any]], env: Any,
-                     columns: dict[str, Any], ctx: LoopContext) -> None:
-        try:
-            total, values = await trl.score(funcs, prompt=prompt, completion=traj.messages[len(prompt):],
-                                            completion_ids=list(traj.response_ids), env=env, columns=columns,
-                                            global_step=ctx.policy_version)
-        except Exception as exc:  # the environment's code raised
-            self._mark_failed(traj, "reward_function", f"a reward function raised {type(exc).__name__}: {exc}")
+    async def finish_group(self, group: list[Trajectory]) -> None:
+        """One call of each reward function over the group's trajectories, in sample order (the
+        members that played their episode: one whose reset failed has no completion to score)."""
+        waiting = [w for t in group if (w := self._waiting.pop((t.group_id, t.sample_index), None)) is not None]
+        if not waiting:
             return
+        try:
+            scores = await trl.score_group(waiting[0].funcs, [w.completion for w in waiting],
+                                           global_step=waiting[0].ctx.policy_version)
+        except Exception as exc:  # the environment's code raised: no member of the group is scored
+            for w in waiting:
+                self._mark_failed(w.trajectory, "reward_function", f"a reward function raised {type(exc).__name__}: {exc}")
+            return
+        for w, (total, values) in zip(waiting, scores):
+            self._credit(w.trajectory, total, values, w.ctx)
+
+    def _credit(self, traj: Trajectory, total: float | None, values: dict[str, float], ctx: LoopContext) -> None:
         traj.metrics.update({f"env/{name}": value for name, value in values.items()})
         if total is None:
             self._mark_failed(traj, "unscored", "every reward function returned None (TRL: an unscorable completion)")

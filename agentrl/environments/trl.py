@@ -15,9 +15,11 @@ What TRL's trainer does with such a class, and what agentrl does here (the ``trl
   ``str({'error': str(exc)})`` (counted as a tool error, not a crash);
 * reward functions are called as TRL calls ``reward_funcs``: ``fn(prompts=, completions=,
   completion_ids=, environments=, trainer_state=, log_extra=, log_metric=, **columns)``, each
-  argument a list, here of one trajectory; ``None`` is "no score" (ignored in the weighted sum,
-  as TRL's nansum); a class with ``get_reward`` adds it as one more function of weight 1 named
-  after the class. Each function's value is the metric ``env/<name>``.
+  argument a list over a group (``score_group``: the ``n`` samples of a row, once all have
+  finished, so a function that ranks or normalises within its batch sees the group; TRL's batch
+  is a process's generation batch, one or more whole groups); ``None`` is "no score" (ignored in
+  the weighted sum, as TRL's nansum); a class with ``get_reward`` adds it as one more function of
+  weight 1 named after the class. Each function's value is the metric ``env/<name>``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from agentrl.errors import PluginError, ToolError
 from agentrl.plugins import PluginRegistry
 
 __all__ = ["TRL_VERSION", "environment_class", "tool_names", "tool_schema", "reset_kwargs", "first_prompt", "tool_box",
-           "RewardFunction", "reward_functions", "score"]
+           "RewardFunction", "reward_functions", "Completion", "score_group", "score"]
 
 TRL_VERSION = "1.16"  # the TRL whose GRPOTrainer semantics this module follows (extra trl-env)
 _SKIPPED = ("reset", "get_reward")
@@ -189,25 +191,52 @@ def _get_reward(env_type: Any) -> Callable[..., Any]:
     return get_reward_sync
 
 
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One trajectory's place in a reward call: what TRL puts at its index of each list."""
+
+    prompt: list[dict[str, Any]]  # the prompt messages after reset (prompts[i])
+    completion: list[dict[str, Any]]  # the messages after the prompt (completions[i])
+    completion_ids: list[int]  # the response's token ids (completion_ids[i])
+    env: Any  # the trajectory's environment instance (environments[i])
+    columns: dict[str, Any]  # reset_kwargs of its row: each column's value at index i
+
+
+async def score_group(funcs: list[RewardFunction], members: list[Completion], *,
+                      global_step: int) -> list[tuple[float | None, dict[str, float]]]:
+    """TRL's ``_calculate_rewards`` over ``members`` (a group: the ``n`` samples of a row): each
+    function called once with every argument a list over the members, in their order. Per member,
+    the weighted sum of its scores (None: every function said None) and each function's score by
+    name (those that gave one); a value a function logs with ``log_metric`` goes to every member
+    as ``metric/<name>``. A function that raises, or returns a list of another length, propagates."""
+    if not members:
+        return []
+    n = len(members)
+    logged: dict[str, float] = {}
+    keys = [k for k in members[0].columns if k not in ("prompt", "completion", "completion_ids")]
+    kwargs: dict[str, Any] = {k: [m.columns[k] for m in members] for k in keys}
+    kwargs.update(trainer_state=types.SimpleNamespace(global_step=global_step), environments=[m.env for m in members],
+                  log_extra=lambda column, values: None, log_metric=lambda name, value: logged.__setitem__(name, float(value)))
+    totals = [0.0] * n
+    values: list[dict[str, float]] = [{} for _ in range(n)]
+    for f in funcs:
+        call = f.fn(prompts=[m.prompt for m in members], completions=[m.completion for m in members],
+                    completion_ids=[m.completion_ids for m in members], **kwargs)
+        out = await call if inspect.isawaitable(call) else call
+        if len(out) != n:
+            raise ValueError(f"reward function {f.name!r} returned {len(out)} rewards for {n} completions")
+        for i, value in enumerate(out):
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                continue
+            values[i][f.name] = float(value)
+            totals[i] += f.weight * float(value)
+    metrics = {f"metric/{k}": v for k, v in logged.items()}
+    return [((total if own else None), {**own, **metrics}) for total, own in zip(totals, values)]
+
+
 async def score(funcs: list[RewardFunction], *, prompt: list[dict[str, Any]], completion: list[dict[str, Any]],
                 completion_ids: list[int], env: Any, columns: dict[str, Any], global_step: int) -> tuple[float | None, dict[str, float]]:
-    """The weighted sum of the functions' scores of one trajectory (None: every function said None)
-    and each function's score by name (those that gave one). A function that raises propagates."""
-    logged: dict[str, float] = {}
-    kwargs: dict[str, Any] = {k: [v] for k, v in columns.items() if k not in ("prompt", "completion", "completion_ids")}
-    kwargs.update(trainer_state=types.SimpleNamespace(global_step=global_step), environments=[env],
-                  log_extra=lambda column, values: None, log_metric=lambda name, value: logged.__setitem__(name, float(value)))
-    total, scored, values = 0.0, False, {}
-    for f in funcs:
-        call = f.fn(prompts=[prompt], completions=[completion], completion_ids=[completion_ids], **kwargs)
-        out = await call if inspect.isawaitable(call) else call
-        if len(out) != 1:
-            raise ValueError(f"reward function {f.name!r} returned {len(out)} rewards for 1 completion")
-        value = out[0]
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            continue
-        values[f.name] = float(value)
-        total += f.weight * float(value)
-        scored = True
-    values.update({f"metric/{k}": v for k, v in logged.items()})
-    return (total if scored else None), values
+    """``score_group`` of one trajectory: its weighted sum (None: every function said None) and
+    each function's score by name."""
+    (scored,) = await score_group(funcs, [Completion(prompt, completion, completion_ids, env, columns)], global_step=global_step)
+    return scored

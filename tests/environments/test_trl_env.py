@@ -118,6 +118,25 @@ def test_trl_reward_functions_score_the_trajectory_weighted_and_are_logged(tiny_
     assert "env/no_opinion" not in used.metrics and guessed.metrics["env/used_tools"] == 0.0
 
 
+def test_reward_functions_are_called_once_per_group_with_trls_batch_shapes(tiny_tokenizer):
+    """A function that ranks within its batch (shortest completion 1, longest 0) sees the row's 4
+    samples together, as TRL calls it with its batch, so each rank is relative to the group."""
+    answers = ["It is 42.", "42", "The answer is forty two, which is 42.", "42"]  # samples 1 and 3 tie as the shortest
+
+    def script(row_id, call, request):
+        return answers[int(request.session_id.rsplit("#", 1)[1])]
+
+    cfg = TrlEnvironmentConfig(reward_funcs=["trl_env_fixture:shortest_first", "trl_env_fixture:says_answer"],
+                               reward_weights=[1.0, 0.5])
+    group, _ = run_scripted(tiny_tokenizer, script, [("trl/calc:0", trl_row())], trl_cfg=cfg, n=4)
+    lengths = [len(t.response_ids) for t in group]
+    assert lengths[1] == lengths[3] < lengths[0] < lengths[2]
+    # rank: 1 - (completions shorter than mine) / 3
+    assert [t.metrics["env/shortest_first"] for t in group] == [1 - 2 / 3, 1.0, 0.0, 1.0]
+    assert [t.reward for t in group] == [1 - 2 / 3 + 0.5, 1.5, 0.5, 1.5]  # + 0.5 x says_answer (each says 42)
+    assert [t.metrics["env/metric/batch_size"] for t in group] == [4.0] * 4  # one call saw the whole group
+
+
 def test_get_reward_is_one_more_reward_function_named_after_the_class(tiny_tokenizer):
     cfg = TrlEnvironmentConfig(reward_funcs=["trl_env_fixture:says_answer"])
     [t], _ = run_scripted(tiny_tokenizer, {"trl/calc:0": [CALL_6x7, CALL_6x7, "42"]},

@@ -99,3 +99,15 @@ def raises(completions, **kwargs):
 
 def odd_length(completion_ids, **kwargs):
     return [float(len(ids) % 2) for ids in completion_ids]
+
+
+def shortest_first(completion_ids, prompts, completions, environments, answer, log_metric, **kwargs):
+    """Rank within the batch (TRL calls it with the whole batch): 1 for the shortest completion,
+    down to 0 for the longest, ties sharing the better rank; a length penalty relative to the group."""
+    for name, column in (("prompts", prompts), ("completions", completions), ("environments", environments), ("answer", answer)):
+        assert len(column) == len(completion_ids), f"{name} has {len(column)} entries for {len(completion_ids)} completions"
+    log_metric("batch_size", len(completion_ids))
+    lengths = [len(ids) for ids in completion_ids]
+    if len(lengths) == 1:
+        return [1.0]
+    return [1.0 - sum(other < mine for other in lengths) / (len(lengths) - 1) for mine in lengths]
