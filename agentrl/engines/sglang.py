@@ -18,14 +18,20 @@ has finished, is sent again as its prompt plus the tokens sampled so far with wh
 ``max_new_tokens``; the caller gets one result whose tokens, logprobs and per-token weight
 versions join the pieces (``output_versions``), whatever the number of interruptions. Requests
 wait while an update runs. A request aborted by the caller (``abort``), or by the server with no
-update under way, is not resumed. A stop string split across an interruption is not seen by the
-server (it matches within one piece); stop tokens are. Each piece carries the request's seed:
-SGLang's seeded sampling (``--enable-deterministic-inference``) draws by seed and position, so a
-resumed piece draws what the uninterrupted request would have given the same logits (`agentrl
-serve` starts the request's random stream again instead). The NCCL path is ``init_weights_update_group`` +
-``update_weights_from_distributed``: this process is rank 0 of a separate process group with the
-servers' ranks and broadcasts each tensor, in the announced order, while the HTTP calls that
-make the servers receive them are in flight (see ``weight_sync.py``).
+update under way, is not resumed. A server checks stop strings against its piece's text only, so
+the client checks the joined output (with ``tokenizer``) where a piece begins: a stop string begun
+before an interruption and completed after it ends the request at its completing token, as an
+uninterrupted request would have ended (what the server sampled past it is dropped); and when
+the output so far ends inside a possible stop string, the resumed piece is a short one first
+(``StopStrings.window`` tokens), so a stop missed by the server costs those few tokens. Each
+piece carries the request's seed: SGLang's seeded sampling (``--enable-deterministic-inference``)
+draws by seed and position, so a resumed piece draws what the uninterrupted request would have
+given the same logits (`agentrl serve` starts the request's random stream again instead).
+
+The NCCL path is ``init_weights_update_group`` + ``update_weights_from_distributed``: this
+process is rank 0 of a separate process group with the servers' ranks and broadcasts each
+tensor, in the announced order, while the HTTP calls that make the servers receive them are in
+flight (see ``weight_sync.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ if TYPE_CHECKING:  # tensors only pass through (weight sync imports torch itself
 
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.engines.sglang_client import SGLangClient, generate_payload, map_http_error, parse_generate_response
+from agentrl.engines.stops import StopStrings
 from agentrl.errors import EngineError, EngineUnavailable
 
 __all__ = ["SGLangClient", "SGLangEngine", "generate_payload", "parse_generate_response", "map_http_error"]
@@ -78,10 +85,12 @@ class SGLangEngine:
         transport: httpx.AsyncBaseTransport | None = None,
         api_key: str | None = None,
         partial: bool = False,
+        tokenizer: Any = None,
     ):
         """``api_key``: sent to every server (default ``$AGENTRL_API_KEY``); ``launch_servers(...).api_key``.
         ``partial``: a weight update interrupts running requests, which resume under the new weights
-        (see the module docstring)."""
+        (see the module docstring). ``tokenizer``: the served model's (its ``decode``), which
+        partial rollouts need for requests with stop strings."""
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         self.servers = [
@@ -99,6 +108,7 @@ class SGLangEngine:
         self._group: Any = None
         self._group_name: str | None = None
         self.partial = partial
+        self.tokenizer = tokenizer
         self.interrupted_requests = 0  # generate calls a weight update interrupted (partial rollouts)
         self.resumed_requests = 0  # ... and sent again under the new weights
         self._updates_begun = 0  # weight updates started: an abort during one of them is an interruption
@@ -116,50 +126,75 @@ class SGLangEngine:
         if not self.partial:
             return await self._send(replace(request, rid=rid), rid)
         sampling = request.sampling
+        stops = self._stop_strings(sampling.stop)
         output_ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         first: GenerateResult | None = None
         pieces = 0
+        interrupted = False  # the last piece was cut by a weight update: the next one resumes it
         self._resumable.add(rid)
         try:
             while True:
                 await self._admitting.wait()
                 if pieces and rid in self._cancelled:  # the caller aborted it while it waited to resume
-                    finish = FinishReason.ABORT
+                    finish, matched = FinishReason.ABORT, None
                     break
                 updates = self._updates_begun
+                budget = sampling.max_new_tokens - len(output_ids)
+                # a stop string may be under way at the boundary, which the server would not see
+                # completed: a short piece first, checked here on the joined output, so that a
+                # missed stop costs a few tokens, not the rest of the budget
+                short = stops is not None and pieces > 0 and budget > stops.window and stops.open_at_end(output_ids)
                 wire = GenerateRequest(request.input_ids + output_ids,
-                                       replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids)),
+                                       replace(sampling, max_new_tokens=stops.window if short else budget),
                                        rid=rid if pieces == 0 else f"{rid}#{pieces}", session_id=request.session_id)
-                if pieces:
+                if interrupted:
                     self.resumed_requests += 1
                 result = await self._send(wire, rid)
                 first = first or result
+                start = len(output_ids)
                 output_ids += result.output_ids
                 logprobs += result.logprobs
                 versions += result.token_versions()
-                finish = result.finish_reason
-                if finish is not FinishReason.ABORT or self._updates_begun == updates or rid in self._cancelled:
-                    break
-                self.interrupted_requests += 1  # aborted by the update: resume it once the update is done
-                if output_ids and output_ids[-1] in sampling.stop_token_ids:  # the abort came with its last token
+                finish, matched = result.finish_reason, result.matched_stop
+                interrupted = finish is FinishReason.ABORT and self._updates_begun != updates and rid not in self._cancelled
+                if interrupted:
+                    self.interrupted_requests += 1  # aborted by the update: resume it once the update is done
+                if stops is not None and (hit := _missed_stop(stops, output_ids, start, interrupted)) is not None:
+                    end, matched = hit[0] + 1, hit[1]
+                    del output_ids[end:], logprobs[end:], versions[end:]  # sampled past the stop: not the request's
                     finish = FinishReason.STOP
                     break
-                if len(output_ids) >= sampling.max_new_tokens:
-                    finish = FinishReason.LENGTH
+                if interrupted:
+                    if output_ids and output_ids[-1] in sampling.stop_token_ids:  # the abort came with its last token
+                        finish, matched = FinishReason.STOP, output_ids[-1]
+                        break
+                    if len(output_ids) >= sampling.max_new_tokens:
+                        finish, matched = FinishReason.LENGTH, None
+                        break
+                elif not (short and finish is FinishReason.LENGTH):
                     break
                 pieces += 1
         finally:
             self._resumable.discard(rid)
             self._cancelled.discard(rid)
         assert first is not None
-        matched = result.matched_stop if finish is result.finish_reason else (output_ids[-1] if finish is FinishReason.STOP else None)
         return GenerateResult(
             output_ids=output_ids, logprobs=logprobs, finish_reason=finish, matched_stop=matched,
-            prompt_tokens=first.prompt_tokens, weight_version=result.weight_version, cached_tokens=first.cached_tokens,
-            output_versions=versions if len(set(versions)) > 1 else [],
+            prompt_tokens=first.prompt_tokens, weight_version=versions[-1] if versions else result.weight_version,
+            cached_tokens=first.cached_tokens, output_versions=versions if len(set(versions)) > 1 else [],
         )
+
+    def _stop_strings(self, stop: tuple[str, ...]) -> StopStrings | None:
+        """The request's stop strings over the tokenizer, to check them across interruptions."""
+        if not stop:
+            return None
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise EngineError("stop strings with partial rollouts need the model's tokenizer, to find a stop string "
+                              "split across an interruption: pass SGLangEngine(..., tokenizer=...)")
+        return StopStrings(stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
     async def _send(self, request: GenerateRequest, rid: str) -> GenerateResult:
         """One request to one server, failing over to the others (``rid``: the caller's id, to abort it)."""
@@ -410,6 +445,16 @@ class SGLangEngine:
         except EngineError:
             return False
         return True
+
+
+def _missed_stop(stops: StopStrings, output_ids: list[int], start: int, interrupted: bool) -> tuple[int, str] | None:
+    """Where the joined output completes a stop string that its server could not see: one begun
+    before the piece that starts at ``start`` (its first ``stops.window`` tokens), or one that
+    the piece's last token completed as an update aborted it."""
+    positions = list(range(start, min(start + stops.window, len(output_ids)))) if start else []
+    if interrupted and output_ids and (not positions or positions[-1] < len(output_ids) - 1):
+        positions.append(len(output_ids) - 1)
+    return stops.first_completed(output_ids, positions)
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):

@@ -9,11 +9,17 @@ last ``4 * len(longest stop) + 2`` tokens. A token decodes to at least one chara
 part of one when a character is split over byte tokens (at most four bytes in UTF-8), so a
 stop string completed by the newest token lies inside that window; an earlier match would
 have ended generation earlier.
+
+A request resumed as a new one (partial rollouts on SGLang: prompt + tokens so far) is checked
+by its server against the new piece's text only, so a stop string begun before the interruption
+and completed after it is missed there: ``open_at_end`` says that one may be under way at the
+boundary and ``first_completed`` finds where the joined output completes one, as an
+uninterrupted request's check would have.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 __all__ = ["StopStrings", "cut_at_stop"]
 
@@ -37,6 +43,23 @@ class StopStrings:
             return None
         text = self._decode(list(output_ids[-self.window :]))
         return next((s for s in self.stops if s in text), None)
+
+    def first_completed(self, output_ids: Sequence[int], positions: Iterable[int]) -> tuple[int, str] | None:
+        """The first of ``positions`` (ascending token indices) at which ``output_ids`` up to and
+        including that token completes a stop string (``completed``), with the string."""
+        for at in positions:
+            hit = self.completed(output_ids[: at + 1])
+            if hit is not None:
+                return at, hit
+        return None
+
+    def open_at_end(self, output_ids: Sequence[int]) -> bool:
+        """Whether the decoded tail of ``output_ids`` ends inside a possible stop string: with a
+        proper prefix of one, or with a character whose bytes are not all there yet (U+FFFD)."""
+        if not self.stops or not output_ids:
+            return False
+        text = self._decode(list(output_ids[-self.window :]))
+        return text.endswith("\ufffd") or any(text.endswith(s[:k]) for s in self.stops for k in range(1, len(s)))
 
 
 def cut_at_stop(text: str, stops: Sequence[str], *, keep: bool = False) -> tuple[str, str | None]:

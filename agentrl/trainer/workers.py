@@ -107,7 +107,8 @@ class ActorWorker(Worker):
             # of this worker runs on this one (asyncio.run would give each call a new loop).
             self._engine_loop = asyncio.new_event_loop()
             self.engine = SGLangEngine(setup.server_urls, timeout_s=setup.request_timeout_s, max_retries=setup.max_retries,
-                                        api_key=setup.api_key, partial=setup.max_staleness > 0 and setup.partial)
+                                        api_key=setup.api_key, partial=setup.max_staleness > 0 and setup.partial,
+                                        tokenizer=self.tokenizer)  # partial: stop strings checked across interruptions
         else:
             self.engine = self._builtin_engine(setup)
         # engine_stats reports what happened between calls, from here on
