@@ -31,13 +31,13 @@ from typing import Any
 
 from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd, LoopContext, trajectory_instance_id
 from agentrl.agent.tool_parsers import ParsedCall
-from agentrl.agent.tools_runtime import schema_problem
+from agentrl.agent.tools_runtime import CallOutcome, schema_problem
 from agentrl.config.schema import OpenEnvEnvironmentConfig
 from agentrl.data.row import Row
 from agentrl.environments.openenv import (ActionSpec, EnvironmentFailure, OpenEnvSession, StepOutcome, mcp_result,
                                          observation_text, server_for)
 from agentrl.errors import DataError
-from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, Turn
+from agentrl.trajectory import Trajectory, TrajectoryFinish, Turn
 
 
 @dataclass
@@ -167,35 +167,23 @@ class OpenEnvLoop(AgentLoop):
         assert action is not None and session is not None
         while True:  # the episode ends it at a turn limit, or a turn cut short (length)
             step = await episode.assistant_turn()
-            turn, turn_index, parsed = step.turn, step.index, step.parsed
-            if not parsed.calls:
+            calls = step.parsed.calls
+            if not calls:
                 return TrajectoryFinish.STOP
-            try:
-                episode.check_turn("tool", 0)
-            except EpisodeEnd:
-                episode.counts["tool_calls_unexecuted"] += len(parsed.calls)
-                raise
+            episode.check_tool_turn(calls)
             results, malformed = [], False
-            for k, call in enumerate(parsed.calls):
+            for k, call in enumerate(calls):
                 if state.done:  # the episode ended at an earlier call of this turn
-                    episode.counts["tool_calls_unexecuted"] += len(parsed.calls) - k
+                    episode.counts["tool_calls_unexecuted"] += len(calls) - k
                     break
-                shown, error, reward = await self._call(episode, state, turn, call)
-                malformed |= error in ("bad_json", "unknown_tool", "invalid_arguments")
-                episode.counts["tool_calls"] += 1
-                if error is not None:
-                    episode.counts[f"tool_errors/{error}"] += 1
-                episode.tool_calls.append(ToolCallRecord(turn=turn_index, name=call.name, arguments=call.arguments,
-                                                         raw=call.raw, result=shown, error=error, reward=reward))
+                shown, error, reward = await self._call(episode, state, step.turn, call)
+                # the step's reward is on the turn already (_reward, by environment.openenv.reward)
+                malformed |= episode.record_tool_call(step.index, CallOutcome(call, shown, error, reward), turn_reward=False)
                 results.append(call.result_message(episode.truncate_tool_text(shown)))
             if state.done:
                 return TrajectoryFinish.STOP
             if malformed:
-                policy = episode.ctx.limits.malformed_call_policy
-                if policy == "end":
-                    return TrajectoryFinish.MALFORMED_TOOL_CALL
-                if policy == "penalize":
-                    turn.reward = (turn.reward or 0.0) + episode.ctx.limits.malformed_call_penalty
+                episode.apply_malformed_policy(step.turn)
             episode.observe(results, "tool")
 
     async def _call(self, episode: Episode, state: _EnvEpisode, turn: Turn, call: ParsedCall) -> tuple[str, str | None, float | None]:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import Limits
-from agentrl.agent.tool_parsers import ParsedTurn, ToolParser
+from agentrl.agent.tool_parsers import ParsedCall, ParsedTurn, ToolParser
 from agentrl.agent.tools_runtime import CallOutcome, InteractionPool, InteractionSession, ToolBox, ToolSession
 from agentrl.config.schema import EnvironmentConfig, RewardComponents
 from agentrl.data.row import EnvironmentRef, Row
@@ -314,37 +314,59 @@ class Episode:
 
         With no assistant turn left to read their results, the calls are not executed (metric
         ``tool_calls_unexecuted``) and the episode ends with ``max_assistant_turns``."""
-        try:
-            self.check_turn("tool", 0)
-        except EpisodeEnd:
-            self.counts["tool_calls_unexecuted"] += len(parsed.calls)
-            raise
+        self.check_tool_turn(parsed.calls)
         start = time.perf_counter()
         outcomes = await self.tools.execute_all(parsed.calls)
         self.tool_time += time.perf_counter() - start
-        turn = self.builder.turns[turn_index]
         malformed = False
         for outcome in outcomes:
-            self.counts["tool_calls"] += 1
-            if outcome.error is not None:
-                self.counts[f"tool_errors/{outcome.error}"] += 1
-                malformed |= outcome.error in ("bad_json", "unknown_tool", "invalid_arguments")
-            if outcome.reward is not None:
-                turn.reward = (turn.reward or 0.0) + outcome.reward
-            self.tool_calls.append(
-                ToolCallRecord(
-                    turn=turn_index, name=outcome.call.name, arguments=outcome.call.arguments, raw=outcome.call.raw,
-                    result=outcome.text, error=outcome.error, reward=outcome.reward, duration_s=outcome.duration_s,
-                    metrics=dict(outcome.metrics or {}),
-                )
-            )
+            malformed |= self.record_tool_call(turn_index, outcome)
         if malformed:
-            policy = self.ctx.limits.malformed_call_policy
-            if policy == "end":
-                raise EpisodeEnd(TrajectoryFinish.MALFORMED_TOOL_CALL)
-            if policy == "penalize":
-                turn.reward = (turn.reward or 0.0) + self.ctx.limits.malformed_call_penalty
+            self.apply_malformed_policy(self.builder.turns[turn_index])
         return outcomes
+
+    # a loop that executes a turn's calls itself (openenv_env: each call a step) keeps the same
+    # books with these three, in this order: check, record each call, apply the policy
+    def check_tool_turn(self, calls: list[ParsedCall]) -> None:
+        """Before executing ``calls``: with no assistant turn left to read their results, they are
+        not executed (metric ``tool_calls_unexecuted``) and the episode ends (``max_assistant_turns``)."""
+        try:
+            self.check_turn("tool", 0)
+        except EpisodeEnd:
+            self.counts["tool_calls_unexecuted"] += len(calls)
+            raise
+
+    def record_tool_call(self, turn_index: int, outcome: CallOutcome, *, turn_reward: bool = True) -> bool:
+        """Count one executed call (``tool_calls``, ``tool_errors/<kind>``) and keep it in the
+        trajectory (``ToolCallRecord``); its reward is added to the turn's unless ``turn_reward`` is
+        False (a loop that rewards its turns itself). True when the call was malformed (``bad_json``,
+        ``unknown_tool``, ``invalid_arguments``): what ``apply_malformed_policy`` is for."""
+        self.counts["tool_calls"] += 1
+        malformed = False
+        if outcome.error is not None:
+            self.counts[f"tool_errors/{outcome.error}"] += 1
+            malformed = outcome.error in ("bad_json", "unknown_tool", "invalid_arguments")
+        if turn_reward and outcome.reward is not None:
+            turn = self.builder.turns[turn_index]
+            turn.reward = (turn.reward or 0.0) + outcome.reward
+        self.tool_calls.append(
+            ToolCallRecord(
+                turn=turn_index, name=outcome.call.name, arguments=outcome.call.arguments, raw=outcome.call.raw,
+                result=outcome.text, error=outcome.error, reward=outcome.reward, duration_s=outcome.duration_s,
+                metrics=dict(outcome.metrics or {}),
+            )
+        )
+        return malformed
+
+    def apply_malformed_policy(self, turn: Turn) -> None:
+        """``agent.malformed_call_policy`` for a turn that made a malformed call: ``end`` ends the
+        episode (``malformed_tool_call``), ``penalize`` adds ``malformed_call_penalty`` to the
+        turn's reward, ``feedback`` leaves the error messages as the model's to read."""
+        policy = self.ctx.limits.malformed_call_policy
+        if policy == "end":
+            raise EpisodeEnd(TrajectoryFinish.MALFORMED_TOOL_CALL)
+        if policy == "penalize":
+            turn.reward = (turn.reward or 0.0) + self.ctx.limits.malformed_call_penalty
 
 
 class AgentLoop:

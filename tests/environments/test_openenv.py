@@ -14,6 +14,7 @@ test_openenv_train.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -166,6 +167,17 @@ def test_bad_arguments_are_told_to_the_model_and_do_not_step(tiny_tokenizer):
     assert t.tool_calls[0].error == "invalid_arguments" and t.tool_calls[0].result.startswith("Error: invalid arguments for guess")
     assert t.metrics["tool_errors/invalid_arguments"] == 1 and t.metrics["env/steps"] == 1
     assert t.finish_reason == "stop" and [x.reward for x in t.turns if x.role == "assistant"] == [None, 1.0]
+
+
+def test_a_malformed_call_is_penalized_on_its_turn_or_ends_the_episode_as_the_policy_says(tiny_tokenizer):
+    ctx, _ = ctx_for(tiny_tokenizer, {"r0": [call("x"), call(7)], "r1": [call("x"), call(7)]}, "guess_app")
+    ctx.limits = dataclasses.replace(ctx.limits, malformed_call_policy="penalize", malformed_call_penalty=-0.5)
+    [t] = run(ctx, [("r0", row("guess_app", secret=7))])
+    assert t.finish_reason == "stop" and [x.reward for x in t.turns if x.role == "assistant"] == [-0.5, 1.0]
+    ctx.limits = dataclasses.replace(ctx.limits, malformed_call_policy="end")
+    [t] = run(ctx, [("r1", row("guess_app", secret=7))])
+    assert t.finish_reason == "malformed_tool_call" and [x.role for x in t.turns] == ["assistant"]
+    assert t.metrics["tool_errors/invalid_arguments"] == 1 and t.metrics["env/steps"] == 0 and "error" not in t.reward_info
 
 
 def test_an_exception_in_the_environment_code_ends_the_trajectory_environment_error(tiny_tokenizer):
