@@ -1,6 +1,6 @@
 """Faults survived: a worker process that dies mid-step is named, not waited on forever; a
 trainer (PPO with a critic and adaptive KL) killed with SIGKILL resumes from its last checkpoint
-with an uninterrupted run's metrics."""
+with an uninterrupted run's metrics, the killed run's rows and shards after that checkpoint set aside."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from agentrl.data.rollout_store import RolloutStore
 
 pytestmark = pytest.mark.ray
 
@@ -108,12 +110,20 @@ def test_trainer_killed_with_sigkill_resumes_ppo_with_the_same_metrics(tmp_path)
     victim = run(PPO + [f"trainer.runs_root={tmp_path}", "trainer.run_name=killed"], tmp_path, logs / "killed.txt",
                  start_new_session=True)
     deadline = time.monotonic() + 600
-    while not (killed_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file():
+    while not (killed_dir / "checkpoints" / "step_2" / "trainer_state.json").is_file():
         assert victim.poll() is None, tail(logs / "killed.txt")
-        assert time.monotonic() < deadline, "the run to be killed wrote no step_1 checkpoint in 600 s"
+        assert time.monotonic() < deadline, "the run to be killed wrote no step_2 checkpoint in 600 s"
         time.sleep(0.2)
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray and its workers, mid-run
     victim.wait()
+    # as if the kill had come while step 2's checkpoint was written (after step 2 was logged and
+    # stored): what an interrupted write leaves, which resume skips
+    for checkpoint in (killed_dir / "checkpoints").glob("step_*"):
+        if checkpoint.name != "step_1":
+            checkpoint.rename(checkpoint.with_name(checkpoint.name + ".tmp"))
+    killed_steps = [json.loads(line)["step"] for line in (killed_dir / "metrics.jsonl").read_text().splitlines()
+                    if "reward/mean" in line]
+    assert killed_steps[:2] == [1, 2], killed_steps
     # the same command again with trainer.resume=auto: it finds the killed run's last checkpoint
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", *PPO, f"trainer.runs_root={tmp_path}",
                            "trainer.run_name=killed", "trainer.resume=auto"],
@@ -122,6 +132,17 @@ def test_trainer_killed_with_sigkill_resumes_ppo_with_the_same_metrics(tmp_path)
     assert "resumed from" in done.stderr
     straight, resumed = metrics(tmp_path / "straight"), metrics(killed_dir)
     assert sorted(resumed) == [1, 2, 3]
+    # each step once in metrics.jsonl and the store, as the resumed run trained it; the killed
+    # run's rows and shards of the steps after step_1 are set aside, not lost
+    trained = [row["step"] for row in map(json.loads, (killed_dir / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in row]
+    assert trained == [1, 2, 3]
+    superseded = [json.loads(line) for line in (killed_dir / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in superseded if "reward/mean" in row] == killed_steps[1:]
+    assert all(f"{killed_dir / 'checkpoints' / 'step_1'}" in row["superseded_reason"] for row in superseded)
+    assert RolloutStore(killed_dir / "rollouts").steps("train") == [1, 2, 3]
+    [aside] = (killed_dir / "rollouts" / "superseded").iterdir()
+    assert "train-step000002-w000.parquet" in {p.name for p in aside.iterdir()}
+    assert "set aside what was logged after step 1: " in done.stderr
     # the policy moved: the comparison below sees the update, not a run that never trains
     assert all(straight[step]["reward/std"] > 0 and straight[step]["actor/grad_norm"] > 0 for step in straight), straight
     assert all(straight[step]["kl/policy_ref"] != 0 for step in (2, 3)), straight  # k1 to the reference may be < 0

@@ -102,6 +102,7 @@ def test_a_sigkilled_async_run_resumes_training_every_prompt_of_the_epoch_exactl
     latest = RunDir(run).latest_checkpoint()  # what trainer.resume takes
     assert latest is not None and latest.name == f"step_{step}" and step < STEPS, f"killed after {latest}: nothing left to resume"
     pending = [row_id for row_id, _ in state["async"]["in_flight_rows"]]
+    logged_after = [r["step"] for r in RunDir(run).read_metrics() if "reward/mean" in r and r["step"] > step]
     first_batch = state["async"]["batches"]  # the resumed run numbers its batches from here
 
     try:
@@ -114,6 +115,13 @@ def test_a_sigkilled_async_run_resumes_training_every_prompt_of_the_epoch_exactl
     assert not left, f"left running after the driver was killed: {left}"
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'step_{step}'} at step {step}" in done.stdout + done.stderr
+
+    # metrics.jsonl has each step once, the resumed run's; the killed run's rows after the
+    # checkpoint (if it logged any before the kill) are set aside
+    assert [r["step"] for r in RunDir(run).read_metrics() if "reward/mean" in r] == list(range(1, STEPS + 1))
+    aside = RunDir(run).metrics_superseded
+    assert [r["step"] for r in map(json.loads, aside.read_text().splitlines() if aside.is_file() else [])
+            if "reward/mean" in r] == logged_after
 
     # the store holds what trained each step: steps up to the checkpoint from the killed run, the
     # rest written again by the resumed one
