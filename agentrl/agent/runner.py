@@ -34,7 +34,8 @@ from agentrl.plugins import PluginRegistry
 from agentrl.rewards import data_source_reward, resolve_reward
 from agentrl.trajectory import Trajectory, TrajectoryFinish
 
-__all__ = ["RolloutRunner", "LoopTable", "RewardTable", "check_agent_names", "check_row_plugins", "build_context"]
+__all__ = ["RolloutRunner", "LoopTable", "RewardTable", "check_agent_names", "check_row_plugins", "build_context", "finish_group",
+           "judges_groups"]
 
 
 class LoopTable:
@@ -191,11 +192,11 @@ class RolloutRunner:
                     self.inflight -= 1
                 done = [results[slot]]
                 loop = self.loops.get(row.loop_name(self.ctx.default_environment))
-                if type(loop).finish_group is not AgentLoop.finish_group:  # the group is handed on whole
+                if judges_groups(loop):  # the group is handed on whole
                     left[i] -= 1
                     done = [results[i * n + k] for k in range(n)] if left[i] == 0 else []
                     if done:
-                        await self._finish_group(loop, done)  # type: ignore[arg-type]
+                        await finish_group(loop, done)  # type: ignore[arg-type]
                 for t in done:
                     if on_done is not None:
                         on_done(t)  # type: ignore[arg-type]
@@ -208,16 +209,6 @@ class RolloutRunner:
             if bar is not None:
                 bar.close()
         return [t for t in results if t is not None]
-
-    async def _finish_group(self, loop: AgentLoop, group: list[Trajectory]) -> None:
-        """The loop's ``finish_group``; when it raises, the group's trajectories become
-        ``loop_error`` (kept, with the error, out of the loss) rather than unscored."""
-        try:
-            await loop.finish_group(group)
-        except Exception as exc:
-            for t in group:
-                t.finish_reason = TrajectoryFinish.LOOP_ERROR
-                t.reward_info["error"] = f"finishing the group failed: {type(exc).__name__}: {exc}"
 
     async def _run_one(self, row_id: str, row: Row, group_id: str, sample: int, seed: int | None) -> Trajectory:
         loop = self.loops.get(row.loop_name(self.ctx.default_environment))
@@ -232,6 +223,23 @@ class RolloutRunner:
                 reward_info={"error": f"{type(exc).__name__}: {exc}"}, policy_version=self.ctx.policy_version,
                 ground_truth=row.ground_truth,
             )
+
+
+def judges_groups(loop: AgentLoop) -> bool:
+    """Whether the loop overrides ``AgentLoop.finish_group`` (its rewards judge a group together)."""
+    return type(loop).finish_group is not AgentLoop.finish_group
+
+
+async def finish_group(loop: AgentLoop, group: list[Trajectory]) -> None:
+    """The loop's ``finish_group`` (``RolloutRunner`` and ``agentrl replay rerun`` call it); when
+    it raises, the group's trajectories become ``loop_error`` (kept, with the error, out of the
+    loss) rather than unscored."""
+    try:
+        await loop.finish_group(group)
+    except Exception as exc:
+        for t in group:
+            t.finish_reason = TrajectoryFinish.LOOP_ERROR
+            t.reward_info["error"] = f"finishing the group failed: {type(exc).__name__}: {exc}"
 
 
 def _progress_bar(total: int, progress: bool | str) -> Any:  # a tqdm bar or None

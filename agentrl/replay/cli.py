@@ -329,7 +329,7 @@ def _train(args: argparse.Namespace) -> int:
 def _rerun(args: argparse.Namespace) -> int:
     from agentrl.agent.runner import LoopTable, build_context
     from agentrl.agent.setup import RolloutSetup
-    from agentrl.replay.rerun import rerun_trajectories
+    from agentrl.replay.rerun import group_companions, rerun_trajectories
 
     store = open_store(args.dir)
     cfg = _config_from(store, args.config, args.overrides, "rollout")
@@ -350,8 +350,11 @@ def _rerun(args: argparse.Namespace) -> int:
             differing[d.kind] += 1
             print(f"  [{d.kind}] {d.detail}")
 
-    results = asyncio.run(rerun_trajectories(records, ctx, LoopTable(cfg.agent.default_loop), max_concurrency=cfg.rollout.max_concurrency,
-                                decode=tokenizer.decode, on_result=report))
+    loops = LoopTable(cfg.agent.default_loop)
+    # a group judged together is re-run whole, however much of it the filters selected
+    companions = group_companions(store, records, loops)
+    results = asyncio.run(rerun_trajectories(records, ctx, loops, max_concurrency=cfg.rollout.max_concurrency,
+                                             decode=tokenizer.decode, on_result=report, companions=companions))
     bad = sum(1 for r in results if not r.matches)
     print(json.dumps({"trajectories": len(results), "matching": len(results) - bad, "differing": bad,
                       "differences_by_kind": dict(differing)}, indent=2))

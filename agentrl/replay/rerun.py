@@ -11,6 +11,13 @@ Serving follows the request as an engine would: tokens up to the first of the re
 tokens, at most ``max_new_tokens`` (finish reason ``length``); the rest of a cut turn is served
 by the next call (loops that sample a turn in pieces, like ReAct). A trajectory that asks for
 more turns than were stored gets an ``EngineError`` (its re-run ends with ``engine_error``).
+
+A loop whose rewards judge a group together (``AgentLoop.finish_group``: a verifiers rubric with
+group reward functions, TRL reward functions) gets the re-run group once all its members have
+re-run, as ``RolloutRunner`` hands it on, before any member is compared: the members re-run
+together are the stored group's members (same split, step and group id) among the records, plus
+``companions``: stored members that complete a group without being compared or returned
+(``agentrl replay rerun`` adds them when its filters select part of a group).
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from agentrl.agent.loop import LoopContext
-from agentrl.agent.runner import LoopTable
+from agentrl.agent.runner import LoopTable, finish_group, judges_groups
 from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult
 from agentrl.errors import DataError, EngineError
-from agentrl.data.rollout_store import StoredTrajectory
+from agentrl.data.rollout_store import RolloutStore, StoredTrajectory, TrajectoryFilter
 from agentrl.trajectory import Trajectory
 
-__all__ = ["ReplayEngine", "Difference", "RerunResult", "compare_trajectories", "rerun_trajectories"]
+__all__ = ["ReplayEngine", "Difference", "RerunResult", "compare_trajectories", "rerun_trajectories", "group_key",
+           "group_companions"]
 
 
 class ReplayEngine:
@@ -173,55 +181,103 @@ async def rerun_trajectories(
     max_concurrency: int = 64,
     decode: Callable[[list[int]], str] | None = None,
     on_result: Callable[[RerunResult], Any] | None = None,
+    companions: Sequence[StoredTrajectory] = (),
 ) -> list[RerunResult]:
     """Run each record's row through the loop that made it (its ``agent_name``), with
     ``ReplayEngine`` in place of ``ctx.engine``; results come back in the records' order.
 
-    Records of the same session (a row met again at a later step) go in separate waves, so
-    each engine serves one stored trajectory per session."""
-    missing = [r for r in records if r.row is None]
+    The members of a stored group (same split, step and group id) re-run together and, when
+    their loop judges groups, go through its ``finish_group`` before they are compared;
+    ``companions`` are re-run only to complete their groups. Groups whose sessions meet (a row
+    met again at a later step) go in separate waves, so each engine serves one stored
+    trajectory per session."""
+    everything = [*records, *companions]
+    missing = [r for r in everything if r.row is None]
     if missing:
         r = missing[0]
         raise DataError(f"trajectory {r.session_id} (step {r.step}) was stored without its dataset row; a re-run needs "
                         f"the row (write the store with RolloutStore.write_step(..., rows=...)) "
-                        f"[{len(missing)} of {len(records)} trajectories lack it]", field="row")
+                        f"[{len(missing)} of {len(everything)} trajectories lack it]", field="row")
     results: list[RerunResult | None] = [None] * len(records)
-    for wave in _waves(records):
-        engine = ReplayEngine(records[i].trajectory for i in wave)
+    for wave in _waves(everything):
+        engine = ReplayEngine(everything[i].trajectory for group in wave for i in group)
         wave_ctx = dataclasses.replace(ctx, engine=engine)
         semaphore = asyncio.Semaphore(max_concurrency)
+        reruns: dict[int, Trajectory | Exception] = {}
 
         async def one(i: int) -> None:
-            record = records[i]
-            t = record.trajectory
+            t = everything[i].trajectory
             try:
                 async with semaphore:
                     new = await loops.get(t.agent_name).run(
-                        record.row, wave_ctx, row_id=t.row_id, group_id=t.group_id, sample_index=t.sample_index, seed=None,
+                        everything[i].row, wave_ctx, row_id=t.row_id, group_id=t.group_id, sample_index=t.sample_index,  # type: ignore[arg-type]
+                        seed=None,
                     )
             except Exception as exc:  # a plugin that now fails is a finding, not a crash of the whole re-run
-                result = RerunResult(record, None, [Difference("loop_error", None, f"the loop raised {type(exc).__name__}: {exc}")])
+                reruns[i] = exc
             else:
-                new = dataclasses.replace(new, policy_version=t.policy_version)
-                diffs = compare_trajectories(t, new, decode=decode)
-                result = RerunResult(record, new, diffs)
-            results[i] = result
-            if on_result is not None:
-                on_result(result)
+                new.policy_version = t.policy_version  # in place: the loop may hold it until finish_group scores it
+                reruns[i] = new
 
-        await asyncio.gather(*(one(i) for i in wave))
+        async def group_of(members: list[int]) -> None:
+            await asyncio.gather(*(one(i) for i in members))
+            loop = loops.get(everything[members[0]].trajectory.agent_name)
+            ran = [x for i in members if isinstance(x := reruns[i], Trajectory)]
+            if ran and judges_groups(loop):
+                await finish_group(loop, ran)
+            for i in members:
+                if i >= len(records):  # a companion: scored with its group, not compared
+                    continue
+                new = reruns[i]
+                if isinstance(new, Exception):
+                    result = RerunResult(records[i], None, [Difference("loop_error", None,
+                                                                       f"the loop raised {type(new).__name__}: {new}")])
+                else:
+                    result = RerunResult(records[i], new, compare_trajectories(records[i].trajectory, new, decode=decode))
+                results[i] = result
+                if on_result is not None:
+                    on_result(result)
+
+        await asyncio.gather(*(group_of(group) for group in wave))
     return [r for r in results if r is not None]
 
 
-def _waves(records: Sequence[StoredTrajectory]) -> list[list[int]]:
-    waves: list[tuple[set[str], list[int]]] = []
+def group_key(record: StoredTrajectory) -> tuple[str, int, str]:
+    """The stored group a trajectory belongs to: (split, step, group id)."""
+    return record.split, record.step, record.trajectory.group_id
+
+
+def group_companions(store: RolloutStore, records: Sequence[StoredTrajectory], loops: LoopTable) -> list[StoredTrajectory]:
+    """The stored members of the records' groups that are not among them, for the groups whose
+    loop judges a group together: re-run beside the records (``companions``) so that the group's
+    rewards are computed over the group that was stored."""
+    wanted = {group_key(r) for r in records if judges_groups(loops.get(r.trajectory.agent_name))}
+    if not wanted:
+        return []
+    have = {(group_key(r), r.trajectory.sample_index) for r in records}
+    steps = [step for _, step, _ in wanted]
+    found = store.iter_stored(TrajectoryFilter(split=sorted({split for split, _, _ in wanted}), steps=(min(steps), max(steps) + 1)))
+    return [r for r in found if group_key(r) in wanted and (group_key(r), r.trajectory.sample_index) not in have]
+
+
+def _waves(records: Sequence[StoredTrajectory]) -> list[list[list[int]]]:
+    """Groups of record indexes (each in sample order), packed into waves whose sessions differ. A
+    session met twice in one stored group (a step written twice) starts another group."""
+    groups: dict[tuple[str, int, str, int], list[int]] = {}
+    seen: dict[tuple[tuple[str, int, str], str], int] = {}
     for i, record in enumerate(records):
-        key = record.session_id
-        for sessions, members in waves:
-            if key not in sessions:
-                sessions.add(key)
-                members.append(i)
+        key = group_key(record)
+        copy = seen[(key, record.session_id)] = seen.get((key, record.session_id), -1) + 1
+        groups.setdefault((*key, copy), []).append(i)
+    waves: list[tuple[set[str], list[list[int]]]] = []
+    for members in groups.values():
+        members.sort(key=lambda i: records[i].trajectory.sample_index)
+        sessions = {records[i].session_id for i in members}
+        for taken, wave in waves:
+            if not taken & sessions:
+                taken |= sessions
+                wave.append(members)
                 break
         else:
-            waves.append(({key}, [i]))
-    return [members for _, members in waves]
+            waves.append((sessions, [members]))
+    return [wave for _, wave in waves]

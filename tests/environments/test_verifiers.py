@@ -409,3 +409,40 @@ def test_rollout_on_a_configured_environment_runs_its_eval_dataset_else_its_data
         ("verifiers/vf_test_envs:load_calculator:0", 0, "verifiers_env"), ("verifiers/vf_test_envs:load_calculator:0", 1, "verifiers_env")]
     assert [t.ground_truth for t in calc] == ["6", "6"] and [t.reward for t in calc] == [1.5, 1.5]  # correct x1 + concise x0.5
     assert [(t.ground_truth, t.reward, t.metrics["env/open_vault_calls"]) for t in vault] == [("open", 1.0, 1.0)] * 2
+
+
+def test_replay_rerun_scores_a_group_rubric_over_the_stored_group(envs, tiny_tokenizer, tmp_path):
+    """``agentrl replay rerun`` hands a re-run group to the loop's finish_group, as the runner
+    does: fewest_guesses sees the 3 re-run samples and the rewards equal the stored ones; a
+    filter that selects one sample re-runs the rest of its group beside it (not reported)."""
+    from agentrl.data.rollout_store import RolloutStore
+    from agentrl.replay.rerun import group_companions, rerun_trajectories
+
+    env_ref = ref("load_guess", rows=1)
+
+    def script(row_id, call, request):  # sample 0 guesses right away, the others need two guesses
+        return ["7" if request.session_id.endswith("#0") else "5", "7"][call]
+
+    ctx = context(ScriptedEngine(tiny_tokenizer, script), tiny_tokenizer, env_ref)
+    rows = [(f"r{i}", Row.model_validate(r)) for i, r in enumerate(av.rows(env_ref))]
+    store = RolloutStore(tmp_path / "rollouts")
+    store.write_step(0, asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run(rows, n=3)), rows=rows)
+    records = list(store.iter_stored())
+    stored = [r.trajectory.reward for r in records]
+    assert stored == pytest.approx([1.0 + 0.5 + 0.25 / 400, 1.0 + 0.25 * 2 / 400, 1.0 + 0.25 * 2 / 400])
+    import vf_test_envs
+
+    vf_test_envs.GROUP_SIZES.clear()
+    loops = LoopTable("tool_agent")
+    results = asyncio.run(rerun_trajectories(records, context(None, tiny_tokenizer, env_ref), loops))
+    assert [r.differences for r in results] == [[]] * 3 and [r.rerun.reward for r in results] == stored
+    assert [r.rerun.metrics["env/fewest_guesses"] for r in results] == [1.0, 0.0, 0.0] and vf_test_envs.GROUP_SIZES == [3]
+    # one sample selected: its two group members re-run beside it, only it is compared
+    picked = records[1:2]
+    companions = group_companions(store, picked, loops)
+    assert [c.trajectory.sample_index for c in companions] == [0, 2]
+    [alone] = asyncio.run(rerun_trajectories(picked, context(None, tiny_tokenizer, env_ref), loops, companions=companions))
+    assert alone.matches and alone.rerun.reward == stored[1] and vf_test_envs.GROUP_SIZES == [3, 3]
+    # without them it is a group of one, where its two guesses are the fewest: a different reward
+    [solo] = asyncio.run(rerun_trajectories(picked, context(None, tiny_tokenizer, env_ref), loops))
+    assert [d.kind for d in solo.differences] == ["reward"] and solo.rerun.reward == pytest.approx(stored[1] + 0.5)
