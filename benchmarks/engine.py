@@ -290,27 +290,33 @@ def run_hf_static(model, sessions: list[Session], concurrency: int) -> tuple[int
     return generated, wall, requests, ttfts, {"padding_tokens": padding_tokens}
 
 
-def run_hf_cb(model, sessions: list[Session], concurrency: int) -> tuple[int, float, int, list[float], dict]:
+def _hf_cb_cache(cache: str, sessions: list[Session], concurrency: int):
+    """``default``: transformers sizes the KV cache to the device's free memory, which on a CPU is
+    most of the RAM, allocated and zeroed at start (what a user of its API gets, so the figures use
+    it); ``workload``: every running session at its full length and a block to spare each, for runs
+    that only check the benchmark works (its start-up is then seconds, not half a minute)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if cache == "default":
+        return None
+    longest = max(len(s.prompt) + sum(s.outputs) + sum(map(len, s.observations)) for s in sessions)
+    return ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=max(concurrency, 2) * (-(-longest // PAGE_TOKENS) + 1))
+
+
+def run_hf_cb(model, sessions: list[Session], concurrency: int, cache: str = "default") -> tuple[int, float, int, list[float], dict]:
     """transformers' own continuous batching (``init_continuous_batching``): its manager's thread
     schedules the requests; the sessions are driven as for ``builtin`` (a turn is submitted when
-    the previous one returns), each request with its own token count and no stop token."""
+    the previous one returns), each request with its own token count and no stop token. ``cache``:
+    see ``_hf_cb_cache``."""
     import threading
 
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256, eos_token_id=-1,
                               pad_token_id=0)
-    # The KV cache sized to the workload (every running session at its full length, a block to
-    # spare each): left unset, transformers sizes it to the machine's free memory, which on a CPU
-    # is most of the RAM, zeroed at start (30 s of a 1m-model run here) and read through masks
-    # as wide as that cache.
     warm_up = make_sessions(2, quick=True, seed=99, vocab=model.config.vocab_size)
-    longest = max(len(s.prompt) + sum(s.outputs) + sum(map(len, s.observations)) for s in [*sessions, *warm_up])
-    blocks = max(concurrency, 2) * (-(-longest // PAGE_TOKENS) + 1)
-    manager = model.init_continuous_batching(
-        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=blocks)
-    )
+    manager = model.init_continuous_batching(generation_config=config,
+                                             continuous_batching_config=_hf_cb_cache(cache, [*sessions, *warm_up], concurrency))
     manager.start()
     waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
     submitted: dict[str, float] = {}
@@ -461,7 +467,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
                 for engine in engines if repeat % 2 == 0 else reversed(engines):
                     runner = {"builtin": lambda: run_builtin(model, sessions, concurrency),
                               "hf_static": lambda: run_hf_static(model, sessions, concurrency),
-                              "hf_cb": lambda: run_hf_cb(model, sessions, concurrency),
+                              "hf_cb": lambda: run_hf_cb(model, sessions, concurrency, args.hf_cb_cache),
                               "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size, work / f"sglang-{size}-c{concurrency}")}[engine]  # fmt: skip
                     run = _row(engine, workload, params, concurrency, gflops, *runner())
                     runs[engine].append(run)
@@ -488,6 +494,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
         },
         "workload": {
             "sessions_per_run": {c: sessions_for(c, args.quick) for c in args.concurrency},
+            "hf_cb_cache": getattr(args, "hf_cb_cache", "default"),
             "turns": "1-4",
             "prompt_tokens": "16-96" if args.quick else "32-192",
             "output_tokens_per_turn": "16-64" if args.quick else "32-128",
@@ -626,6 +633,9 @@ def main(argv: list[str]) -> int:
                         help="comma-separated: builtin, hf_static, hf_cb (transformers' continuous batching), sglang")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: OMP_NUM_THREADS)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-cb-cache", choices=("default", "workload"), default="default",
+                        help="hf_cb's KV cache: transformers' default (sized to free memory: most of the RAM on a CPU, "
+                             "slow to start) or sized to the workload (for smoke runs)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each engine per workload, alternating order; the median is reported (default 3, --quick 1)")
     args = parser.parse_args(argv)

@@ -45,7 +45,8 @@ def _run(args: list[str], tmpdir: Path, caches: dict[str, str], timeout: int) ->
 
 def test_engine_quick_smoke_leaves_the_temp_dir_empty(fresh_tmpdir, caches):
     done = _run(
-        ["engine", "--json", "--quick", "--models", "1m", "--concurrency", "2", "--engines", "builtin,hf_static,hf_cb", "--threads", "1"],
+        ["engine", "--json", "--quick", "--models", "1m", "--concurrency", "2", "--engines", "builtin,hf_static,hf_cb", "--threads", "1",
+         "--hf-cb-cache", "workload"],
         fresh_tmpdir, caches, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
