@@ -27,7 +27,7 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from agentrl.errors import AgentrlError, ConfigError, DataError
 from agentrl.rundir import RunDir
@@ -260,6 +260,21 @@ def metrics_by_step(store: RolloutStore, where: TrajectoryFilter | None = None) 
     return [rows[s] for s in sorted(rows)]
 
 
+def join_run_metrics(rows: list[dict], records: Iterable[dict]) -> list[dict]:
+    """The store's per-step figures with the trainer's records (metrics.jsonl) joined in, by step:
+    the store's own figures stay; among the trainer's, a later record of a step wins, as in
+    report.html (a run resumed before resume set the killed run's rows aside logged such a step
+    twice, the killed run's first)."""
+    logged: dict[int, dict] = {}
+    for record in records:
+        logged.setdefault(record["step"], {}).update(record)
+    by_step = {r["step"]: dict(r) for r in rows}
+    for step, record in logged.items():
+        row = by_step.setdefault(step, {"step": step})
+        row.update({k: v for k, v in record.items() if k not in row})
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def _report(args: argparse.Namespace) -> int:
     from agentrl.report import render_report
 
@@ -268,11 +283,7 @@ def _report(args: argparse.Namespace) -> int:
     rows = metrics_by_step(store, where)
     run = RunDir(store.root.parent)
     if run.metrics.is_file():  # a run directory: the trainer's own metrics (losses, KL, mismatch) join in
-        by_step = {r["step"]: r for r in rows}
-        for record in run.read_metrics():
-            by_step.setdefault(record["step"], {"step": record["step"]}).update(
-                {k: v for k, v in record.items() if k not in by_step.get(record["step"], {})})
-        rows = [by_step[s] for s in sorted(by_step)]
+        rows = join_run_metrics(rows, run.read_metrics())
     samples: list[Trajectory] = []
     if rows and args.samples > 0:
         last = max(store.read_table(["step"], where).column("step").to_pylist())

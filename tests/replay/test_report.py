@@ -157,3 +157,19 @@ def test_a_step_logged_again_after_a_resume_is_drawn_once_with_its_later_values(
     points = re.search(r'data-key="reward/mean"[^>]*points="([^"]*)"', page)[1].split()
     assert len(points) == 3  # steps 1, 2, 3
     assert re.findall(r"<title>step 2 · staleness \d[^:]*: (\d+)</title>", page) == ["4", "4"]
+
+
+def test_the_trainers_later_record_of_a_step_wins_and_the_stores_figures_stay():
+    """A run resumed before resume set the killed run's rows aside has step 2 twice in
+    metrics.jsonl, the killed run's first: the report takes the resumed run's."""
+    from agentrl.replay.cli import join_run_metrics
+
+    store_rows = [{"step": 1, "reward/mean": 0.25}, {"step": 2, "reward/mean": 0.75}]
+    logged = [{"step": 1, "actor/pg_loss": 0.1}, {"step": 2, "actor/pg_loss": 4.0, "critic/vf_loss": 9.0},
+              {"step": 2, "actor/pg_loss": -4.0, "reward/mean": 0.0}, {"step": 3, "actor/pg_loss": 0.3}]
+    assert join_run_metrics(store_rows, logged) == [
+        {"step": 1, "reward/mean": 0.25, "actor/pg_loss": 0.1},
+        {"step": 2, "reward/mean": 0.75, "actor/pg_loss": -4.0, "critic/vf_loss": 9.0},
+        {"step": 3, "actor/pg_loss": 0.3},
+    ]
+    assert store_rows[1] == {"step": 2, "reward/mean": 0.75}  # the caller's rows are not changed
