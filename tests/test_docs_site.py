@@ -125,6 +125,19 @@ def test_every_docs_page_is_in_the_nav():
     assert written <= listed, f"docs pages missing from mkdocs.yml's nav: {sorted(written - listed)}"
 
 
+def test_every_docs_page_the_code_names_exists():
+    # the schema's comments are `agentrl train --help`'s docs: a user follows the page they name
+    named: dict[str, str] = {}
+    for folder in ("agentrl", "agent_loops", "interactions", "tools", "data_prep", "configs"):
+        for source in sorted((REPO / folder).rglob("*")):
+            if source.suffix in (".py", ".yaml"):
+                for page in re.findall(r"docs/[\w/-]+\.md", source.read_text()):
+                    named.setdefault(page, source.relative_to(REPO).as_posix())
+    assert "docs/training.md" in named
+    missing = {page: source for page, source in named.items() if not (REPO / page).exists()}
+    assert not missing, f"pages named in the code that do not exist (page: first file naming it): {missing}"
+
+
 @needs_mkdocs
 def test_a_strict_build_with_this_config_fails_on_a_broken_link_anchor_and_an_unlisted_page(tmp_path):
     ours = yaml.safe_load((REPO / "mkdocs.yml").read_text())

@@ -70,7 +70,7 @@ __all__ = ["OpenAIEndpoint", "EndpointSession", "Segment", "CallRecord", "Reques
 
 log = logging.getLogger(__name__)
 
-# What the endpoint does with each request field (docs/openai_endpoint.md lists them all): the
+# What the endpoint does with each request field (docs/own-agent.md lists them all): the
 # sampling parameters the trainer owns are the run's whatever a request asks (the sampled policy
 # must be the rollout's; a request asking otherwise is logged once per parameter and process);
 # these are the neutral values of the ones the rollout never applies.

@@ -86,7 +86,7 @@ class RolloutSetup:
     request_timeout_s: float  # sglang: one /generate call
     max_retries: int  # sglang: transport errors and 5xx, per server
     api_key: str | None = field(repr=False)  # sglang: the servers' key (managed: their launch's; external: $AGENTRL_API_KEY)
-    # rollout.max_staleness: > 0 rolls out on a thread of its own while the trainer trains (docs/async.md)
+    # rollout.max_staleness: > 0 rolls out on a thread of its own while the trainer trains (docs/training.md, Asynchronous training)
     max_staleness: int
     # rollout.partial: a weight update interrupts running requests, which resume under the new weights
     partial: bool

@@ -146,7 +146,7 @@ class RolloutConfig(Section):
     max_concurrency: int = Field(256, ge=1)  # trajectories in flight
     # agentrl rollout exits 1 when more than this share of trajectories failed (loop, engine or interaction error, abort)
     max_failure_rate: float = Field(0.5, ge=0, le=1)
-    # Asynchronous training (docs/async.md). How many policy versions a trained sample may lag the
+    # Asynchronous training (docs/training.md). How many policy versions a trained sample may lag the
     # policy that trains it: staleness = the training step's weight version minus the oldest
     # version among the sample's tokens, queue time included, bound inclusive. 0: the synchronous
     # trainer (roll out, train, sync). verl async_training.staleness_threshold, AReaL
@@ -181,7 +181,7 @@ class AgentConfig(Section):
     malformed_call_policy: Literal["feedback", "penalize", "end"] = "feedback"
     malformed_call_penalty: float = -0.1
     # the reward of an agent program's episode that ended in its own exception (openai_agent:
-    # finish reason program_error, kept in the loss; docs/openai_endpoint.md)
+    # finish reason program_error, kept in the loss; docs/own-agent.md)
     program_error_reward: float = 0.0
     # Per-tool constructor kwargs, by tool name: {calculator: {...}}.
     tool_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
