@@ -74,14 +74,18 @@ class TrlEnvLoop(AgentLoop):
         own = dataclasses.replace(ctx, toolbox=box, reward_fn=(lambda data_source: None) if funcs else ctx.reward_fn)
         prompted = row.model_copy(update={"prompt": [Message.model_validate(m) for m in messages]})
         traj = await super().run(prompted, own, row_id=row_id, group_id=group_id, sample_index=sample_index, seed=seed)
-        if funcs:  # scored with its group (finish_group), as TRL calls the reward functions with its batch
+        # scored with its group (finish_group), as TRL calls the reward functions with its batch; a
+        # member that failed (an engine, loop or interaction error, an abort) is out of the loss and out of
+        # the call, so a function that ranks within its batch ranks the members that count
+        if funcs and traj.finish_reason not in FAILED:
             completion = trl.Completion(messages, traj.messages[len(messages):], list(traj.response_ids), env, columns)
             self._waiting[(group_id, sample_index)] = _Waiting(funcs, completion, traj, ctx)
         return traj
 
     async def finish_group(self, group: list[Trajectory]) -> None:
         """One call of each reward function over the group's trajectories, in sample order (the
-        members that played their episode: one whose reset failed has no completion to score)."""
+        members that played their episode to an end: one whose reset failed has no completion to
+        score, one that failed later is out of the loss, as verifiers' group rubrics leave it out)."""
         waiting = [w for t in group if (w := self._waiting.pop((t.group_id, t.sample_index), None)) is not None]
         if not waiting:
             return

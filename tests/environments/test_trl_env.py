@@ -137,6 +137,27 @@ def test_reward_functions_are_called_once_per_group_with_trls_batch_shapes(tiny_
     assert [t.metrics["env/metric/batch_size"] for t in group] == [4.0] * 4  # one call saw the whole group
 
 
+def test_a_member_that_failed_is_left_out_of_its_groups_reward_call(tiny_tokenizer):
+    """Sample 2's engine fails: out of the loss, and out of the call, so the batch-relative rank is
+    over the three members that count (1 - shorter / 2), as verifiers' group rubrics do it."""
+    from agentrl.errors import EngineError
+
+    answers = ["It is 42.", "42", None, "42"]
+
+    def script(row_id, call, request):
+        answer = answers[int(request.session_id.rsplit("#", 1)[1])]
+        if answer is None:
+            raise EngineError("the server went away")
+        return answer
+
+    cfg = TrlEnvironmentConfig(reward_funcs=["trl_env_fixture:shortest_first"])
+    group, _ = run_scripted(tiny_tokenizer, script, [("trl/calc:0", trl_row())], trl_cfg=cfg, n=4)
+    assert [t.finish_reason for t in group] == ["stop", "stop", "engine_error", "stop"]
+    assert [t.metrics.get("env/shortest_first") for t in group] == [0.0, 1.0, None, 1.0]
+    assert [t.metrics.get("env/metric/batch_size") for t in group] == [3.0, 3.0, None, 3.0]
+    assert [t.reward for t in group] == [0.0, 1.0, 0.0, 1.0]
+
+
 def test_get_reward_is_one_more_reward_function_named_after_the_class(tiny_tokenizer):
     cfg = TrlEnvironmentConfig(reward_funcs=["trl_env_fixture:says_answer"])
     [t], _ = run_scripted(tiny_tokenizer, {"trl/calc:0": [CALL_6x7, CALL_6x7, "42"]},
