@@ -28,7 +28,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import Limits
@@ -105,6 +105,64 @@ class AssistantTurn:
     result: GenerateResult  # the engine's answer (ids, logprobs, finish reason)
     text: str  # the sampled text, without the end-of-turn token
     parsed: ParsedTurn  # the episode's parser's reading of ``text``: the content and the tool calls
+
+
+class SamplerBooks(Protocol):
+    """What a sampler of one trajectory keeps of its engine calls (``Episode``, ``EndpointSession``)."""
+
+    session_id: str
+    seed: int | None
+    gen_time: float
+    weight_versions: list[int]  # of every sampled token (metrics weight_version_min/max)
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTurn:
+    """One engine call's answer, read as an assistant turn (``sample_turn``)."""
+
+    result: GenerateResult
+    versions: list[int]  # the weight version of each sampled token
+    stopped_on_eos: bool  # it ended on one of the family's end-of-turn ids
+    text: str  # the sampled text, without that id
+
+
+async def sample_turn(
+    books: SamplerBooks, engine: Engine, renderer: ChatRenderer, rollout: SamplingParams, input_ids: list[int], *,
+    call: int, max_new_tokens: int, stop_token_ids: tuple[int, ...] | None = None, stop: tuple[str, ...] = (),
+) -> SampledTurn:
+    """The one place where a trajectory's turn is sampled (the loops' ``Episode.generate``, the
+    OpenAI endpoint's ``EndpointSession``): call ``call`` of the trajectory, with the rollout's
+    sampling, a request id and seed derived from the trajectory's, stopping at the family's
+    end-of-turn ids (or ``stop_token_ids``) and ``stop`` strings, its time added to ``books``.
+
+    An engine failure ends the trajectory with ``engine_error`` (the message in ``books.error``),
+    an aborted request with ``abort`` (``EpisodeEnd``); nothing of either call is kept. Otherwise
+    the weight versions of its tokens are recorded, and the text is decoded without the
+    end-of-turn id the turn stopped on."""
+    turn_ends = rollout.stop_token_ids or (renderer.eos_id,)  # every end-of-turn / eos id of the family
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+        stop_token_ids=stop_token_ids or turn_ends, stop=stop,
+        seed=None if books.seed is None else books.seed + 7919 * call,
+    )
+    request = GenerateRequest(input_ids=input_ids, sampling=sampling, rid=f"{books.session_id}/{call}",
+                              session_id=books.session_id)
+    start = time.perf_counter()
+    try:
+        result = await engine.generate(request)
+    except EngineError as exc:
+        books.error = str(exc)
+        raise EpisodeEnd(TrajectoryFinish.ENGINE_ERROR) from exc
+    finally:
+        books.gen_time += time.perf_counter() - start
+    if result.finish_reason is FinishReason.ABORT:
+        raise EpisodeEnd(TrajectoryFinish.ABORT)
+    versions = result.token_versions()
+    books.weight_versions.extend(versions or [result.weight_version])
+    ids = result.output_ids
+    stopped = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] in turn_ends
+    return SampledTurn(result, versions, stopped, renderer.decode(ids[:-1] if stopped else ids))
 
 
 class Episode:
@@ -197,47 +255,26 @@ class Episode:
     ) -> tuple[Turn, GenerateResult, str]:
         """Sample the next assistant turn (or, with ``continue_turn``, more of the current one);
         returns the turn, the engine result and the text of the newly sampled tokens."""
-        limits = self.ctx.limits
         # the tokens this turn may sample: what is left after its first one, plus that one
         budget = self.check_turn(None if continue_turn else "assistant") + 1
-        base = self.ctx.sampling
-        sampling = SamplingParams(
-            max_new_tokens=min(limits.max_new_tokens, budget),
-            temperature=base.temperature,
-            top_p=base.top_p,
-            top_k=base.top_k,
-            stop_token_ids=stop_token_ids or base.stop_token_ids or (self.ctx.renderer.eos_id,),
-            seed=None if self.seed is None else self.seed + 7919 * self.counts["generate_calls"],
-        )
-        request = GenerateRequest(
-            input_ids=self.builder.all_ids, sampling=sampling, rid=f"{self.session_id}/{self.counts['generate_calls']}",
-            session_id=self.session_id,
-        )
+        call = self.counts["generate_calls"]
         self.counts["generate_calls"] += 1
-        start = time.perf_counter()
         try:
-            result = await self.ctx.engine.generate(request)
-        except EngineError as exc:
-            self.counts["engine_errors"] += 1
-            self.error = str(exc)
-            raise EpisodeEnd(TrajectoryFinish.ENGINE_ERROR) from exc
-        finally:
-            self.gen_time += time.perf_counter() - start
-        versions = result.token_versions()
-        self.weight_versions.extend(versions or [result.weight_version])
+            sampled = await sample_turn(self, self.ctx.engine, self.ctx.renderer, self.ctx.sampling, self.builder.all_ids,
+                                        call=call, max_new_tokens=min(self.ctx.limits.max_new_tokens, budget),
+                                        stop_token_ids=stop_token_ids)
+        except EpisodeEnd as end:
+            if end.reason is TrajectoryFinish.ENGINE_ERROR:
+                self.counts["engine_errors"] += 1
+            raise
+        result = sampled.result
         turns_before = len(self.builder.turns)
-        turn = self.builder.append_sampled(result.output_ids, result.logprobs, extend=continue_turn, versions=versions)
+        turn = self.builder.append_sampled(result.output_ids, result.logprobs, extend=continue_turn,
+                                           versions=sampled.versions)
         if len(self.builder.turns) > turns_before:
             self.counts["assistant_turns"] += 1
-        ids = result.output_ids
-        turn_ends = base.stop_token_ids or (self.ctx.renderer.eos_id,)  # every end-of-turn / eos id of the family
-        self.last_stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] in turn_ends
-        if self.last_stopped_on_eos:
-            ids = ids[:-1]
-        text = self.ctx.renderer.decode(ids)
-        if result.finish_reason is FinishReason.ABORT:
-            raise EpisodeEnd(TrajectoryFinish.ABORT)
-        return turn, result, text
+        self.last_stopped_on_eos = sampled.stopped_on_eos
+        return turn, result, sampled.text
 
     async def assistant_turn(self) -> AssistantTurn:
         """Sample the next assistant turn and read its tool calls: the step every loop whose

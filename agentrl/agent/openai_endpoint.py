@@ -49,21 +49,21 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agentrl.agent.loop import EpisodeEnd, sample_turn
 from agentrl.agent.openai_wire import MODEL_NAME, RequestRefused, error_response, normalize_message, sse_stream
 from agentrl.agent.setup import Limits
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.tool_parsers import ParsedCall, ToolParser
 from agentrl.agent.tools_runtime import schema_problem
-from agentrl.engines.base import Engine, FinishReason, GenerateRequest, SamplingParams
+from agentrl.engines.base import Engine, FinishReason, SamplingParams
 from agentrl.engines.stops import cut_at_stop
-from agentrl.errors import EngineError
 from agentrl.trajectory import ToolCallRecord, TrajectoryBuilder, TrajectoryFinish, Turn, TurnRole
 
 __all__ = ["OpenAIEndpoint", "EndpointSession", "Segment", "CallRecord", "RequestRefused", "endpoint"]
@@ -219,36 +219,22 @@ class EndpointSession:
         else:
             segment, merged = self._extend_or_split(ask.messages, ask.tools)
         left = self.check_turn(segment, 1) + 1  # the tokens this answer may sample
-        stops = tuple(self.sampling.stop_token_ids or (self.renderer.eos_id,))
-        n = len(self.calls)
-        sampling = SamplingParams(
-            max_new_tokens=min(self.limits.max_new_tokens, left, ask.max_tokens or left),
-            temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
-            stop_token_ids=stops, stop=ask.stop, seed=None if self.seed is None else self.seed + 7919 * n,
-        )
         _log_overrides(body, self.sampling, self.seed is not None)
         prompt = segment.builder.all_ids
-        start = time.perf_counter()
         try:
-            result = await self.engine.generate(GenerateRequest(
-                input_ids=prompt, sampling=sampling, rid=f"{self.session_id}/{n}", session_id=self.session_id))
-        except EngineError as exc:
-            self.error = str(exc)
-            self._end(TrajectoryFinish.ENGINE_ERROR, status=502)
-        finally:
-            self.gen_time += time.perf_counter() - start
-        if result.finish_reason is FinishReason.ABORT:
-            self._end(TrajectoryFinish.ABORT, status=503)
-        versions = result.token_versions()
-        self.weight_versions.extend(versions or [result.weight_version])
+            sampled = await sample_turn(self, self.engine, self.renderer, self.sampling, prompt, call=len(self.calls),
+                                        max_new_tokens=min(self.limits.max_new_tokens, left, ask.max_tokens or left),
+                                        stop=ask.stop)
+        except EpisodeEnd as end:  # the engine failed (502) or aborted the request (503)
+            self._end(end.reason, status=502 if end.reason is TrajectoryFinish.ENGINE_ERROR else 503)
+        result = sampled.result
         self.assistant_turns += 1
-        turn = segment.builder.append_sampled(result.output_ids, result.logprobs, versions=versions)
+        turn = segment.builder.append_sampled(result.output_ids, result.logprobs, versions=sampled.versions)
         self.calls.append(CallRecord(len(self.segments) - 1, prompt, list(result.output_ids), list(result.logprobs),
                                      result.finish_reason.value, merged))
         ids = result.output_ids
-        segment.stopped_on_eos = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] in stops
-        text = self.renderer.decode(ids[:-1] if segment.stopped_on_eos else ids)
-        text, _ = cut_at_stop(text, ask.stop, keep=ask.include_stop)  # the stop string's text is never sent
+        segment.stopped_on_eos = sampled.stopped_on_eos
+        text, _ = cut_at_stop(sampled.text, ask.stop, keep=ask.include_stop)  # the stop string's text is never sent
         answer, malformed = self._answer(text, ask)
         if malformed:
             self._record_malformed(malformed, len(segment.builder.turns) - 1, turn)
