@@ -32,7 +32,7 @@ from agentrl.data.row import Row
 from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry, discover
 from agentrl.rewards import score_to_float
-from agentrl.trajectory import Trajectory, TrajectoryBuilder, TrajectoryFinish, TrajectorySegment
+from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 
 def classify_exception(exc: BaseException, session: EndpointSession) -> tuple[TrajectoryFinish, str]:
@@ -75,10 +75,7 @@ class OpenAIAgentLoop(AgentLoop):
         self, row: Row, ctx: LoopContext, *, row_id: str, group_id: str, sample_index: int = 0, seed: int | None = None
     ) -> Trajectory:
         program = self.program or find_program(row, PluginRegistry())
-        session = EndpointSession(
-            engine=ctx.engine, renderer=ctx.renderer, parser=ctx.parser_for(self.name), limits=ctx.limits,
-            sampling=ctx.sampling, session_id=f"{row_id}#{sample_index}", seed=seed,
-        )
+        session = EndpointSession.for_trajectory(ctx, self.name, row_id=row_id, sample_index=sample_index, seed=seed)
         server = endpoint()
         base_url, api_key = server.open_session(session)
         task = AgentTask(row=row, base_url=base_url, api_key=api_key, model=MODEL_NAME)
@@ -102,15 +99,6 @@ class OpenAIAgentLoop(AgentLoop):
     def _trajectory(self, row: Row, ctx: LoopContext, session: EndpointSession, result: Any, finish: TrajectoryFinish,
                     error: str | None, *, row_id: str, group_id: str, sample_index: int) -> Trajectory:
         answer = result if isinstance(result, AgentResult) else AgentResult(final_answer="" if result is None else str(result))
-        if session.segments:
-            seg = session.segments[-1]
-            builder, messages = seg.builder, seg.messages
-            sep = ctx.renderer.separator_ids
-            if seg.stopped_on_eos and builder.turns and builder.turns[-1].role == "assistant" and (
-                    len(sep) <= session.tokens_left(seg)):
-                builder.append_template(sep)  # what the template writes after the final end-of-turn token
-        else:  # the program made no call
-            builder, messages = TrajectoryBuilder(ctx.renderer.prompt_ids(row.messages())), row.messages()
         info: dict[str, Any] = {}
         if finish is TrajectoryFinish.PROGRAM_ERROR:
             reward = ctx.limits.program_error_reward  # no answer to judge: the episode's outcome is the failure
@@ -125,30 +113,8 @@ class OpenAIAgentLoop(AgentLoop):
             info["error"] = error
         if finish is TrajectoryFinish.PROGRAM_ERROR and error:
             info["exception_type"] = error.split(":", 1)[0]
-        earlier = [TrajectorySegment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask,
-                                     s.builder.logprobs, s.builder.turns, s.builder.token_versions)
-                   for s in session.segments[:-1]]
-        metrics = {
-            "turns": float(session.assistant_turns), "generate_calls": float(len(session.calls)),
-            "tool_calls": float(session.tool_calls_returned),  # the trainer's tool_use_rate counts these
-            "response_tokens": float(len(builder.response_ids)), "sampled_tokens": float(sum(builder.response_mask)),
-            "gen_time_s": session.gen_time, "segment_splits": float(session.segment_splits),
-            "segment_earlier_tokens": float(sum(sum(s.response_mask) for s in earlier)),
-            **{f"program/{k}": float(v) for k, v in answer.metrics.items()},
-            **{f"tool_errors/{kind}": float(n) for kind, n in session.tool_errors.items()},
-        }
+        metrics = {f"program/{k}": float(v) for k, v in answer.metrics.items()}
         if finish is TrajectoryFinish.PROGRAM_ERROR:
             metrics[f"program_errors/{info.get('exception_type', 'Exception')}"] = 1.0
-        if session.weight_versions:
-            metrics.update(weight_version_min=float(min(session.weight_versions)),
-                           weight_version_max=float(max(session.weight_versions)))
-        return Trajectory(
-            row_id=row_id, group_id=group_id, sample_index=sample_index, data_source=row.data_source,
-            agent_name=self.name, prompt_ids=builder.prompt_ids, response_ids=builder.response_ids,
-            response_mask=builder.response_mask, logprobs=builder.logprobs, turns=builder.turns, messages=messages,
-            finish_reason=finish, reward=reward, reward_info=info, metrics=metrics, policy_version=ctx.policy_version,
-            ground_truth=row.ground_truth, earlier_segments=earlier, token_versions=builder.token_versions,
-            # the malformed calls of the last segment (their turn indexes are its turns'); the
-            # earlier segments' are counted in tool_errors/*
-            tool_calls=[c for seg, c in session.malformed_calls if seg == len(session.segments) - 1],
-        )
+        return session.trajectory(row, ctx, agent_name=self.name, row_id=row_id, group_id=group_id,
+                                  sample_index=sample_index, finish=finish, reward=reward, info=info, metrics=metrics)

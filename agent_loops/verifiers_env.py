@@ -40,7 +40,7 @@ from agentrl.config.schema import VerifiersEnvironmentConfig
 from agentrl.data.row import Row
 from agentrl.environments.verifiers import load, rollout_input
 from agentrl.errors import PluginError
-from agentrl.trajectory import Trajectory, TrajectoryBuilder, TrajectoryFinish, TrajectorySegment
+from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 
 @dataclass(slots=True)
@@ -71,10 +71,7 @@ class VerifiersEnvLoop(AgentLoop):
             raise PluginError(f"row {row_id!r}: the verifiers_env loop needs a verifiers environment "
                               "(extra_info.environment or environment.library=verifiers with environment.name)")
         env = load(ref)
-        session = EndpointSession(
-            engine=ctx.engine, renderer=ctx.renderer, parser=ctx.parser_for(self.name), limits=ctx.limits,
-            sampling=ctx.sampling, session_id=f"{row_id}#{sample_index}", seed=seed,
-        )
+        session = EndpointSession.for_trajectory(ctx, self.name, row_id=row_id, sample_index=sample_index, seed=seed)
         server = endpoint()
         base_url, api_key = server.open_session(session)
         settings: VerifiersEnvironmentConfig = ctx.environment.verifiers
@@ -169,14 +166,6 @@ async def _score(env: Any, states: list[Any], trajectories: list[Trajectory]) ->
 def _trajectory(row: Row, ctx: LoopContext, session: EndpointSession, finish: TrajectoryFinish, error: str | None,
                 kind: str | None, step_rewards: list[Any], loop_name: str, *, row_id: str, group_id: str,
                 sample_index: int) -> Trajectory:
-    if session.segments:
-        seg = session.segments[-1]
-        builder, messages = seg.builder, seg.messages
-        if seg.stopped_on_eos and builder.turns and builder.turns[-1].role == "assistant" and (
-                len(ctx.renderer.separator_ids) <= session.tokens_left(seg)):
-            builder.append_template(ctx.renderer.separator_ids)  # what the template writes after the last turn
-    else:  # the rollout made no call
-        builder, messages = TrajectoryBuilder(ctx.renderer.prompt_ids(row.messages())), row.messages()
     if len(step_rewards) == len(session.calls):  # each step is one call: its reward judges that call's turn
         turns_by_segment = [[t for t in s.builder.turns if t.role == "assistant"] for s in session.segments]
         seen = [0] * len(session.segments)
@@ -185,31 +174,12 @@ def _trajectory(row: Row, ctx: LoopContext, session: EndpointSession, finish: Tr
             seen[call.segment] += 1
             if reward is not None and turn_index < len(turns_by_segment[call.segment]):
                 turns_by_segment[call.segment][turn_index].reward = float(reward)
-    earlier = [TrajectorySegment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask,
-                                 s.builder.logprobs, s.builder.turns, s.builder.token_versions)
-               for s in session.segments[:-1]]
     info: dict[str, Any] = {}
     if error:
         info["error"] = error
-    metrics = {
-        "turns": float(session.assistant_turns), "generate_calls": float(len(session.calls)),
-        "tool_calls": float(session.tool_calls_returned), "response_tokens": float(len(builder.response_ids)),
-        "sampled_tokens": float(sum(builder.response_mask)), "gen_time_s": session.gen_time,
-        "segment_splits": float(session.segment_splits),
-        "segment_earlier_tokens": float(sum(sum(s.response_mask) for s in earlier)),
-        **{f"tool_errors/{k}": float(n) for k, n in session.tool_errors.items()},
-    }
+    metrics: dict[str, float] = {}
     if kind is not None:
         info["error_kind"] = kind
         metrics[f"env_errors/{kind}"] = 1.0
-    if session.weight_versions:
-        metrics.update(weight_version_min=float(min(session.weight_versions)),
-                       weight_version_max=float(max(session.weight_versions)))
-    return Trajectory(
-        row_id=row_id, group_id=group_id, sample_index=sample_index, data_source=row.data_source,
-        agent_name=loop_name, prompt_ids=builder.prompt_ids, response_ids=builder.response_ids,
-        response_mask=builder.response_mask, logprobs=builder.logprobs, turns=builder.turns, messages=messages,
-        finish_reason=finish, reward=0.0, reward_info=info, metrics=metrics, policy_version=ctx.policy_version,
-        ground_truth=row.ground_truth, earlier_segments=earlier, token_versions=builder.token_versions,
-        tool_calls=[c for seg, c in session.malformed_calls if seg == len(session.segments) - 1],
-    )
+    return session.trajectory(row, ctx, agent_name=loop_name, row_id=row_id, group_id=group_id,
+                              sample_index=sample_index, finish=finish, reward=0.0, info=info, metrics=metrics)

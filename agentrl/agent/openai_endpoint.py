@@ -56,15 +56,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentrl.agent.loop import EpisodeEnd, sample_turn
+from agentrl.agent.loop import EpisodeEnd, LoopContext, sample_turn
 from agentrl.agent.openai_wire import MODEL_NAME, RequestRefused, error_response, normalize_message, sse_stream
 from agentrl.agent.setup import Limits
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.tool_parsers import ParsedCall, ToolParser
 from agentrl.agent.tools_runtime import schema_problem
 from agentrl.engines.base import Engine, FinishReason, SamplingParams
+from agentrl.data.row import Row
 from agentrl.engines.stops import cut_at_stop
-from agentrl.trajectory import ToolCallRecord, TrajectoryBuilder, TrajectoryFinish, Turn, TurnRole
+from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, TrajectoryFinish, TrajectorySegment, Turn, TurnRole
 
 __all__ = ["OpenAIEndpoint", "EndpointSession", "Segment", "CallRecord", "RequestRefused", "endpoint"]
 
@@ -177,9 +178,55 @@ class EndpointSession:
     gen_time: float = 0.0
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    @classmethod
+    def for_trajectory(cls, ctx: LoopContext, loop_name: str, *, row_id: str, sample_index: int,
+                       seed: int | None) -> EndpointSession:
+        """The session of one trajectory of the loop ``loop_name`` (its tool parser), on the rollout's engine."""
+        return cls(engine=ctx.engine, renderer=ctx.renderer, parser=ctx.parser_for(loop_name), limits=ctx.limits,
+                   sampling=ctx.sampling, session_id=f"{row_id}#{sample_index}", seed=seed)
+
     @property
     def segment_splits(self) -> int:
         return max(0, len(self.segments) - 1)
+
+    def trajectory(self, row: Row, ctx: LoopContext, *, agent_name: str, row_id: str, group_id: str, sample_index: int,
+                   finish: TrajectoryFinish, reward: float, info: dict[str, Any], metrics: dict[str, float]) -> Trajectory:
+        """The session's calls as one trajectory: the last segment (closed with the separator the
+        template writes after a final end-of-turn token; the row's prompt when no call was made),
+        the earlier ones in ``earlier_segments``, the last segment's malformed calls (the earlier
+        segments' are counted in ``tool_errors/*``), and the metrics of every endpoint loop
+        (``metrics`` added to them)."""
+        if self.segments:
+            seg = self.segments[-1]
+            builder, messages = seg.builder, seg.messages
+            sep = ctx.renderer.separator_ids
+            if seg.stopped_on_eos and builder.turns and builder.turns[-1].role == "assistant" and (
+                    len(sep) <= self.tokens_left(seg)):
+                builder.append_template(sep)
+        else:
+            builder, messages = TrajectoryBuilder(ctx.renderer.prompt_ids(row.messages())), row.messages()
+        earlier = [TrajectorySegment(s.builder.prompt_ids, s.builder.response_ids, s.builder.response_mask,
+                                     s.builder.logprobs, s.builder.turns, s.builder.token_versions)
+                   for s in self.segments[:-1]]
+        metrics = {
+            "turns": float(self.assistant_turns), "generate_calls": float(len(self.calls)),
+            "tool_calls": float(self.tool_calls_returned),  # the trainer's tool_use_rate counts these
+            "response_tokens": float(len(builder.response_ids)), "sampled_tokens": float(sum(builder.response_mask)),
+            "gen_time_s": self.gen_time, "segment_splits": float(self.segment_splits),
+            "segment_earlier_tokens": float(sum(sum(s.response_mask) for s in earlier)),
+            **{f"tool_errors/{kind}": float(n) for kind, n in self.tool_errors.items()}, **metrics,
+        }
+        if self.weight_versions:
+            metrics.update(weight_version_min=float(min(self.weight_versions)),
+                           weight_version_max=float(max(self.weight_versions)))
+        return Trajectory(
+            row_id=row_id, group_id=group_id, sample_index=sample_index, data_source=row.data_source,
+            agent_name=agent_name, prompt_ids=builder.prompt_ids, response_ids=builder.response_ids,
+            response_mask=builder.response_mask, logprobs=builder.logprobs, turns=builder.turns, messages=messages,
+            finish_reason=finish, reward=reward, reward_info=info, metrics=metrics, policy_version=ctx.policy_version,
+            ground_truth=row.ground_truth, earlier_segments=earlier, token_versions=builder.token_versions,
+            tool_calls=[c for seg, c in self.malformed_calls if seg == len(self.segments) - 1],
+        )
 
     async def complete(self, body: dict[str, Any], *, with_tokens: bool = False) -> dict[str, Any]:
         """Serve one chat-completions request body; returns the (non-streamed) response object.
