@@ -130,6 +130,19 @@ def _as_rendered(tool: dict[str, Any]) -> dict[str, Any]:
     return tool
 
 
+def _messages_and_tools(body: dict[str, Any], missing: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A request's ``messages``, normalised, and its ``tools`` as rendered (None: none); refused
+    naming the field (``missing``: what is said when there are no messages)."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise RequestRefused(missing, param="messages")
+    messages = [normalize_message(m, where=f"messages[{i}]") for i, m in enumerate(raw)]
+    tools = body.get("tools") or None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise RequestRefused("tools: a list of tool objects is required", param="tools")
+    return messages, None if tools is None else [_as_rendered(t) for t in tools]
+
+
 @dataclass(slots=True)
 class CallRecord:
     """One chat-completions call as the engine saw it."""
@@ -240,15 +253,9 @@ class EndpointSession:
         if isinstance(body.get("prompt"), str):
             ids = self.renderer.encode(body["prompt"])
         else:
-            raw = body.get("messages")
-            if not isinstance(raw, list) or not raw:
-                raise RequestRefused("messages (or prompt): a non-empty list of messages is required", param="messages")
-            messages = [normalize_message(m, where=f"messages[{i}]") for i, m in enumerate(raw)]
-            tools = body.get("tools") or None
-            if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-                raise RequestRefused("tools: a list of tool objects is required", param="tools")
+            messages, tools = _messages_and_tools(body, "messages (or prompt): a non-empty list of messages is required")
             try:
-                ids = self.renderer.template_ids(messages, [_as_rendered(t) for t in tools or []],
+                ids = self.renderer.template_ids(messages, tools or [],
                                                  add_generation_prompt=bool(body.get("add_generation_prompt", True)))
             except Exception as exc:
                 raise RequestRefused(f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}",
@@ -387,15 +394,7 @@ class EndpointSession:
         n = body.get("n")
         if n not in (None, 1):
             raise RequestRefused(f"n={n!r}: only n=1 is supported (one trajectory samples one answer per call)", param="n")
-        raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise RequestRefused("messages: a non-empty list is required", param="messages")
-        messages = [normalize_message(m, where=f"messages[{i}]") for i, m in enumerate(raw)]
-        tools = body.get("tools") or None
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise RequestRefused("tools: a list of tool objects is required", param="tools")
-        if tools is not None:
-            tools = [_as_rendered(t) for t in tools]
+        messages, tools = _messages_and_tools(body, "messages: a non-empty list is required")
         choice = body.get("tool_choice")
         if choice not in (None, "auto", "none"):
             raise RequestRefused(f"tool_choice={choice!r}: only 'auto' and 'none' are supported "

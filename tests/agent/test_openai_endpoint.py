@@ -103,6 +103,8 @@ def test_async_streaming_client_and_a_rewritten_history_starts_a_segment(tiny_to
 
 
 def test_refusals_name_the_field(tiny_tokenizer, make_ctx):
+    import httpx
+
     engine = ScriptedEngine(tiny_tokenizer, {"r0": ["#### 408"]})
     ctx = make_ctx(engine)
     errors = {}
@@ -114,6 +116,12 @@ def test_refusals_name_the_field(tiny_tokenizer, make_ctx):
             with pytest.raises(openai.BadRequestError) as info:
                 client.chat.completions.create(model=task.model, messages=task.messages, **extra)
             errors[field] = info.value.body
+        for field, body in [("messages", {"messages": []}), ("tools", {"messages": task.messages, "tools": "calculator"})]:
+            with pytest.raises(openai.BadRequestError) as info:  # the chat route and /tokenize read them alike
+                client.chat.completions.create(model=task.model, messages=body["messages"], extra_body=body)
+            errors[field] = info.value.body
+            tokenize = httpx.post(task.base_url + "/tokenize", json=body, headers={"Authorization": f"Bearer {task.api_key}"})
+            errors[f"tokenize {field}"] = tokenize.json()["error"] | {"status": tokenize.status_code}
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=task.base_url, api_key="wrong", max_retries=0).models.list()
         other = task.base_url.rsplit("/s/", 1)[0] + "/s/nosuchsession/v1"
@@ -128,6 +136,11 @@ def test_refusals_name_the_field(tiny_tokenizer, make_ctx):
     assert errors["tool_choice"]["param"] == "tool_choice"
     assert errors["stop"]["param"] == "stop" and "a string or a list of strings" in errors["stop"]["message"]
     assert errors["top_logprobs"]["param"] == "top_logprobs" and "only the sampled tokens'" in errors["top_logprobs"]["message"]
+    assert errors["messages"]["param"] == "messages" and errors["messages"]["message"] == "messages: a non-empty list is required"
+    assert errors["tokenize messages"]["message"] == "messages (or prompt): a non-empty list of messages is required"
+    assert errors["tools"]["param"] == "tools" and errors["tools"]["message"] == "tools: a list of tool objects is required"
+    assert {k: errors[f"tokenize {k}"]["param"] for k in ("messages", "tools")} == {"messages": "messages", "tools": "tools"}
+    assert errors["tokenize messages"]["status"] == errors["tokenize tools"]["status"] == 400
     # refused requests did not end the trajectory, and the program went on: its episode is scored
     assert t.reward == 1.0
 
