@@ -1,4 +1,5 @@
-"""Helpers for the engine tests: a tiny Qwen2 and a reference forward of the same weights.
+"""Helpers for the engine tests: a tiny Qwen2, a reference forward of the same weights, and a
+trainer in this process (the SGLang training tests drive its steps themselves).
 
 Imported by name (``from enginetest import ...``): pytest puts this folder on sys.path.
 """
@@ -52,3 +53,20 @@ def reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
     for _ in range(steps):
         tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt) :]
+
+
+def trainer_in_process(overrides: list[str]):
+    """(trainer, run dir, metrics logger) of `agentrl train` with ``overrides``, in this process:
+    the config checked as the command checks it, the run directory made and its config written."""
+    from agentrl.config import load_config
+    from agentrl.engines.managed import check_engine_config
+    from agentrl.rundir import make_run_dir
+    from agentrl.trainer.logging import MetricsLogger
+    from agentrl.trainer.run import Trainer
+
+    cfg = load_config("train", overrides)
+    check_engine_config(cfg, training=True)
+    run = make_run_dir(cfg)
+    run.write_config(cfg)
+    log = MetricsLogger(run.path, cfg.logging)
+    return Trainer(cfg, run.path, log=log), run, log

@@ -17,6 +17,7 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.errors import ConfigError
+from enginetest import trainer_in_process
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -26,20 +27,6 @@ def test_asynchronous_training_is_accepted_on_sglang_and_refused_where_it_cannot
     assert (cfg.engine.backend, cfg.rollout.max_staleness, cfg.rollout.partial) == ("sglang", 2, True)
     with pytest.raises(ConfigError, match=r"rollout.max_staleness.*runs on engine=builtin or engine=sglang, not engine=scripted"):
         load_config("train", ["engine=scripted", "rollout.max_staleness=1"], check_files=False)
-
-
-def _trainer(overrides: list[str]):
-    from agentrl.engines.managed import check_engine_config
-    from agentrl.rundir import make_run_dir
-    from agentrl.trainer.logging import MetricsLogger
-    from agentrl.trainer.run import Trainer
-
-    cfg = load_config("train", overrides)
-    check_engine_config(cfg, training=True)
-    run = make_run_dir(cfg)
-    run.write_config(cfg)
-    log = MetricsLogger(run.path, cfg.logging)
-    return Trainer(cfg, run.path, log=log), run, log
 
 
 def test_a_server_killed_mid_run_is_restarted_its_requests_go_to_the_other_and_every_group_is_trained_whole(tmp_path):
@@ -56,7 +43,7 @@ def test_a_server_killed_mid_run_is_restarted_its_requests_go_to_the_other_and_e
         "trainer.save_freq=0", "trainer.export_hf=false", "logging.progress=false", "logging.loggers=[jsonl]",
         f"trainer.runs_root={tmp_path}", "trainer.run_name=run",
     ]
-    trainer, run, log = _trainer(overrides)
+    trainer, run, log = trainer_in_process(overrides)
     try:
         engine = trainer.actor.worker.engine
         assert engine.partial and trainer.servers is not None and len(trainer.servers.urls) == 2

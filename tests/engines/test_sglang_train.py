@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from agentrl.engines.sglang_cpu.env import unavailable_reason
+from enginetest import trainer_in_process
 from real_data import GSM8K_TRAIN as GSM8K
 
 _REASON = unavailable_reason()
@@ -48,22 +49,6 @@ def _ports_of(server_logs: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1].split(".")[0]) for p in server_logs.glob("server-*.log"))
 
 
-def _trainer_in_process(overrides: list[str]):
-    """(trainer, run dir, metrics logger) of `agentrl train` with ``overrides``, in this process."""
-    from agentrl.config import load_config
-    from agentrl.engines.managed import check_engine_config
-    from agentrl.rundir import make_run_dir
-    from agentrl.trainer.logging import MetricsLogger
-    from agentrl.trainer.run import Trainer
-
-    cfg = load_config("train", overrides)
-    check_engine_config(cfg, training=True)
-    run = make_run_dir(cfg)
-    run.write_config(cfg)
-    log = MetricsLogger(run.path, cfg.logging)
-    return Trainer(cfg, run.path, log=log), run, log
-
-
 def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_and_resumes(tmp_path):
     """Three steps in process against one real managed server: every step's rollout is sampled
     with the trainer's weights, the served policy is the exported one, no server outlives the
@@ -88,7 +73,7 @@ def test_train_with_managed_sglang_syncs_every_step_serves_the_trained_policy_an
         # the quickstart's calculator-skilled base at temperature 1)
         "model.tiny.skills=none", "rollout.temperature=0.7",
     ]
-    trainer, run, log = _trainer_in_process(overrides)
+    trainer, run, log = trainer_in_process(overrides)
     try:
         assert trainer.servers is not None and len(trainer.servers.urls) == 1
         url = trainer.servers.urls[0]
@@ -247,7 +232,7 @@ def test_a_lora_actor_syncs_its_merged_weights_to_sglang(tmp_path):
         "logging.loggers=[jsonl]", "trainer.test_freq=0", "trainer.export_hf=false", "model.tiny.skills=none",
         "rollout.temperature=0.7",
     ]
-    trainer, _, log = _trainer_in_process(overrides)
+    trainer, _, log = trainer_in_process(overrides)
     try:
         url = trainer.servers.urls[0]
         metrics = [trainer.train_step(step, trainer.dataset.next_batch()) for step in range(2)]
