@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -28,6 +29,9 @@ __all__ = ["main"]
 
 
 def main(fd: int) -> None:
+    # a Ctrl-C at the terminal signals the whole process group: the parent decides what ends,
+    # and its end closes the socket, which ends this process (no traceback of the child's)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     kind, spec = conn.recv()
     assert kind == "start", kind

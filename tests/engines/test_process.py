@@ -173,6 +173,14 @@ async def test_repeated_interruptions_through_a_checkpoint_directory_sample_what
     assert (stats.interrupted_requests - before.interrupted_requests, stats.resumed_requests - before.resumed_requests) == (3, 3)
 
 
+async def test_a_ctrl_c_that_reaches_the_child_leaves_the_ending_to_the_parent(child):
+    # Ctrl-C signals the terminal's whole process group; a child that took it printed two tracebacks
+    await child.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=2)))  # the child has started
+    os.kill(child.pid, signal.SIGINT)
+    result = await child.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0)))
+    assert len(result.output_ids) == 5 and await child.health()
+
+
 async def test_a_stopped_child_times_out_and_a_killed_one_fails_every_call_naming_it(model_dir):
     engine = EngineProcess(model_dir, threads=1, max_batch_size=4, seed=0, sync_timeout_s=1.5, start_timeout_s=START_S)
     try:
