@@ -24,9 +24,11 @@ from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker
 pytestmark = pytest.mark.ray
 
 TIMEOUT_S = 60.0  # a rank waiting longer on the others is a hang
-# Rows per rank: unequal counts; W=3's rank 0 holds two one-token responses of distinct prompts
-# (no bucket call at all with shared prompts), rank 2 a single row.
-SHARDS = {2: [[0, 1, 2, 4, 6], [3, 5]], 3: [[0, 3], [1, 2, 4, 6], [5]]}
+# Rows per rank: unequal counts; rank 0 holds two one-token responses of distinct prompts (no
+# bucket call at all with shared prompts), rank 2 a single row. Three ranks only: a two-rank
+# split (5 and 2 rows, run until 2026-11-27) needed no pass that this one does not (a minute of
+# CI); two ranks against one are test_fsdp_parity.py's and test_ranks_run.py's.
+SHARDS = {3: [[0, 3], [1, 2, 4, 6], [5]]}
 
 
 def varied_batch(model) -> TrainBatch:
@@ -62,7 +64,7 @@ def ray_session():
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])
 def test_every_pass_finishes_on_ranks_with_different_calls(tiny_model_dir, ray_session, world_size):
     from transformers import AutoModelForCausalLM
 
