@@ -184,6 +184,22 @@ def test_the_config_ref_is_checked_before_any_work(env_module):
     assert "environment.name" not in dict(err.value.problems)
 
 
+def test_a_configured_environment_without_a_dataset_or_data_files_is_refused_not_skipped(env_module, tmp_path):
+    # the built-in task's rows name agent_name tool_agent: the run trained them and never the environment
+    from agentrl.data.prepare import prepare_data
+    from agentrl.errors import DataError
+
+    cfg = validate_config({"environment": {"library": "trl", "name": "my_envs:Counter"}}, check_files=False)
+    with pytest.raises(DataError, match=r"environment.library=trl: the trl environment 'my_envs:Counter' has no dataset "
+                                        r"of its own and data.train_files is empty, .*\(data.task=arith\).* give data.train_files"):
+        prepare_data(cfg, tmp_path / "data")
+    assert not (tmp_path / "data").exists()  # refused before any rows were written
+    files = [str(write_rows([row()], tmp_path / "rows.parquet"))]
+    cfg = validate_config({"environment": {"library": "trl", "name": "my_envs:Counter"}, "data": {"train_files": files}},
+                          check_files=False)
+    assert prepare_data(cfg, tmp_path / "data")[0] == files
+
+
 def test_a_missing_library_is_named_with_the_extra_that_installs_it(env_module, monkeypatch):
     import importlib.util
 
