@@ -463,7 +463,8 @@ def environment_import_hint(library: str, name: str) -> str:
 class TrlEnvironmentConfig(Section):
     # TRL reward functions (`pkg.mod:fn`), each called as GRPOTrainer calls its reward_funcs
     # (prompts=, completions=, completion_ids=, environments=, the row's columns, ...), once per
-    # trajectory; empty: the class's get_reward if it has one, else agentrl's reward (reward.*)
+    # group, each argument a list over the row's rollout.n samples; empty: the class's get_reward
+    # if it has one, else agentrl's reward (reward.*)
     reward_funcs: list[str] = Field(default_factory=list)
     reward_weights: list[float] | None = None  # TRL's reward_weights (null: 1.0 each)
 
