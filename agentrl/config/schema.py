@@ -455,8 +455,13 @@ def environment_import_hint(library: str, name: str) -> str:
     the library itself is missing; else the user's own package is (a reinstalled library would not help)."""
     import importlib.util
 
+    import sys
+
     if importlib.util.find_spec(library) is None:  # the library's module has the library's name
         return f"the library installs with pip install 'agentrl[{ENVIRONMENT_EXTRAS[library]}]'"
+    module, _, attr = name.partition(":")
+    if attr and module in sys.modules:  # it imported: the name after ':' is what is wrong (a typo)
+        return f"the module {module!r} imports: is {attr!r} the name it defines?"
     return f"{library} is installed: is the package that defines {name!r} installed or on PYTHONPATH?"
 
 

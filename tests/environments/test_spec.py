@@ -126,7 +126,8 @@ def test_bad_refs_fail_at_load_naming_file_row_and_field(tmp_path, env_module):
     # verifiers itself is installed (the test extra): the hint points at the user's module, not at the extra
     assert "the package 'surely_not_installed_pkg' is not installed" in missing and "verifiers is installed" in missing
     assert "agentrl[verifiers]" not in missing
-    assert "has no attribute 'Nope'" in found[(5, "extra_info.environment.name")]
+    typo = found[(5, "extra_info.environment.name")]  # the module imports: no hint to install anything
+    assert "has no attribute 'Nope'" in typo and "(the module 'my_envs' imports: is 'Nope' the name it defines?)" in typo
     assert "unknown openenv loop 'openenv_env'" in found[(6, "extra_info.environment.library")]
 
 
