@@ -118,6 +118,7 @@ def bench_main(argv: list[str]) -> int:
 
 
 QUIET_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
+RESUME_HINT = " (the same command with trainer.resume=auto goes on from the last checkpoint it saved, if it saved one)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl {command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"agentrl {command}: interrupted", file=sys.stderr)
+        print(f"agentrl {command}: interrupted{RESUME_HINT if command == 'train' else ''}", file=sys.stderr)
         return 130
 
 

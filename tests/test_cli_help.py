@@ -87,3 +87,20 @@ def test_cfg_needs_job():
 
 def test_config_commands_are_commands():
     assert set(CONFIG_COMMANDS) <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", ["train", "rollout"])
+def test_ctrl_c_ends_a_command_with_130_and_train_says_how_to_go_on(command, monkeypatch, capsys):
+    import agentrl.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_resolve", lambda target: interrupted)
+    assert cli.main([command, "trainer.total_steps=1"]) == 130
+    said = capsys.readouterr().err.strip()
+    if command == "train":
+        assert said == ("agentrl train: interrupted (the same command with trainer.resume=auto goes on from the last "
+                        "checkpoint it saved, if it saved one)")
+    else:
+        assert said == "agentrl rollout: interrupted"
