@@ -58,7 +58,7 @@ class DataError(AgentrlError):
     """A dataset file or row is invalid; names the file, the row index and the field."""
 
     def __init__(self, message: str, *, file: str | None = None, row: int | None = None, field: str | None = None):
-        self.file, self.row, self.field = file, row, field
+        self.message, self.file, self.row, self.field = message, file, row, field
         where = ", ".join(
             part
             for part in (

@@ -180,21 +180,37 @@ def row_plugin_problems(
 
 
 class _Problems:
-    """A capped list of problems that counts what it leaves out."""
+    """A capped list of problems that counts what it leaves out. A problem met again in another
+    row of the same file and field (a missing package named by every row) is listed once, with
+    the rows it was met in."""
 
     def __init__(self, cap: int):
         self.cap, self.items, self.left_out = cap, [], 0
+        self.again: dict[tuple[str | None, str | None, str], list[int]] = {}  # (file, field, message) -> later rows
 
     def add(self, problem: DataError) -> None:
-        if len(self.items) < self.cap:
+        key = (problem.file, problem.field, problem.message)
+        if problem.row is not None and key in self.again:
+            self.again[key].append(problem.row)
+        elif len(self.items) < self.cap:
             self.items.append(problem)
+            if problem.row is not None:
+                self.again[key] = []
         else:
             self.left_out += 1
 
     def report(self) -> list[DataError]:
+        listed = []
+        for problem in self.items:
+            rows = self.again.get((problem.file, problem.field, problem.message)) if problem.row is not None else None
+            if rows:
+                shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+                problem = DataError(f"{problem.message} (the same in rows {shown})", file=problem.file, row=problem.row,
+                                    field=problem.field)
+            listed.append(problem)
         if self.left_out:
-            return self.items + [DataError(f"... and {self.left_out} more problems (only the first {self.cap} are listed)")]
-        return list(self.items)
+            listed.append(DataError(f"... and {self.left_out} more problems (only the first {self.cap} are listed)"))
+        return listed
 
 
 class RowDataset:

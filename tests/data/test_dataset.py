@@ -131,11 +131,21 @@ def test_every_bad_row_is_reported_at_once(tmp_path):
 
 
 def test_the_problem_list_is_capped_and_says_how_many_were_left_out(tmp_path):
-    bad = make_rows(8, agent_name="planner")
+    bad = [{**row, "agent_name": f"planner{i}"} for i, row in enumerate(make_rows(8))]
     path = write_rows(bad, tmp_path / "bad.parquet")
     problems = validate_files([path], known_agent_names=LOOPS, max_reported=3)
     assert [p.row for p in problems[:3]] == [0, 1, 2]
     assert str(problems[3]) == "... and 5 more problems (only the first 3 are listed)"
+
+
+def test_a_problem_every_row_has_is_listed_once_with_its_rows(tmp_path):
+    bad = make_rows(8, agent_name="planner")
+    bad[3]["agent_name"] = "critic"
+    path = write_rows(bad, tmp_path / "bad.parquet")
+    problems = validate_files([path], known_agent_names=LOOPS, max_reported=3)
+    assert [(p.row, p.field) for p in problems] == [(0, "agent_name"), (3, "agent_name")]
+    assert str(problems[0]).endswith("(the same in rows 1, 2, 4, 5, 6 and 1 more)")
+    assert problems[0].message.startswith("unknown agent_name 'planner'") and "the same in" not in str(problems[1])
 
 
 def test_unknown_agent_name_is_reported_at_load(tmp_path):
