@@ -60,7 +60,8 @@ def prepare_data(
         if (ref := EnvironmentRef.from_config(cfg.environment)) is not None:
             # the built-in task's rows name agent_name tool_agent: none of them would run in it
             raise DataError(
-                f"environment.library={ref.library}: the {ref.library} environment {ref.name or 'of environment.openenv.url'!r} has no "
+                f"environment.library={ref.library}: the {ref.library} environment "
+                f"{repr(ref.name) if ref.name else 'at environment.openenv.url'} has no "
                 f"dataset of its own and data.train_files is empty, so the rows would be the built-in task "
                 f"(data.task={cfg.data.task}), which run agentrl's tool_agent loop, never the environment: give "
                 "data.train_files (its rows without extra_info.environment run in the configured environment; "

@@ -195,6 +195,9 @@ def test_a_configured_environment_without_a_dataset_or_data_files_is_refused_not
                                         r"of its own and data.train_files is empty, .*\(data.task=arith\).* give data.train_files"):
         prepare_data(cfg, tmp_path / "data")
     assert not (tmp_path / "data").exists()  # refused before any rows were written
+    served = validate_config({"environment": {"library": "openenv", "openenv": {"url": "http://127.0.0.1:9"}}}, check_files=False)
+    with pytest.raises(DataError, match=r"the openenv environment at environment.openenv.url has no dataset"):
+        prepare_data(served, tmp_path / "data")
     files = [str(write_rows([row()], tmp_path / "rows.parquet"))]
     cfg = validate_config({"environment": {"library": "trl", "name": "my_envs:Counter"}, "data": {"train_files": files}},
                           check_files=False)
