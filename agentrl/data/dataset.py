@@ -205,8 +205,8 @@ class _Problems:
             rows = self.again.get((problem.file, problem.field, problem.message)) if problem.row is not None else None
             if rows:
                 shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
-                problem = DataError(f"{problem.message} (the same in rows {shown})", file=problem.file, row=problem.row,
-                                    field=problem.field)
+                where = f"row{'s' if len(rows) > 1 else ''} {shown}"
+                problem = DataError(f"{problem.message} (the same in {where})", file=problem.file, row=problem.row, field=problem.field)
             listed.append(problem)
         if self.left_out:
             listed.append(DataError(f"... and {self.left_out} more problems (only the first {self.cap} are listed)"))
