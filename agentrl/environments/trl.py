@@ -41,7 +41,7 @@ from agentrl.errors import PluginError, ToolError
 from agentrl.plugins import PluginRegistry
 
 __all__ = ["TRL_VERSION", "environment_class", "tool_names", "tool_schema", "reset_kwargs", "first_prompt", "tool_box",
-           "RewardFunction", "reward_functions", "Completion", "score_group", "score"]
+           "RewardFunction", "reward_functions", "Completion", "score_group"]
 
 TRL_VERSION = "1.16"  # the TRL whose GRPOTrainer semantics this module follows (extra trl-env)
 _SKIPPED = ("reset", "get_reward")
@@ -233,10 +233,3 @@ async def score_group(funcs: list[RewardFunction], members: list[Completion], *,
     metrics = {f"metric/{k}": v for k, v in logged.items()}
     return [((total if own else None), {**own, **metrics}) for total, own in zip(totals, values)]
 
-
-async def score(funcs: list[RewardFunction], *, prompt: list[dict[str, Any]], completion: list[dict[str, Any]],
-                completion_ids: list[int], env: Any, columns: dict[str, Any], global_step: int) -> tuple[float | None, dict[str, float]]:
-    """``score_group`` of one trajectory: its weighted sum (None: every function said None) and
-    each function's score by name."""
-    (scored,) = await score_group(funcs, [Completion(prompt, completion, completion_ids, env, columns)], global_step=global_step)
-    return scored
