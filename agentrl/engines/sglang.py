@@ -136,7 +136,8 @@ class SGLangEngine:
         self._resumable.add(rid)
         try:
             while True:
-                await self._admitting.wait()
+                while not self._admitting.is_set():  # woken by one update's end, it may find the next one begun
+                    await self._admitting.wait()
                 if pieces and rid in self._cancelled:  # the caller aborted it while it waited to resume
                     finish, matched = FinishReason.ABORT, None
                     break

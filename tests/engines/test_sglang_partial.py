@@ -6,6 +6,8 @@ built-in engine's token counter says when to interrupt."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -22,23 +24,55 @@ PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
 
 
 class InProcessServer:
-    """`agentrl serve` over the built-in engine, reached through an ASGI transport (no sockets)."""
+    """`agentrl serve` over the built-in engine, reached through an ASGI transport (no sockets).
+
+    ``hold_at(n)``: the engine stops after the step that brings its generated tokens to ``n`` and
+    goes on only once an abort of every request (a partial update's) has been queued, so that an
+    update interrupts a request at exactly ``n`` tokens however loaded the machine is."""
 
     def __init__(self, model_dir):
         self.engine = BuiltinEngine(model_dir, max_batch_size=4, seed=0)
         self.transport = httpx.ASGITransport(app=build_app(self.engine, str(model_dir)))
+        self._hold_at: int | None = None
+        self._held, self._go = threading.Event(), threading.Event()
+        scheduler, step, abort_all = self.engine._scheduler, self.engine._scheduler.step, self.engine.abort_all
+
+        def step_then_hold(*args):  # on the engine's worker thread
+            step(*args)
+            if self._hold_at is not None and scheduler.counters["generated"] >= self._hold_at:
+                self._hold_at = None
+                self._held.set()
+                if not self._go.wait(60):
+                    raise AssertionError("the engine held at a token count was not released by an abort within 60 s")
+                self._go.clear()
+
+        async def abort_all_then_go():
+            await abort_all()  # queued before the worker goes on: its next step applies it
+            if self._held.is_set():
+                self._held.clear()
+                self._go.set()
+
+        scheduler.step, self.engine.abort_all = step_then_hold, abort_all_then_go
 
     def client(self, **kwargs) -> SGLangEngine:
         return SGLangEngine(["http://served"], transport=self.transport, **kwargs)
 
-    async def tokens_reach(self, generated: int) -> None:
-        for _ in range(100_000):
-            if self.engine.stats().generated_tokens >= generated:
-                return
+    def hold_at(self, generated: int) -> None:
+        self._hold_at = generated
+
+    async def held(self) -> None:
+        if not await asyncio.to_thread(self._held.wait, 60):
+            raise AssertionError(f"the served engine did not reach {self._hold_at} generated tokens within 60 s")
+
+    async def tokens_reach(self, generated: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.engine.stats().generated_tokens < generated:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the served engine did not generate {generated} tokens within {timeout_s} s")
             await asyncio.sleep(0.0005)
-        raise AssertionError(f"the served engine did not generate {generated} tokens")
 
     def close(self) -> None:
+        self._go.set()
         self.engine.close()
 
 
@@ -59,9 +93,12 @@ async def test_a_request_interrupted_three_times_gives_the_tokens_and_logprobs_o
     try:
         expected = await plain.generate(GenerateRequest(PROMPT, greedy(48)))
         start = served.engine.stats().generated_tokens
+        served.hold_at(start + 4)
         running = asyncio.create_task(partial.generate(GenerateRequest(PROMPT, greedy(48), rid="r")))
-        for version, at in ((1, 4), (2, 14), (3, 26)):
-            await served.tokens_reach(start + at)
+        for version, at in ((1, 14), (2, 26), (3, None)):
+            await served.held()
+            if at is not None:
+                served.hold_at(start + at)  # the resumed piece stops there for the next update
             await partial.update_weights(path=str(model_dir), version=version)  # the same weights, reloaded
         result = await running
         assert (partial.interrupted_requests, partial.resumed_requests) == (3, 3)
@@ -71,9 +108,7 @@ async def test_a_request_interrupted_three_times_gives_the_tokens_and_logprobs_o
     assert expected.output_versions == [] and len(expected.output_ids) == 48  # the reference ran whole
     assert result.output_ids == expected.output_ids
     assert result.finish_reason is FinishReason.LENGTH and result.prompt_tokens == len(PROMPT)
-    pieces = [result.output_versions.count(v) for v in (0, 1, 2, 3)]
-    assert result.output_versions == [v for v, k in enumerate(pieces) for _ in range(k)]  # in order, each piece whole
-    assert all(k > 0 for k in pieces[:3]) and sum(pieces) == 48 and result.weight_version == 3
+    assert result.output_versions == [0] * 4 + [1] * 10 + [2] * 12 + [3] * 22 and result.weight_version == 3
     # the pieces' tokens prefilled again (and the prompt's K/V reused from the reference's request)
     assert result.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
 
@@ -81,14 +116,15 @@ async def test_a_request_interrupted_three_times_gives_the_tokens_and_logprobs_o
 async def test_a_resumed_request_samples_its_remaining_budget_under_the_new_weights(served, model_dir, other_model_dir):
     engine = served.client(partial=True)
     try:
+        served.hold_at(5)
         running = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(40))))
-        await served.tokens_reach(5)
+        await served.held()
         await engine.update_weights(path=str(other_model_dir), version=7)
         result = await running
     finally:
         await engine.aclose()
-    k = result.output_versions.count(0)
-    assert 5 <= k < 40 and result.output_versions == [0] * k + [7] * (40 - k)
+    k = 5
+    assert result.output_versions == [0] * k + [7] * (40 - k)
     assert len(result.output_ids) == 40 and result.finish_reason is FinishReason.LENGTH  # one budget across both pieces
     old, new = load_reference(model_dir), load_reference(other_model_dir)
     assert result.output_ids[:k] == reference_greedy(old, PROMPT, k)
@@ -168,3 +204,22 @@ async def test_a_sync_past_engine_sync_timeout_names_the_server_that_did_not_ans
         await asyncio.gather(*running, return_exceptions=True)
     finally:
         await engine.aclose()
+
+
+async def test_a_request_woken_by_one_update_waits_for_the_next_that_began_before_it_was_sent(served, model_dir):
+    """Two updates back to back: the first one's end wakes the interrupted request, but the second
+    begins before the request runs again; it must wait for that one too, not be sent into it (the
+    second update's abort would end it for good, as a request no update interrupted)."""
+    engine = served.client(partial=True)
+    try:
+        served.hold_at(5)
+        running = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(40))))
+        await served.held()
+        await engine.update_weights(path=str(model_dir), version=1)
+        await engine.update_weights(path=str(model_dir), version=2)  # no turn of the loop between the two
+        result = await running
+    finally:
+        await engine.aclose()
+    assert (result.finish_reason, len(result.output_ids)) == (FinishReason.LENGTH, 40)
+    assert result.output_versions == [0] * 5 + [2] * 35  # nothing sampled under version 1
+    assert (engine.interrupted_requests, engine.resumed_requests) == (1, 1)
