@@ -13,8 +13,13 @@ the staleness histogram, reward against samples and against wall-clock per step,
 success of the run's final validation: greedy, or sampled with ``--val-n`` answers a problem at
 ``--val-temperature``, which measures the policy after as many samples without the lag of stale
 samples' training reward and without greedy's cliff),
+``reward_by_version`` (the mean reward of the run's samples by the policy version that sampled
+them, the oldest version among a sample's tokens, read from the run's rollout store: the versions
+every sample of which was trained or dropped by the end, ``last_complete_version``),
 ``summary`` (per configuration: the means over seeds, the speed-up over the synchronous run,
-the mean reward per sample and its standard deviation over seeds, the mean held-out success)
+the mean reward per sample and its standard deviation over seeds, the mean held-out success,
+and ``reward_same_versions``: the reward per sample of the policies of the versions both it and
+the synchronous runs have, against the synchronous runs' over the same versions)
 and ``settings``.
 ``--sft``: every run starts from the quickstart's warm start (SFT on a demonstrator who seldom
 calls the calculator, so RL has something to learn: calling it), built once and shared (or taken
@@ -30,6 +35,9 @@ thread teams slow a step many times over when another job shares the cores, docs
 which the issue leaves out, is held to eta 1's), each with its reward per sample within one
 standard deviation (the synchronous runs' over seeds) of the synchronous mean, and whether its
 held-out success is no more than one synchronous standard deviation below the synchronous one.
+A version's policy has taken as many updates, on as many samples, in every configuration: its
+samples' reward measures what was learnt per sample without the lag of ``reward_per_sample``
+(whose samples, in asynchronous training, come from policies up to eta versions older).
 ``--correction`` picks the asynchronous runs' off-policy correction (``tis`` or ``decoupled``).
 """
 
@@ -44,9 +52,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["main", "overrides", "summarize_run", "summarize", "run_order", "FLOORS"]
+__all__ = ["main", "overrides", "summarize_run", "summarize", "run_order", "reward_by_version", "last_complete_version", "FLOORS"]
 
 # issue 36: the least speed-up over the synchronous trajectories/s, per max_staleness
 FLOORS = {1: 1.5, 2: 1.5, 4: 2.5}
@@ -57,7 +66,7 @@ def overrides(*, eta: int, partial: bool, seed: int, args: argparse.Namespace) -
     calc = "agent.tool_config.calculator"
     out = [
         f"trainer.total_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0", "trainer.export_hf=false",
-        "trainer.val_before_train=false", "trainer.save_rollouts=false", "logging.progress=false",
+        "trainer.val_before_train=false", "trainer.save_rollouts=true", "logging.progress=false",
         f"data.train_batch_size={args.batch_size}", f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.batch_size}",
         f"actor.ppo_micro_batch_size_per_gpu={math.gcd(8, args.batch_size * args.n)}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"data.max_response_length={args.max_response_length}",
@@ -98,6 +107,51 @@ def summarize_run(rows: list[dict[str, Any]], *, eta: int, samples_per_step: int
     }
 
 
+def reward_by_version(samples: Iterable[tuple[int | None, float]], *, complete_up_to: int) -> dict[int, float]:
+    """The mean reward of ``(version, reward)`` samples by the policy version that sampled them,
+    for the versions ``0 .. complete_up_to`` (later ones still had samples in flight at the end:
+    those kept would be the quickest episodes)."""
+    by: dict[int, list[float]] = {}
+    for version, reward in samples:
+        if version is not None and version <= complete_up_to:
+            by.setdefault(version, []).append(reward)
+    return {v: statistics.fmean(by[v]) for v in sorted(by)}
+
+
+def last_complete_version(steps: int, eta: int) -> int:
+    """The last policy version all of whose samples a run of ``steps`` steps trained or dropped:
+    the last step trains version ``steps - 1 - eta`` at the oldest; a group of that version still
+    in flight then would be dropped at the step after, which does not come (one version less)."""
+    return steps - 1 if eta == 0 else steps - 2 - eta
+
+
+def _stored_rewards(run_dir: Path) -> Iterable[tuple[int | None, float]]:
+    from agentrl.data.rollout_store import RolloutStore
+
+    for t in RolloutStore(run_dir / "rollouts").iter_trajectories(split="train"):
+        yield t.oldest_version, t.reward
+
+
+def _same_versions(group: list[dict[str, Any]], sync: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The reward per sample of the policies of the versions every run of ``group`` and of
+    ``sync`` has, per run the mean over those versions; means and sds over the runs."""
+    if not all(r.get("reward_by_version") for r in group + sync):
+        return None
+    versions = sorted(set.intersection(*(set(map(int, r["reward_by_version"])) for r in group + sync)))
+    if not versions:
+        return None
+
+    def per_run(r: dict[str, Any]) -> float:
+        by = {int(v): x for v, x in r["reward_by_version"].items()}
+        return statistics.fmean(by[v] for v in versions)
+
+    mine, theirs = [per_run(r) for r in group], [per_run(r) for r in sync]
+    sync_std = statistics.stdev(theirs) if len(theirs) > 1 else 0.0
+    mean, sync_mean = statistics.fmean(mine), statistics.fmean(theirs)
+    return {"versions": [versions[0], versions[-1]], "mean": mean, "std": statistics.stdev(mine) if len(mine) > 1 else 0.0,
+            "sync_mean": sync_mean, "sync_std": sync_std, "within_sync_sd": abs(mean - sync_mean) <= sync_std}
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per configuration: means over seeds, speed-up over the synchronous configuration, and
     whether an asynchronous one meets its floor (``FLOORS``) with its reward per sample within
@@ -127,6 +181,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if s["heldout_success_after"] is not None and sync["heldout_success_after"] is not None:
                 s["heldout_within_sync_sd"] = (
                     sync["heldout_success_after"] - s["heldout_success_after"] <= max(sync["heldout_std"], 1e-9))
+            # the policies' own reward per sample at the versions both have (no lag either)
+            s["reward_same_versions"] = _same_versions(by[name], by["sync"])
     return out
 
 
@@ -209,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                                        Path(tmp))
                 run = summarize_run(rows, eta=eta, samples_per_step=args.batch_size * args.n)
                 run["heldout_success_after"] = summary.get("heldout_success_after")  # the final validation
+                run["reward_by_version"] = reward_by_version(_stored_rewards(Path(tmp) / f"{name}-s{seed}"),
+                                                             complete_up_to=last_complete_version(run["steps"], eta))
                 runs.append({"config": name, "eta": eta, "partial": partial, "seed": seed,
                              "process_wall_s": time.perf_counter() - start, "load_average_after": os.getloadavg()[0], **run})
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # each run as it ends

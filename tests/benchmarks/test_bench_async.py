@@ -6,7 +6,9 @@ import argparse
 
 import pytest
 
-from agentrl_benchmarks.async_training import overrides, run_order, summarize, summarize_run
+from agentrl_benchmarks.async_training import (
+    last_complete_version, overrides, reward_by_version, run_order, summarize, summarize_run,
+)
 
 
 def _args(**changes) -> argparse.Namespace:
@@ -22,6 +24,7 @@ def test_every_configuration_is_a_valid_train_config_with_the_latency_on_the_cal
     cfg = load_config("train", overrides(eta=eta, partial=partial, seed=3, args=_args()), check_files=False)
     assert cfg.agent.tool_config["calculator"] == {"latency_median_s": 0.3, "latency_p99_s": 6.2, "latency_seed": 3}
     assert (cfg.rollout.max_staleness, cfg.rollout.partial, cfg.trainer.seed) == (eta, partial, 3)
+    assert cfg.trainer.save_rollouts  # the samples' versions and rewards: reward_by_version
     assert cfg.actor.rollout_correction.level == ("token" if eta else None)
     assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.agent.max_assistant_turns) == (2, 4, 8)
 
@@ -105,3 +108,33 @@ def test_the_warm_start_replaces_the_base_model_of_every_configuration():
                       check_files=False)
     assert (cfg.model.path, cfg.sft.enable) == ("/w/sft_policy", False)
     assert load_config("train", overrides(eta=1, partial=False, seed=0, args=_args()), check_files=False).model.path is None
+
+
+def test_the_reward_by_policy_version_keeps_the_versions_whose_samples_all_ended():
+    samples = [(0, 1.0), (0, 0.0), (1, 0.5), (None, 1.0), (3, 1.0), (2, 0.25)]  # None: a sample without versions
+    assert reward_by_version(samples, complete_up_to=2) == {0: 0.5, 1: 0.5, 2: 0.25}
+    # 12 steps: synchronous step 12 trains version 11's samples; at eta 4 version 7's could still be
+    # in flight at the last step (trained there, or dropped at a step that never comes)
+    assert (last_complete_version(12, 0), last_complete_version(12, 1), last_complete_version(12, 4)) == (11, 9, 6)
+
+
+def test_the_reward_at_the_same_versions_compares_the_versions_every_run_has():
+    def run(config, eta, by_version):
+        return {"config": config, "eta": eta, "trajectories_per_s": 1.0, "tokens_per_s": 1.0, "reward_per_sample": 0.5,
+                "reward_by_version": by_version}
+
+    sync = [run("sync", 0, {0: 0.2, 1: 0.4, 2: 0.6}), run("sync", 0, {0: 0.2, 1: 0.2, 2: 0.2})]
+    # versions 0 and 1 in every run: sync per run 0.3 and 0.2 (mean 0.25, sd 0.0707); eta1 0.3 and 0.3
+    summary = summarize(sync + [run("eta1", 1, {0: 0.2, 1: 0.4}), run("eta1", 1, {0: 0.4, 1: 0.2}),
+                                run("eta4", 4, {0: 0.0, 1: 0.1, 2: 0.2, 3: 0.9}), run("eta4", 4, {0: 0.1, 1: 0.0, 2: 0.2})])
+    same = summary["eta1"]["reward_same_versions"]
+    assert same["versions"] == [0, 1] and same["mean"] == pytest.approx(0.3) and same["std"] == pytest.approx(0.0)
+    assert same["sync_mean"] == pytest.approx(0.25) and same["sync_std"] == pytest.approx(0.0707107, abs=1e-6)
+    assert same["within_sync_sd"]  # 0.05 above, one sd 0.0707
+    # versions 0 to 2 (3 is in one run only): sync 0.4 and 0.2 (mean 0.3, sd 0.1414); eta4 0.1 and 0.1
+    lagging = summary["eta4"]["reward_same_versions"]
+    assert lagging["versions"] == [0, 2] and lagging["sync_mean"] == pytest.approx(0.3)
+    assert lagging["mean"] == pytest.approx(0.1) and not lagging["within_sync_sd"]  # 0.2 below
+    assert summary["sync"].get("reward_same_versions") is None
+    without = summarize([run("sync", 0, {}), run("eta1", 1, {0: 0.2})])  # runs without a store: nothing to compare
+    assert without["eta1"]["reward_same_versions"] is None
