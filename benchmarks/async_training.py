@@ -38,7 +38,8 @@ held-out success is no more than one synchronous standard deviation below the sy
 A version's policy has taken as many updates, on as many samples, in every configuration: its
 samples' reward measures what was learnt per sample without the lag of ``reward_per_sample``
 (whose samples, in asynchronous training, come from policies up to eta versions older).
-``--correction`` picks the asynchronous runs' off-policy correction (``tis`` or ``decoupled``).
+``--correction`` picks the asynchronous runs' off-policy correction (``tis`` or ``decoupled``),
+``--stale-groups`` what they do with a group that finished too old (``drop``, the default, or ``wait``).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 __all__ = ["main", "overrides", "summarize_run", "summarize", "run_order", "reward_by_version", "last_complete_version", "FLOORS"]
@@ -81,7 +82,8 @@ def overrides(*, eta: int, partial: bool, seed: int, args: argparse.Namespace) -
                 f"rollout.val_temperature={args.val_temperature}"]
     if eta > 0:
         out += [f"rollout.partial={str(partial).lower()}", "actor.rollout_correction.level=token",
-                f"actor.rollout_correction.method={getattr(args, 'correction', 'tis')}"]
+                f"actor.rollout_correction.method={getattr(args, 'correction', 'tis')}",
+                f"rollout.stale_groups={getattr(args, 'stale_groups', 'drop')}"]
     return out
 
 
@@ -234,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                              "or a torch matrix-product loop at torch's default thread count (torch)")
     parser.add_argument("--correction", choices=["tis", "decoupled"], default="tis",
                         help="actor.rollout_correction.method of the asynchronous runs")
+    parser.add_argument("--stale-groups", choices=["drop", "wait"], default="drop",
+                        help="rollout.stale_groups of the asynchronous runs: drop a group that finished too old, or "
+                             "make the trainer wait for a group before it can become stale")
     parser.add_argument("--val-n", type=int, default=0,
                         help="sample the final validation: this many answers a problem at --val-temperature "
                              "(0: one greedy answer, the config's default)")

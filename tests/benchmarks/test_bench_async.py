@@ -88,10 +88,11 @@ def test_held_out_success_is_compared_to_one_sync_sd_below_the_sync_mean():
 def test_sampled_validation_and_the_correction_reach_the_train_config():
     from agentrl.config import load_config
 
-    args = _args(val_n=4, val_size=32, val_temperature=1.0, correction="decoupled")
+    args = _args(val_n=4, val_size=32, val_temperature=1.0, correction="decoupled", stale_groups="wait")
     cfg = load_config("train", overrides(eta=2, partial=True, seed=0, args=args), check_files=False)
     assert (cfg.rollout.val_n, cfg.rollout.val_temperature, cfg.data.task_val_size) == (4, 1.0, 32)
     assert (cfg.actor.rollout_correction.method, cfg.actor.rollout_correction.level) == ("decoupled", "token")
+    assert cfg.rollout.stale_groups == "wait"
     sync = load_config("train", overrides(eta=0, partial=False, seed=0, args=args), check_files=False)
     assert sync.actor.rollout_correction.level is None and sync.rollout.val_n == 4
 
