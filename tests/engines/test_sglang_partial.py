@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from agentrl.engines.base import FinishReason, GenerateRequest, SamplingParams
+from agentrl.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from agentrl.engines.builtin import BuiltinEngine
 from agentrl.engines.serve import build_app
 from agentrl.engines.sglang import SGLangEngine
@@ -87,6 +87,16 @@ def greedy(n: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, **kwargs)
 
 
+async def generate_through_updates(served: InProcessServer, engine: SGLangEngine, updates: list) -> GenerateResult:
+    """A greedy request of 40 tokens held at its 5th, then each ``(path, version)`` update in turn."""
+    served.hold_at(5)
+    running = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(40))))
+    await served.held()
+    for path, version in updates:
+        await engine.update_weights(path=str(path), version=version)
+    return await running
+
+
 async def test_a_request_interrupted_three_times_gives_the_tokens_and_logprobs_of_an_uninterrupted_one(served, model_dir):
     plain = served.client()
     partial = served.client(partial=True)
@@ -116,11 +126,7 @@ async def test_a_request_interrupted_three_times_gives_the_tokens_and_logprobs_o
 async def test_a_resumed_request_samples_its_remaining_budget_under_the_new_weights(served, model_dir, other_model_dir):
     engine = served.client(partial=True)
     try:
-        served.hold_at(5)
-        running = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(40))))
-        await served.held()
-        await engine.update_weights(path=str(other_model_dir), version=7)
-        result = await running
+        result = await generate_through_updates(served, engine, [(other_model_dir, 7)])
     finally:
         await engine.aclose()
     k = 5
@@ -211,13 +217,8 @@ async def test_a_request_woken_by_one_update_waits_for_the_next_that_began_befor
     begins before the request runs again; it must wait for that one too, not be sent into it (the
     second update's abort would end it for good, as a request no update interrupted)."""
     engine = served.client(partial=True)
-    try:
-        served.hold_at(5)
-        running = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, greedy(40))))
-        await served.held()
-        await engine.update_weights(path=str(model_dir), version=1)
-        await engine.update_weights(path=str(model_dir), version=2)  # no turn of the loop between the two
-        result = await running
+    try:  # no turn of the loop between the two updates
+        result = await generate_through_updates(served, engine, [(model_dir, 1), (model_dir, 2)])
     finally:
         await engine.aclose()
     assert (result.finish_reason, len(result.output_ids)) == (FinishReason.LENGTH, 40)
