@@ -23,7 +23,7 @@ def known_agent_names() -> set[str]:
 
 
 def _validate(argv: list[str]) -> int:
-    from agentrl.data.dataset import validate_files
+    from agentrl.data.dataset import counted, validate_files
     from agentrl.data.io import count_rows
 
     parser = argparse.ArgumentParser(prog="agentrl data validate", description="Check every row of parquet row files.")
@@ -43,7 +43,7 @@ def _validate(argv: list[str]) -> int:
     if problems:
         return 1
     total = sum(count_rows(path) for path in args.files)
-    print(f"{total} rows in {len(args.files)} file(s): all valid")
+    print(f"{counted(total, 'row')} in {counted(len(args.files), 'file')}: all valid")
     return 0
 
 

@@ -36,10 +36,15 @@ from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
 from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
 
-__all__ = ["MAX_REPORTED", "row_uid", "file_tags", "parse_row", "row_plugin_problems", "validate_files", "RowDataset", "rows_from_dicts"]
+__all__ = ["MAX_REPORTED", "counted", "row_uid", "file_tags", "parse_row", "row_plugin_problems", "validate_files", "RowDataset", "rows_from_dicts"]
 
 MAX_REPORTED = 50
 CACHE_BYTES = 256 << 20
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 problem``, ``2 problems``: a count with its noun in the right number."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def row_uid(row: Row, file: str, index: int) -> str:
@@ -68,7 +73,7 @@ def parse_row(raw: dict[str, Any], *, file: str, index: int) -> Row:
     except ValidationError as exc:
         errors = exc.errors()
         field = ".".join(str(p) for p in errors[0]["loc"]) or None
-        more = f" (and {len(errors) - 1} more problems in this row)" if len(errors) > 1 else ""
+        more = f" (and {counted(len(errors) - 1, 'more problem')} in this row)" if len(errors) > 1 else ""
         raise DataError(f"{errors[0]['msg']}{more}", file=file, row=index, field=field) from None
 
 
@@ -124,7 +129,7 @@ def validate_files(
         file, index = first_defaulted
         found.items.insert(0, DataError(  # a configuration problem: listed first, never left out
             f"no agent_name, and the default agent {default_agent!r} is unknown (known: {known_text}); "
-            f"{defaulted} rows have no agent_name", file=file, row=index, field="agent_name",
+            f"{counted(defaulted, 'row')} {'has' if defaulted == 1 else 'have'} no agent_name", file=file, row=index, field="agent_name",
         ))
     return found.report()
 
@@ -209,7 +214,7 @@ class _Problems:
                 problem = DataError(f"{problem.message} (the same in {where})", file=problem.file, row=problem.row, field=problem.field)
             listed.append(problem)
         if self.left_out:
-            listed.append(DataError(f"... and {self.left_out} more problems (only the first {self.cap} are listed)"))
+            listed.append(DataError(f"... and {counted(self.left_out, 'more problem')} (only the first {self.cap} are listed)"))
         return listed
 
 

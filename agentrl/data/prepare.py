@@ -8,7 +8,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from agentrl.data.dataset import file_tags, parse_row, row_uid, validate_files
+from agentrl.data.dataset import counted, file_tags, parse_row, row_uid, validate_files
 from agentrl.data.io import iter_raw_rows, write_rows
 from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
@@ -98,7 +98,7 @@ def prepare_data(
     )
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
-        raise DataError(f"invalid data ({len(problems)} problems):\n{lines}")
+        raise DataError(f"invalid data ({counted(len(problems), 'problem')}):\n{lines}")
     val_rows = []
     for path, tag in zip(val_files, file_tags(val_files)):
         for index, raw in iter_raw_rows(path):

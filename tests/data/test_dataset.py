@@ -148,6 +148,26 @@ def test_a_problem_every_row_has_is_listed_once_with_its_rows(tmp_path):
     assert problems[0].message.startswith("unknown agent_name 'planner'") and "the same in" not in str(problems[1])
 
 
+def test_counts_of_one_are_singular_in_every_message(tmp_path):
+    from agentrl.config.schema import DataConfig, TrainConfig
+    from agentrl.data.prepare import prepare_data
+
+    rows = make_rows(3)
+    rows[0]["data_source"], rows[0]["prompt"][0]["role"] = None, "robot"  # two problems in one row
+    rows[1]["agent_name"] = "planner1"
+    rows[2]["agent_name"] = "planner2"
+    path = write_rows(rows, tmp_path / "bad.parquet")
+    first, second, rest = validate_files([path], known_agent_names=LOOPS, max_reported=2)
+    assert first.message.endswith("(and 1 more problem in this row)")
+    assert str(rest) == "... and 1 more problem (only the first 2 are listed)"
+    del rows[1]["agent_name"]
+    [unknown] = validate_files([write_rows(rows[1:2], tmp_path / "one.parquet")], known_agent_names=LOOPS, default_agent="planner")
+    assert unknown.message.endswith("; 1 row has no agent_name")
+    with pytest.raises(DataError) as caught:
+        prepare_data(TrainConfig(data=DataConfig(train_files=[str(write_rows(rows[2:], tmp_path / "two.parquet"))])), tmp_path)
+    assert str(caught.value).startswith("invalid data (1 problem):\n  file ")
+
+
 def test_unknown_agent_name_is_reported_at_load(tmp_path):
     rows = make_rows(3)
     rows[1]["agent_name"] = "planner"

@@ -187,7 +187,7 @@ def test_data_validate_cli(tmp_path):
     bad_rows[1]["agent_name"] = "nope"
     bad = write_rows(bad_rows, tmp_path / "bad.parquet")
     ok = subprocess.run([sys.executable, "-m", "agentrl.cli", "data", "validate", str(good)], capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and "4 rows in 1 file(s): all valid" in ok.stdout
+    assert ok.returncode == 0 and "4 rows in 1 file: all valid" in ok.stdout
     fail = subprocess.run([sys.executable, "-m", "agentrl.cli", "data", "validate", str(bad)], capture_output=True, text=True, timeout=120)
     assert fail.returncode == 1
     assert f"file {bad}, row 1, field agent_name: unknown agent_name 'nope' (known: " in fail.stdout
