@@ -74,7 +74,17 @@ def parse_row(raw: dict[str, Any], *, file: str, index: int) -> Row:
         errors = exc.errors()
         field = ".".join(str(p) for p in errors[0]["loc"]) or None
         more = f" (and {counted(len(errors) - 1, 'more problem')} in this row)" if len(errors) > 1 else ""
-        raise DataError(f"{errors[0]['msg']}{more}", file=file, row=index, field=field) from None
+        raise DataError(f"{errors[0]['msg']}{_got(errors[0])}{more}", file=file, row=index, field=field) from None
+
+
+def _got(error: Any) -> str:
+    """`` (got 'robot')``: the bad value of a field, when it is a single value short enough to echo
+    (a missing field has none; a whole message or list would drown the line)."""
+    value = error.get("input")
+    if error["type"] == "missing" or not isinstance(value, (str, int, float, bool, type(None))):
+        return ""
+    text = repr(value)
+    return f" (got {text if len(text) <= 80 else text[:77] + '...'})"
 
 
 def validate_files(

@@ -105,7 +105,21 @@ def test_invalid_row_names_file_row_and_field(tmp_path):
     path = write_rows(bad, tmp_path / "bad.parquet")
     [problem] = validate_files([path])
     assert (problem.file, problem.row, problem.field) == (str(path), 3, "prompt.1.role")
-    assert str(problem).startswith(f"file {path}, row 3, field prompt.1.role: Input should be 'system', 'user'")
+    assert str(problem) == (f"file {path}, row 3, field prompt.1.role: Input should be 'system', 'user', 'assistant' or 'tool' "
+                            "(got 'robot')")
+
+
+def test_a_bad_value_is_echoed_shortened_and_a_missing_field_has_none_to_echo(tmp_path):
+    rows = make_rows(2)
+    rows[0]["prompt"][0]["role"] = "r" * 200
+    rows[1]["data_source"] = None
+    long, null = validate_files([write_rows(rows, tmp_path / "bad.parquet")])
+    assert long.message.endswith(f"(got '{'r' * 76}...)")
+    assert (null.field, null.message) == ("data_source", "Input should be a valid string (got None)")
+    del rows[1]["data_source"]
+    with pytest.raises(DataError) as missing:
+        rows_from_dicts(rows[1:])
+    assert (missing.value.field, missing.value.message) == ("data_source", "Field required")
 
 
 def test_reading_an_invalid_row_raises_naming_file_row_and_field(tmp_path):

@@ -36,11 +36,11 @@ def user(content) -> dict:
         ({**user("hi"), "extra_info": {"tools_kwargs": DEEP}}, "extra_info.tools_kwargs", "not valid JSON"),
         ({**user("hi"), "extra_info": {"interaction_kwargs": "[1,"}}, "extra_info.interaction_kwargs", "not valid JSON"),
         ({"data_source": "x", "prompt": [{"role": "assistant", "content": "", "tool_calls": DEEP}]}, "prompt.0.tool_calls", "not valid JSON"),
-        ({"data_source": "x", "prompt": [{"role": "root", "content": "x"}]}, "prompt.0.role", "Input should be 'system', 'user', 'assistant' or 'tool'"),
+        ({"data_source": "x", "prompt": [{"role": "root", "content": "x"}]}, "prompt.0.role", "Input should be 'system', 'user', 'assistant' or 'tool' (got 'root')"),
         (user(5), "prompt.0.content", "Input should be a valid string"),
         ({"data_source": "x", "prompt": "hello"}, "prompt", "Input should be a valid list"),
         ({"data_source": "x", "prompt": []}, "prompt", "List should have at least 1 item"),
-        ({"data_source": 3, "prompt": [{"role": "user", "content": "x"}]}, "data_source", "Input should be a valid string"),
+        ({"data_source": 3, "prompt": [{"role": "user", "content": "x"}]}, "data_source", "Input should be a valid string (got 3)"),
     ],
 )
 def test_a_hostile_field_is_a_data_error_naming_file_row_and_field(tmp_path, row, field, message):
