@@ -57,6 +57,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentrl.agent.loop import EpisodeEnd, LoopContext, sample_turn
+from agentrl.agent.openai_request import Ask, answer_text, log_overrides, messages_and_tools, read_request
 from agentrl.agent.openai_wire import MODEL_NAME, RequestRefused, error_response, normalize_message, sse_stream
 from agentrl.agent.setup import Limits
 from agentrl.agent.render import ChatRenderer
@@ -70,78 +71,6 @@ from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, Tr
 __all__ = ["OpenAIEndpoint", "EndpointSession", "Segment", "CallRecord", "RequestRefused", "endpoint"]
 
 log = logging.getLogger(__name__)
-
-# What the endpoint does with each request field (docs/own-agent.md lists them all): the
-# sampling parameters the trainer owns are the run's whatever a request asks (the sampled policy
-# must be the rollout's; a request asking otherwise is logged once per parameter and process);
-# these are the neutral values of the ones the rollout never applies.
-_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "logit_bias": {}, "response_format": {"type": "text"}}
-# n > 1, top_logprobs and a forced tool_choice are refused with a 400 naming the field (no answer
-# would be what was asked); every other field, known or not, is ignored as OpenAI-compatible
-# servers ignore what they do not know.
-
-
-@dataclass(frozen=True, slots=True)
-class _Ask:
-    """A chat-completions request as the endpoint serves it."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    parse_calls: bool  # tool_choice is not 'none'
-    stop: tuple[str, ...]
-    include_stop: bool  # vLLM's include_stop_str_in_output: keep the stop string in the content
-    max_tokens: int | None
-    logprobs: bool = False  # the sampled tokens' logprobs in choices[0].logprobs.content
-    token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and choices[0].token_ids
-    tokens: list[int] | None = None  # /chat/completions/tokens: the prompt ids to generate from
-
-
-_logged_overrides: set[str] = set()
-_logged_lock = threading.Lock()
-
-
-def _log_overrides(body: dict[str, Any], sampling: SamplingParams, seeded: bool) -> None:
-    """One line per trainer-owned parameter a request asked to set otherwise, the first time in
-    this process: the parameter, what was asked and the value used."""
-    used: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                            "seed": "the run's, per call" if seeded else None, **_NEUTRAL}
-    for key, value in used.items():
-        asked = body.get(key)
-        if asked is None or asked == value or key in _logged_overrides:
-            continue
-        with _logged_lock:
-            if key in _logged_overrides:
-                continue
-            _logged_overrides.add(key)
-        shown = "none" if value is None else f"{value!r}" + (" (not applied)" if key in _NEUTRAL else "")
-        log.warning("OpenAI endpoint: a request asked %s=%r; the rollout's is used instead: %s=%s "
-                    "(said once per process)", key, asked, key, shown)
-
-
-def _as_rendered(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool as the chat template is given it: without OpenAI's ``strict`` flag, which asks the
-    server to constrain generation to the schema (this endpoint does not) and describes nothing
-    to the model. Frameworks set it by default (the Agents SDK sends ``strict`` on every function
-    tool); rendered, it would be text the model never saw beside its tools."""
-    function = tool.get("function")
-    if isinstance(function, dict) and "strict" in function:
-        return {**tool, "function": {k: v for k, v in function.items() if k != "strict"}}
-    return tool
-
-
-def _messages_and_tools(body: dict[str, Any], missing: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """A request's ``messages``, normalised, and its ``tools`` as rendered (None: none); refused
-    naming the field (``missing``: what is said when there are no messages)."""
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise RequestRefused(missing, param="messages")
-    messages = [normalize_message(m, where=f"messages[{i}]") for i, m in enumerate(raw)]
-    tools = body.get("tools") or None
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise RequestRefused("tools: a list of tool objects is required", param="tools")
-    return messages, None if tools is None else [_as_rendered(t) for t in tools]
-
 
 @dataclass(slots=True)
 class CallRecord:
@@ -253,7 +182,7 @@ class EndpointSession:
         if isinstance(body.get("prompt"), str):
             ids = self.renderer.encode(body["prompt"])
         else:
-            messages, tools = _messages_and_tools(body, "messages (or prompt): a non-empty list of messages is required")
+            messages, tools = messages_and_tools(body, "messages (or prompt): a non-empty list of messages is required")
             try:
                 ids = self.renderer.template_ids(messages, tools or [],
                                                  add_generation_prompt=bool(body.get("add_generation_prompt", True)))
@@ -266,14 +195,15 @@ class EndpointSession:
     async def _complete(self, body: dict[str, Any], with_tokens: bool = False) -> dict[str, Any]:
         if self.finish is not None:
             raise RequestRefused(f"this trajectory has ended ({self.finish.value})", finish=self.finish)
-        ask = self._read(body, with_tokens)
+        ask = read_request(body, vocab=len(self.renderer.tokenizer), max_new_tokens=self.limits.max_new_tokens,
+                           with_tokens=with_tokens)
         self.check_turn(None)  # before an observation that no turn would read
         if ask.tokens is not None:
             segment, merged = self._extend_by_tokens(ask.tokens, ask.messages, ask.tools)
         else:
             segment, merged = self._extend_or_split(ask.messages, ask.tools)
         left = self.check_turn(segment, 1) + 1  # the tokens this answer may sample
-        _log_overrides(body, self.sampling, self.seed is not None)
+        log_overrides(body, self.sampling, self.seed is not None)
         prompt = segment.builder.all_ids
         try:
             sampled = await sample_turn(self, self.engine, self.renderer, self.sampling, prompt, call=len(self.calls),
@@ -284,18 +214,20 @@ class EndpointSession:
         result = sampled.result
         self.assistant_turns += 1
         turn = segment.builder.append_sampled(result.output_ids, result.logprobs, versions=sampled.versions)
+        sampled_text, segment.stopped_on_eos = answer_text(sampled, self.renderer,
+                                                           self.sampling.stop_token_ids or (self.renderer.eos_id,))
+        ended = "stop" if segment.stopped_on_eos else result.finish_reason.value  # the model ended its turn
         self.calls.append(CallRecord(len(self.segments) - 1, prompt, list(result.output_ids), list(result.logprobs),
-                                     result.finish_reason.value, merged))
+                                     ended, merged))
         ids = result.output_ids
-        segment.stopped_on_eos = sampled.stopped_on_eos
-        text, _ = cut_at_stop(sampled.text, ask.stop, keep=ask.include_stop)  # the stop string's text is never sent
+        text, _ = cut_at_stop(sampled_text, ask.stop, keep=ask.include_stop)  # the stop string's text is never sent
         answer, malformed = self._answer(text, ask)
         if malformed:
             self._record_malformed(malformed, len(segment.builder.turns) - 1, turn)
         tool_calls = answer.get("tool_calls") or []
         self.tool_calls_returned += len(tool_calls) + len(malformed)
         segment.messages.append(normalize_message(answer, where="response"))
-        finish = "length" if result.finish_reason is FinishReason.LENGTH else "tool_calls" if tool_calls else "stop"
+        finish = "length" if ended == FinishReason.LENGTH.value else "tool_calls" if tool_calls else "stop"
         choice: dict[str, Any] = {"index": 0, "message": answer, "finish_reason": finish, "logprobs": None}
         if ask.logprobs:  # as vLLM: every sampled token (the end-of-turn token too), with its own text
             choice["logprobs"] = {"content": [
@@ -311,7 +243,7 @@ class EndpointSession:
             choice["token_ids"] = list(ids)
         return response
 
-    def _answer(self, text: str, ask: _Ask) -> tuple[dict[str, Any], list[ParsedCall]]:
+    def _answer(self, text: str, ask: Ask) -> tuple[dict[str, Any], list[ParsedCall]]:
         """The assistant message for ``text``, and the calls in it that could not be understood.
 
         As vLLM and SGLang answer: when every call parses, names one of the request's tools and
@@ -376,46 +308,6 @@ class EndpointSession:
     def _end(self, finish: TrajectoryFinish, *, status: int = 400) -> Any:
         self.finish = finish
         raise RequestRefused(f"the trajectory ended: {finish.value}", status=status, finish=finish)
-
-    def _read(self, body: dict[str, Any], with_tokens: bool = False) -> _Ask:
-        if body.get("top_logprobs"):  # accepted when off: only the sampled tokens' own logprobs exist here
-            raise RequestRefused(f"top_logprobs={body['top_logprobs']!r}: not supported (only the sampled tokens' "
-                                 "logprobs are computed: ask logprobs=true and leave top_logprobs unset)", param="top_logprobs")
-        logprobs = body.get("logprobs")
-        if logprobs not in (None, True, False):
-            raise RequestRefused(f"logprobs={logprobs!r}: true or false is required", param="logprobs")
-        tokens = body.get("tokens") if with_tokens else None
-        if with_tokens:
-            vocab = len(self.renderer.tokenizer)
-            if (not isinstance(tokens, list) or not tokens
-                    or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
-                raise RequestRefused(f"tokens: a non-empty list of token ids below the vocabulary size {vocab} is required",
-                                     param="tokens")
-        n = body.get("n")
-        if n not in (None, 1):
-            raise RequestRefused(f"n={n!r}: only n=1 is supported (one trajectory samples one answer per call)", param="n")
-        messages, tools = _messages_and_tools(body, "messages: a non-empty list is required")
-        choice = body.get("tool_choice")
-        if choice not in (None, "auto", "none"):
-            raise RequestRefused(f"tool_choice={choice!r}: only 'auto' and 'none' are supported "
-                                 "(generation is not constrained)", param="tool_choice")
-        stop = body.get("stop")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if not all(isinstance(s, str) for s in stops):
-            raise RequestRefused(f"stop={stop!r}: a string or a list of strings is required", param="stop")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-            raise RequestRefused(f"max_tokens={max_tokens!r}: a positive integer is required", param="max_tokens")
-        if max_tokens is not None and max_tokens > self.limits.max_new_tokens and "max_tokens" not in _logged_overrides:
-            with _logged_lock:
-                first = "max_tokens" not in _logged_overrides
-                _logged_overrides.add("max_tokens")
-            if first:
-                log.warning("OpenAI endpoint: a request asked max_tokens=%d; at most rollout.max_new_tokens=%d are "
-                            "sampled (said once per process)", max_tokens, self.limits.max_new_tokens)
-        return _Ask(messages, tools, choice != "none", tuple(s for s in stops if s),
-                    bool(body.get("include_stop_str_in_output")), max_tokens, bool(logprobs),
-                    bool(body.get("return_token_ids")), tokens)
 
     def _extend_by_tokens(self, tokens: list[int], messages: list[dict[str, Any]],
                           tools: list[dict[str, Any]] | None) -> tuple[Segment, bool]:

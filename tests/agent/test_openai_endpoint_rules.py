@@ -15,7 +15,7 @@ import pytest
 from agent_helpers import loop_with, make_row
 from agent_helpers import run_rows as run
 
-from agentrl.agent import openai_endpoint
+from agentrl.agent import openai_request
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.errors import EngineError
 from agentrl.trainer.step import INFRA_FAILURES, failure_metrics, trajectory_metrics, usable_trajectories
@@ -308,7 +308,7 @@ def test_the_cookbook_loop_after_a_stop_string_extends_one_segment(tiny_tokenize
 def test_trainer_owned_sampling_is_overridden_said_once_and_unknown_fields_are_ignored(tiny_tokenizer, make_ctx, caplog):
     engine = ScriptedEngine(tiny_tokenizer, {"r0": ["one", "two"]})
     ctx = make_ctx(engine)
-    openai_endpoint._logged_overrides.clear()
+    openai_request.logged_overrides.clear()
 
     def program(task):
         client = client_of(task)

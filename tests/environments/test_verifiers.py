@@ -8,6 +8,7 @@ own (``vf_test_envs``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import textwrap
@@ -17,9 +18,10 @@ import pytest
 from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.agent.setup import RolloutSetup
-from agentrl.config.schema import DataConfig, EnvironmentConfig, TrainConfig
+from agentrl.config.schema import DataConfig, EnvironmentConfig, RolloutConfig, TrainConfig
 from agentrl.data.io import iter_raw_rows
 from agentrl.data.row import EnvironmentRef, Row
+from agentrl.engines.base import FinishReason
 from agentrl.environments import spec
 from agentrl.errors import PluginError
 
@@ -182,8 +184,9 @@ def ref(name: str, **args) -> EnvironmentRef:
     return EnvironmentRef(library="verifiers", name=f"vf_test_envs:{name}", args=args)
 
 
-def context(engine, tokenizer, env: EnvironmentRef, *, client: str = "chat"):
-    cfg = TrainConfig(data=DataConfig(max_response_length=512), environment=EnvironmentConfig(
+def context(engine, tokenizer, env: EnvironmentRef, *, client: str = "chat", max_new_tokens: int = 128):
+    cfg = TrainConfig(data=DataConfig(max_response_length=512), rollout=RolloutConfig(max_new_tokens=max_new_tokens),
+                      environment=EnvironmentConfig(
         library="verifiers", name=env.name, args=env.args, verifiers={"client": client}))
     return build_context(engine, tokenizer, RolloutSetup.from_config(cfg), tool_names=[])
 
@@ -446,3 +449,45 @@ def test_replay_rerun_scores_a_group_rubric_over_the_stored_group(envs, tiny_tok
     # without them it is a group of one, where its two guesses are the fewest: a different reward
     [solo] = asyncio.run(rerun_trajectories(picked, context(None, tiny_tokenizer, env_ref), loops))
     assert [d.kind for d in solo.differences] == ["reward"] and solo.rerun.reward == pytest.approx(stored[1] + 0.5)
+
+
+class LengthFirst(ScriptedEngine):
+    """An engine that checks the length limit before the stop ids, as SGLang and agentrl's builtin
+    engine do: an end-of-turn id sampled as the last allowed token comes back as ``length``."""
+
+    async def generate(self, request):
+        result = await super().generate(request)
+        if result.finish_reason.value == "stop" and len(result.output_ids) == request.sampling.max_new_tokens:
+            result = dataclasses.replace(result, finish_reason=FinishReason.LENGTH, matched_stop=None)
+        return result
+
+
+def test_an_end_of_turn_id_sampled_as_the_last_allowed_token_ends_the_turn_and_a_rerun_gives_the_stored_tokens(
+        envs, tiny_tokenizer, tmp_path):
+    """A malformed call whose end-of-turn id is the turn's last allowed token: the engine says
+    ``length``, the content verifiers echoes back has no ``<|im_end|>``, the observation after it
+    is the template's (separator first), and ``agentrl replay rerun`` (whose engine says ``stop``)
+    re-runs the stored tokens exactly."""
+    from agentrl.data.rollout_store import RolloutStore
+    from agentrl.replay.rerun import rerun_trajectories
+
+    env_ref = ref("load_guess", rows=1)
+    bad = '<tool_call>\n{"name": oops}\n</tool_call>'
+    limit = len(tiny_tokenizer.encode(bad, add_special_tokens=False)) + 1  # the end-of-turn id is the last allowed
+    engine = LengthFirst(tiny_tokenizer, {"r0": [bad, "7"]})
+    ctx = context(engine, tiny_tokenizer, env_ref, max_new_tokens=limit)
+    (t,) = rollout(ctx, env_ref)
+    r = ctx.renderer
+    s1, s2 = (tiny_tokenizer.encode(x, add_special_tokens=False) + [r.eos_id] for x in (bad, "7"))
+    observed = r.observation_ids([{"role": "user", "content": "Answer with a number."}])
+    assert tiny_tokenizer.decode(observed).startswith("\n<|im_start|>user\n")  # the separator the template writes
+    assert t.response_ids == s1 + observed + s2 + r.separator_ids
+    assert t.response_mask == [1] * len(s1) + [0] * len(observed) + [1] * len(s2) + [0] * len(r.separator_ids)
+    assert t.messages[1] == {"role": "assistant", "content": bad}  # no end-of-turn text in what verifiers read
+    assert t.prompt_ids + t.response_ids[:-len(r.separator_ids)] == r.render_ids(t.messages)[:-len(r.separator_ids)]
+    assert t.finish_reason == "stop" and t.metrics["tool_errors/bad_json"] == 1.0
+    store = RolloutStore(tmp_path / "rollouts")
+    store.write_step(0, [t], rows=[("r0", Row.model_validate(av.rows(env_ref)[0]))])
+    [again] = asyncio.run(rerun_trajectories(list(store.iter_stored()), context(None, tiny_tokenizer, env_ref, max_new_tokens=limit),
+                                             LoopTable("tool_agent")))
+    assert again.differences == [] and again.rerun.response_ids == t.response_ids
