@@ -5,7 +5,8 @@ unpacked on a temporary path - its modules next to a ``myplugin-0.1.dist-info`` 
 its ``pyproject.toml``, the layout pip leaves in site-packages - and never imported by hand:
 everything below finds it through ``importlib.metadata``, in this process, in subprocesses
 (the CLI) and in a Ray actor. It adds a tool, an interaction and an agent loop, a tool that
-fails, a tool whose name collides with a built-in, and a tool and a reward whose module cannot be imported.
+fails, a tool whose name collides with a built-in, a tool and a reward whose module cannot be imported,
+and agent programs that fail (``tests/test_program_setup.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ FIXTURE = Path(__file__).parent / "fixtures" / "plugin_dist"
 MINE = {
     ("agentrl.tools", "shout"), ("agentrl.tools", "explode"), ("agentrl.tools", "calculator"), ("agentrl.tools", "telescope"),
     ("agentrl.interactions", "always_right"), ("agentrl.agent_loops", "one_shot"), ("agentrl.rewards", "broken"),
-    ("agentrl.data_source_rewards", "myplugin/shouting"),
+    ("agentrl.data_source_rewards", "myplugin/shouting"), ("agentrl.agents", "absent_at_import"), ("agentrl.agents", "absent_at_call"),
+    ("agentrl.agents", "gives_up"),
 }
 
 
@@ -96,7 +98,8 @@ def test_plugins_list_check_flags_only_the_broken_plugin(dist_path):
     out = agentrl(dist_path, "plugins", "list", "--json", "--check")
     assert out.returncode == 1  # something is broken
     broken = {(r["group"], r["name"], r["distribution"]): r["error"] for r in json.loads(out.stdout) if r["error"] is not None}
-    assert sorted(broken) == [("agentrl.rewards", "broken", "myplugin"), ("agentrl.tools", "telescope", "myplugin")]
+    assert sorted(broken) == [("agentrl.agents", "absent_at_import", "myplugin"), ("agentrl.rewards", "broken", "myplugin"),
+                              ("agentrl.tools", "telescope", "myplugin")]
     assert "entry point broken = myplugin_broken:compute_score, distribution myplugin" in broken[("agentrl.rewards", "broken", "myplugin")]
 
 
@@ -280,7 +283,7 @@ def test_a_row_naming_a_tool_that_fails_to_import_is_named_before_any_model_is_l
     data = write_rows(rows, tmp_path / "rows.parquet")
     expected = (f"file {data}, row 1, field extra_info.tools_kwargs.telescope: tool 'telescope' cannot be loaded: "
                 "plugin 'telescope' in group agentrl.tools (entry point telescope = myplugin_broken:Telescope, "
-                "distribution myplugin) failed to load: ImportError: this plugin is broken on purpose (the same in row 2)")
+                f"distribution myplugin) failed to load: ImportError: this plugin is broken on purpose (the same in row 2 of {data})")
     validate = agentrl(site, "data", "validate", str(data))
     assert validate.returncode == 1
     assert validate.stdout.splitlines()[0] == expected

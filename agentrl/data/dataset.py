@@ -117,8 +117,7 @@ def validate_files(
     known_text = ", ".join(sorted(known)) if known is not None else ""
     first_defaulted: tuple[str, int] | None = None  # the first row without agent_name
     defaulted = 0
-    for path in paths:
-        path = str(path)
+    for path in dict.fromkeys(map(str, paths)):  # a file given twice (as training and validation data) is read once
         try:
             for index, raw in iter_raw_rows(path):
                 try:
@@ -197,7 +196,7 @@ def row_plugin_problems(
 class _Problems:
     """A capped list of problems that counts what it leaves out. A problem met again in another
     row of the same file and field (a missing package named by every row) is listed once, with
-    the rows it was met in."""
+    the rows it was met in and their file."""
 
     def __init__(self, cap: int):
         self.cap, self.items, self.left_out = cap, [], 0
@@ -220,7 +219,7 @@ class _Problems:
             rows = self.again.get((problem.file, problem.field, problem.message)) if problem.row is not None else None
             if rows:
                 shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
-                where = f"row{'s' if len(rows) > 1 else ''} {shown}"
+                where = f"row{'s' if len(rows) > 1 else ''} {shown} of {problem.file}"
                 problem = DataError(f"{problem.message} (the same in {where})", file=problem.file, row=problem.row, field=problem.field)
             listed.append(problem)
         if self.left_out:

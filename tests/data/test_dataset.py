@@ -158,7 +158,7 @@ def test_a_problem_every_row_has_is_listed_once_with_its_rows(tmp_path):
     path = write_rows(bad, tmp_path / "bad.parquet")
     problems = validate_files([path], known_agent_names=LOOPS, max_reported=3)
     assert [(p.row, p.field) for p in problems] == [(0, "agent_name"), (3, "agent_name")]
-    assert str(problems[0]).endswith("(the same in rows 1, 2, 4, 5, 6 and 1 more)")
+    assert str(problems[0]).endswith(f"(the same in rows 1, 2, 4, 5, 6 and 1 more of {path})")
     assert problems[0].message.startswith("unknown agent_name 'planner'") and "the same in" not in str(problems[1])
 
 
@@ -180,6 +180,20 @@ def test_counts_of_one_are_singular_in_every_message(tmp_path):
     with pytest.raises(DataError) as caught:
         prepare_data(TrainConfig(data=DataConfig(train_files=[str(write_rows(rows[2:], tmp_path / "two.parquet"))])), tmp_path)
     assert str(caught.value).startswith("invalid data (1 problem):\n  file ")
+
+
+def test_a_file_given_as_training_and_validation_data_is_checked_once_and_a_repeated_problem_names_its_file(tmp_path):
+    from agentrl.config.schema import DataConfig, TrainConfig
+    from agentrl.data.prepare import prepare_data
+
+    rows = make_rows(4)
+    for i in (1, 3):
+        rows[i]["prompt"][1]["role"] = "robot"
+    path = str(write_rows(rows, tmp_path / "both.parquet"))
+    with pytest.raises(DataError) as caught:
+        prepare_data(TrainConfig(data=DataConfig(train_files=[path], val_files=[path])), tmp_path)
+    assert str(caught.value) == (f"invalid data (1 problem):\n  file {path}, row 1, field prompt.1.role: Input should be 'system', "
+                                 f"'user', 'assistant' or 'tool' (got 'robot') (the same in row 3 of {path})")
 
 
 def test_unknown_agent_name_is_reported_at_load(tmp_path):
