@@ -16,6 +16,11 @@ A program that raises while the endpoint and the engine were healthy (a framewor
 the model's output) ends a scored episode, ``program_error``, in the loss; the engine's or the
 endpoint's failure, a refused request and a transport error
 (``agentrl.agent.openai_wire.is_transport_error``) stay infrastructure (``classify_exception``).
+So does an ``ImportError`` (``ModuleNotFoundError`` included) raised inside the program: a package
+it imports at its first call is missing, a setup problem whatever the model wrote, so the episode
+is a ``loop_error`` that names the program, the module and what to install, and a run of them
+fails (``rollout.max_failure_rate``, ``trainer.max_failure_rate``). A program that imports its
+packages with its module is refused before any work instead (the data checks import it).
 """
 
 from __future__ import annotations
@@ -30,18 +35,19 @@ from agentrl.agent.openai_wire import is_transport_error
 from agentrl.agent.program import AgentResult, AgentTask
 from agentrl.data.row import Row
 from agentrl.errors import PluginError
-from agentrl.plugins import PluginRegistry, discover
+from agentrl.plugins import PluginRegistry, discover, install_hint, missing_module
 from agentrl.rewards import score_to_float
 from agentrl.trajectory import Trajectory, TrajectoryFinish
 
 
-def classify_exception(exc: BaseException, session: EndpointSession) -> tuple[TrajectoryFinish, str]:
-    """How an episode whose program raised ``exc`` ended, and the error text.
+def classify_exception(exc: BaseException, session: EndpointSession, *, program: str = "?") -> tuple[TrajectoryFinish, str]:
+    """How an episode whose program (named ``program`` in the error) raised ``exc`` ended, and the error text.
 
     A limit or the engine that ended the trajectory gives its own finish reason; the endpoint's
-    own failure, a request it refused, and a call that failed in transport (no connection, a
-    timeout, a 5xx) are ``loop_error``, infrastructure, out of the loss; any other exception is
-    the program giving up on what the model wrote: ``program_error``, a scored episode."""
+    own failure, a request it refused, an import that failed (a package the program needs is not
+    installed) and a call that failed in transport (no connection, a timeout, a 5xx) are
+    ``loop_error``, infrastructure, out of the loss; any other exception is the program giving up
+    on what the model wrote: ``program_error``, a scored episode."""
     own = f"{type(exc).__name__}: {exc}"
     if session.finish is not None:
         return session.finish, session.error or own
@@ -49,6 +55,11 @@ def classify_exception(exc: BaseException, session: EndpointSession) -> tuple[Tr
         return TrajectoryFinish.LOOP_ERROR, f"the endpoint failed: {session.crashed} (the program then raised {own})"
     if session.refused is not None:
         return TrajectoryFinish.LOOP_ERROR, f"the endpoint refused a request: {session.refused} (the program then raised {own})"
+    if isinstance(exc, ImportError):
+        module = missing_module(exc)
+        hint = f" ({install_hint(module)})" if module is not None else ""
+        return TrajectoryFinish.LOOP_ERROR, (f"setup: the agent program {program!r} raised {own}{hint}; a missing "
+                                             f"package is the installation's problem, not the model's output")
     if is_transport_error(exc):
         return TrajectoryFinish.LOOP_ERROR, own
     return TrajectoryFinish.PROGRAM_ERROR, own
@@ -65,6 +76,14 @@ def find_program(row: Row, registry: PluginRegistry) -> Any:
             )
         name = names[0]
     return registry.load("agents", str(name))
+
+
+def program_name(row: Row, program: Any) -> str:
+    """The row's ``extra_info.agent_program``, else where the function lives (``module:name``)."""
+    name = getattr(row.extra_info, "agent_program", None)
+    if name is not None:
+        return str(name)
+    return f"{getattr(program, '__module__', '?')}:{getattr(program, '__qualname__', type(program).__name__)}"
 
 
 class OpenAIAgentLoop(AgentLoop):
@@ -88,7 +107,7 @@ class OpenAIAgentLoop(AgentLoop):
         except asyncio.TimeoutError:
             finish = TrajectoryFinish.TRAJECTORY_TIMEOUT
         except Exception as exc:  # a limit's refusal, a failure of the infrastructure, or the program's own
-            finish, error = classify_exception(exc, session)
+            finish, error = classify_exception(exc, session, program=program_name(row, program))
         finally:
             server.close_session(base_url)
         if finish is TrajectoryFinish.STOP and session.calls and session.calls[-1].finish_reason == "length":

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import openai  # at import, not at the first call: a missing package is refused before any work (the openai extra)
+
 CALCULATOR = {
     "type": "function",
     "function": {
@@ -33,8 +35,6 @@ def calculate(expression: str) -> str:
 
 
 def solve(task: Any, max_turns: int = 4) -> str:
-    import openai
-
     client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
     messages: list[dict[str, Any]] = list(task.messages)
     answer = ""

@@ -1,8 +1,10 @@
 """The GSM8K calculator agent written with a real agent framework: the OpenAI Agents SDK.
 
 Nothing here knows agentrl: an ``Agent`` with one function tool, run by the SDK's ``Runner``
-against the chat-completions endpoint it is given, its client closed before it returns. Needs ``pip install openai-agents`` (the
-``agents`` extra); the import happens at the first call, so the entry point loads without it.
+against the chat-completions endpoint it is given, its client closed before it returns. Needs the
+OpenAI Agents SDK (``pip install "agentrl[agents]"``), imported with the module: without it the
+entry point fails to load, and ``agentrl data validate``, ``plugins list --check``, ``train`` and
+``rollout`` name the missing package before any work.
 
 ``solve_strict`` is the same agent with an output type the SDK validates, with no retries: a
 final answer that does not end with ``#### <number>`` makes the SDK raise ``ModelBehaviorError``
@@ -15,6 +17,10 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+import openai
+from agents import Agent, AgentOutputSchemaBase, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 
 from agentrl_agent_programs.gsm8k_calculator import CALCULATOR, calculate
 
@@ -31,13 +37,6 @@ async def solve_strict(task: Any, max_turns: int = 4) -> str:
 
 
 async def _run(task: Any, max_turns: int, *, strict: bool) -> str:
-    try:
-        import openai
-        from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
-        from agents.exceptions import MaxTurnsExceeded
-    except ImportError as exc:
-        raise ImportError("the gsm8k_calculator_agents_sdk program needs the OpenAI Agents SDK: pip install openai-agents") from exc
-
     set_tracing_disabled(True)  # no trace upload from a rollout
 
     async def run_calculator(context: Any, arguments: str) -> str:
@@ -65,8 +64,6 @@ async def _run(task: Any, max_turns: int, *, strict: bool) -> str:
 
 def _final_answer_schema() -> Any:
     """An SDK output type whose validation accepts only an answer ending with ``#### <number>``."""
-    from agents import AgentOutputSchemaBase
-    from agents.exceptions import ModelBehaviorError
 
     class FinalAnswer(AgentOutputSchemaBase):
         def is_plain_text(self) -> bool:

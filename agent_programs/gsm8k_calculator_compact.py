@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import openai  # at import: a missing package is refused before any work (the openai extra)
+
 from agentrl_agent_programs.gsm8k_calculator import CALCULATOR, calculate
 
 
 def solve(task: Any, max_turns: int = 4) -> str:
-    import openai
-
     client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
     start: list[dict[str, Any]] = list(task.messages)
     messages = list(start)

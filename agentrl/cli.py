@@ -84,7 +84,7 @@ def plugins_main(argv: list[str]) -> int:
     specs = discover(args.group)
     errors: dict[tuple[str, str, str | None], str] = {}
     if args.check:
-        for spec, error in PluginRegistry().check():
+        for spec, error in PluginRegistry().check(args.group):
             if error is not None:
                 errors[(spec.group, spec.name, spec.distribution)] = error
     if args.json:

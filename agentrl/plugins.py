@@ -23,7 +23,10 @@ from typing import Any, Mapping
 
 from agentrl.errors import PluginError
 
-__all__ = ["PLUGIN_TABLE_ENV", "GROUPS", "ALIASES", "PluginSpec", "PluginRegistry", "discover", "refresh", "load_plugin"]
+__all__ = [
+    "PLUGIN_TABLE_ENV", "GROUPS", "ALIASES", "EXTRAS_BY_MODULE", "PluginSpec", "PluginRegistry", "discover", "refresh", "load_plugin",
+    "missing_module", "install_hint",
+]
 
 GROUPS: tuple[str, ...] = (
     "agentrl.agent_loops",
@@ -94,13 +97,41 @@ def discover(group: str | None = None) -> list[PluginSpec]:
     return [s for s in specs if s.group == full]
 
 
+# Packages that agentrl's own plugins import and its base install leaves out, by top-level module:
+# the extra of pyproject.toml that installs each (the agent programs under agent_programs/).
+EXTRAS_BY_MODULE: dict[str, str] = {"openai": "openai", "agents": "agents"}
+
+
+def missing_module(exc: BaseException) -> str | None:
+    """The top-level module whose absence raised ``exc`` (or an exception ``exc`` was raised
+    from), or None when no ``ModuleNotFoundError`` with a module name is in the chain."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ModuleNotFoundError) and current.name:
+            return current.name.split(".")[0]
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def install_hint(module: str) -> str:
+    """What to install for a missing top-level ``module``: agentrl's extra when one provides it."""
+    extra = EXTRAS_BY_MODULE.get(module)
+    where = f'pip install "agentrl[{extra}]"' if extra else "install the package that provides it"
+    return f"the module {module!r} is not installed: {where}"
+
+
 def _import_target(spec: PluginSpec) -> Any:
     try:
         return metadata.EntryPoint(spec.name, spec.target, spec.group).load()
     except Exception as exc:  # any failure inside a plugin's import is that plugin's problem
+        module = missing_module(exc)  # a package the plugin imports, not the plugin's own module, is missing
+        own = spec.target.split(":")[0].split(".")[0]
+        hint = f" ({install_hint(module)})" if module is not None and module != own else ""
         raise PluginError(
             f"plugin {spec.name!r} in group {spec.group} (entry point {spec.name} = {spec.target}, "
-            f"distribution {spec.distribution or 'unknown'}) failed to load: {type(exc).__name__}: {exc}"
+            f"distribution {spec.distribution or 'unknown'}) failed to load: {type(exc).__name__}: {exc}{hint}"
         ) from exc
 
 
@@ -204,10 +235,10 @@ class PluginRegistry:
             self._import_problems[key] = problem
         return self._import_problems[key]
 
-    def check(self) -> list[tuple[PluginSpec, str | None]]:
-        """Try to import every plugin; returns (spec, error message or None) for each."""
+    def check(self, group: str | None = None) -> list[tuple[PluginSpec, str | None]]:
+        """Try to import every plugin (of ``group``); returns (spec, error message or None) for each."""
         results: list[tuple[PluginSpec, str | None]] = []
-        for spec in discover():
+        for spec in discover(group):
             try:
                 _import_target(spec)
                 results.append((spec, None))

@@ -53,8 +53,9 @@ class TrajectoryFinish(str, Enum):
     * ``abort``: the engine aborted a request (e.g. the server went away or was asked to stop).
     * ``loop_error``: the loop itself raised; the trajectory is empty, the error is in
       ``reward_info``, and the trainer drops it (``RolloutRunner``). For an agent program
-      (``openai_agent``): the endpoint crashed or refused a request, or the program's call failed
-      in transport (connection, timeout, a 5xx).
+      (``openai_agent``): the endpoint crashed or refused a request, the program's call failed
+      in transport (connection, timeout, a 5xx), or the program raised ``ImportError`` (a
+      package it needs is not installed: a setup problem, not the model's output).
     * ``program_error``: an agent program raised while the endpoint and the engine were healthy
       (a framework that gave up on the model's output): a scored episode, rewarded
       ``agent.program_error_reward`` and kept in the loss; the exception's type is in

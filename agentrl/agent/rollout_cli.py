@@ -109,7 +109,8 @@ def cli_main(argv: list[str]) -> int:
         "trajectories": len(trajectories),
         "reward_mean": sum(t.reward for t in trajectories) / max(len(trajectories), 1),
         "finish_reasons": finishes.counts,
-        "failed_fraction": round(finishes.failed_fraction, 4),
+        "failed_fraction": round(finishes.failed_fraction, 4),  # infrastructure failures (outcomes.FAILED)
+        "program_error_fraction": round(finishes.counts.get("program_error", 0) / max(finishes.total, 1), 4),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     run.write_summary(summary)
@@ -117,9 +118,8 @@ def cli_main(argv: list[str]) -> int:
     for line in finishes.lines():
         print(line, file=sys.stderr)
     print(f"rollouts: {path}")
-    if finishes.exceeds(cfg.rollout.max_failure_rate):
-        print(f"agentrl rollout: {finishes.failed} of {finishes.total} trajectories failed, more than "
-              f"rollout.max_failure_rate = {cfg.rollout.max_failure_rate:g}", file=sys.stderr)
+    if (failed := finishes.verdict(cfg.rollout.max_failure_rate)) is not None:
+        print(f"agentrl rollout: {failed}", file=sys.stderr)
         return 1
     return 0
 
