@@ -1,24 +1,38 @@
-"""The trainer's forward over packed sequences: each prompt once, little padding, one call.
+"""The trainer's forward over packed sequences: each shared token once, little padding, one call.
 
-For the decoder families the engine's fast path knows (Qwen2, Qwen3, Llama), a micro-batch is
-rearranged into *segments*: a distinct prompt's real tokens followed by the response tokens of
-the rows sharing it, back to back. A block mask lets each response token see its prompt and the
-earlier tokens of its own response, nothing else, and each token keeps the position it has in
-the padded layout, so the logits are those of one padded forward (exact up to float rounding;
-tests compare logprobs and gradients). The layers are called functionally on the model's own
-parameters, as the engine does: on a small model the module tree's per-layer Python and
-small-op overhead costs more than the matrix products, forward and backward.
+For the decoder families the engine's fast path knows (Qwen2, Qwen3, Llama), a micro-batch goes
+through the model as *prefix trees*. A row's tokens are its real prompt tokens and its response
+tokens up to the last real one (which is predicted, never fed). Rows whose tokens begin alike
+share those tokens: a trie over the rows' token sequences (the same token, at the same position,
+under the same parent is one node) is computed once. GRPO's n samples of a prompt share the
+prompt (a tree of depth one below it); the earlier segments of a trajectory whose history was
+rewritten (``Trajectory.earlier_segments``: segment k + 1's prompt holds segment k's prompt and
+a rendering of its turn) share every token up to where the renderings part, whether a token is
+a response token in one row and a prompt token in another. A token attends to exactly its
+ancestors and itself (a block mask), and keeps its position, so its hidden state is the one
+each row containing it would compute on its own: logprobs and gradients are those of one
+forward per row, up to float rounding (tests compare both). Each row's outputs are read at the
+nodes on its own path.
 
-Against ``prefix.py``'s shared-prompt + length-bucket forward this computes the same tokens
-(prompts once, responses without padding) in one model call instead of a prompt call plus one
-per bucket, with a few dozen ops per layer. A row joins its prompt's segment while that costs
-less than a segment of its own (the attention is computed densely over a segment, so long
-responses after a short prompt, as in SFT, get a segment each), and no segment grows past
-``MAX_SEGMENT_TOKENS``; segments of similar length are batched together by ``length_buckets``.
+The trees are laid out depth first: rows sorted by their token sequences (rows that share a
+prefix are then adjacent), each row adds the tokens it does not share with the row before it.
+A node's subtree is then a run of slots, so the mask is "the key is not after the query, and
+the query is inside the key's subtree" (``PackedSegments.end``).
+
+The rows are cut into *segments*, one tree (or a forest) each, batched by ``length_buckets``. A
+row joins the current segment while that costs less than a segment of its own: joining adds the
+tokens it does not share and attention over a longer segment (the mask is computed densely, so
+``pair_cost`` per query-key pair, ``attention_pair_cost``); a segment of its own computes all
+its tokens again. Long responses after a short shared prompt (SFT) so get a segment each, GRPO
+groups and a trajectory's segments share theirs. No segment grows past ``MAX_SEGMENT_TOKENS``:
+a tree bigger than that is cut between rows (the next segment computes its rows' shared tokens
+again: exact, less shared), and a single longer row gets a segment of its own.
 
 Used when the module is the plain model (one unwrapped rank, the CPU default): FSDP2 gathers its
 sharded parameters in the module forward's hooks, which a functional call would skip, and
-gradient checkpointing lives in the modules too. Everything else takes ``prefix.py``'s path.
+gradient checkpointing lives in the modules too. Everything else takes ``prefix.py``'s path,
+which shares identical prompts only (rows whose tokens agree beyond their prompts, and the
+segments of one trajectory, are computed in full there).
 """
 
 from __future__ import annotations
@@ -31,8 +45,8 @@ import torch.nn.functional as F
 from agentrl.engines._packed import fast_decoder_supported, rms_norm, rotate_half
 from agentrl.trainer.batch import TrainBatch
 
-__all__ = ["Segment", "PackedSegments", "packed_supported", "pack_segments", "attention_pair_cost", "layout",
-           "packed_hidden", "MAX_SEGMENT_TOKENS"]
+__all__ = ["Segment", "RowTokens", "PackedSegments", "ForwardTokens", "packed_supported", "response_lengths", "row_tokens", "pack_segments",
+           "attention_pair_cost", "layout", "forward_tokens", "packed_hidden", "MAX_SEGMENT_TOKENS"]
 
 # Longest segment: the block mask and the attention scores grow with its square.
 MAX_SEGMENT_TOKENS = 1024
@@ -56,66 +70,88 @@ def packed_supported(model: torch.nn.Module, batch: TrainBatch) -> bool:
 
 
 @dataclass(frozen=True)
-class PackedSegments:
-    """Segments batched for one call, and where each needed prediction lands.
+class RowTokens:
+    """What each row feeds the model: ``ids[b]``/``positions[b]`` are its real prompt tokens, then
+    its response tokens but the last real one (``length[b]`` in all, ``prompt[b]`` of them the
+    prompt's). ``order``: the rows sorted by their (token, position) sequences, so rows sharing a
+    prefix are adjacent; ``common[i]``: how many leading tokens row ``order[i]`` shares with row
+    ``order[i - 1]`` (0 for the first)."""
 
-    ``ids``/``positions`` are (S, L); ``owner`` (S, L) is -1 on prompt tokens, the batch row on
-    a response token, -2 on padding. ``source`` (N,) indexes the flattened (S * L) outputs: the
-    token whose output predicts response column ``cols[i]`` of batch row ``rows[i]``."""
+    ids: list[list[int]]
+    positions: list[list[int]]
+    length: list[int]
+    prompt: list[int]
+    order: list[int]
+    common: list[int]
 
-    ids: torch.Tensor
-    positions: torch.Tensor
-    owner: torch.Tensor
-    source: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
 
-    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """(S, 1, L, L) additive: 0 where a query may attend to a key, -inf elsewhere. A key is
-        visible when it is not after the query and is a prompt token or of the query's own row."""
-        S, L = self.owner.shape
-        index = torch.arange(L, device=self.owner.device)
-        causal = index[None, :] <= index[:, None]  # (L, L) [query, key]
-        key, query = self.owner[:, None, :], self.owner[:, :, None]
-        visible = causal & ((key == -1) | (key == query))  # (S, L, L)
-        return torch.zeros(S, 1, L, L, dtype=dtype, device=self.owner.device).masked_fill_(~visible[:, None], float("-inf"))
+def response_lengths(batch: TrainBatch) -> torch.Tensor:
+    """(B,) columns up to each row's last real response token (at least 1), on the CPU."""
+    real = batch.response_attention_mask.bool()
+    columns = torch.arange(1, batch.response_length + 1, device=real.device)
+    return (real * columns).amax(dim=1).clamp(min=1).cpu()
+
+
+def row_tokens(batch: TrainBatch, lengths: torch.Tensor) -> RowTokens:
+    """The rows' fed tokens (``lengths[b]``: response columns of row b up to its last real token,
+    >= 1), sorted, with the prefix each shares with the one before. Vectorised on the CPU, one
+    ``tolist`` per field: per-row tensor slicing costs more."""
+    P = batch.prompt_length
+    ids, positions = batch.input_ids.cpu(), batch.position_ids.cpu()
+    real = batch.attention_mask[:, :P].cpu().bool()  # (B, P)
+    prompt = real.sum(dim=1)  # (B,)
+    length = prompt + lengths.cpu() - 1  # (B,)
+    width = int(length.max())
+    column = torch.arange(width)[None, :]  # (1, W)
+    real_first = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # (B, P): real prompt columns, in order
+    from_prompt = real_first.gather(1, column.clamp(max=P - 1).expand(len(ids), -1))
+    from_response = (P + column - prompt[:, None]).clamp(min=0, max=ids.shape[1] - 1)
+    source = torch.where(column < prompt[:, None], from_prompt, from_response)  # (B, W) batch column of each fed token
+    fed_ids, fed_positions = ids.gather(1, source), positions.gather(1, source)
+    # one key per (token, position); -1 past a row's end, so a row sorts before its extensions
+    keys = torch.where(column < length[:, None], fed_ids * (int(positions.max()) + 1) + fed_positions, -1)
+    key_rows, length_list = keys.tolist(), length.tolist()
+    order = sorted(range(len(ids)), key=lambda b: key_rows[b][: length_list[b]])
+    ordered = keys[order]
+    same = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)  # (B - 1, W)
+    common = [0] + same.to(torch.int8).cumprod(dim=1).sum(dim=1).tolist()
+    return RowTokens(ids=fed_ids.tolist(), positions=fed_positions.tolist(), length=length_list, prompt=prompt.tolist(),
+                     order=order, common=common)
 
 
 @dataclass
 class Segment:
-    """One prompt (``first``: a row holding it) and the rows packed after it; ``tokens``: its length."""
+    """Rows computed as one tree: ``rows`` in depth-first (sorted) order, ``shared[i]`` the leading
+    tokens row ``rows[i]`` takes from the rows before it; ``tokens``: the tree's nodes."""
 
-    first: int
-    tokens: int
+    tokens: int = 0
     rows: list[int] = field(default_factory=list)
+    shared: list[int] = field(default_factory=list)
 
 
-def pack_segments(batch: TrainBatch, lengths: torch.Tensor, prompt_of: torch.Tensor, *, pair_cost: float = 0.0,
+def pack_segments(tokens: RowTokens, *, share: bool = True, pair_cost: float = 0.0,
                   max_tokens: int | None = None) -> list[Segment]:
-    """Cut the rows into segments with one prompt each, in row order.
-    ``lengths[b]``: response columns of row b up to its last real token (>= 1); the last one is
-    predicted, never fed, so a row adds ``lengths[b] - 1`` tokens after its prompt.
-
-    A row joins its prompt's open segment when that costs less than a segment of its own, in
-    token-equivalents: joining adds its tokens and attention over a longer segment (the block
-    mask is computed densely, so ``pair_cost`` per query-key pair, ``attention_pair_cost``),
-    a segment of its own adds its prompt again. Short prompts before long responses (SFT, where
-    the "prompt" is one token) so get a segment per row, GRPO groups share theirs. No segment
-    grows past ``max_tokens`` (a single longer row gets a segment of its own)."""
+    """Cut the sorted rows into segments. A row joins the current segment (the one holding the row
+    before it, with which it shares the most) when it shares a token with it and that costs less
+    than a segment of its own, in token-equivalents: joining adds its unshared tokens and attention
+    over a longer segment (``pair_cost`` per query-key pair), a segment of its own computes all
+    its tokens. No segment grows past ``max_tokens`` (a single longer row gets a segment of its
+    own). ``share=False``: a segment per row."""
     max_tokens = MAX_SEGMENT_TOKENS if max_tokens is None else max_tokens
-    prompt_tokens = batch.attention_mask[:, : batch.prompt_length].sum(dim=1).tolist()
-    open_segment: dict[int, Segment] = {}  # prompt id -> its latest segment
     segments: list[Segment] = []
-    for b, (g, length) in enumerate(zip(prompt_of.tolist(), lengths.tolist())):
-        added, alone = length - 1, prompt_tokens[b] + length - 1
-        current = open_segment.get(g)
-        joins = current is not None and current.tokens + added <= max_tokens and (
-            added + pair_cost * ((current.tokens + added) ** 2 - current.tokens**2) <= alone + pair_cost * alone**2
+    current = Segment()
+    for b, common in zip(tokens.order, tokens.common):
+        length = tokens.length[b]
+        shared = common if share and current.rows else 0
+        added, size = length - shared, current.tokens
+        joins = shared > 0 and size + added <= max_tokens and (
+            added + pair_cost * ((size + added) ** 2 - size**2) <= length + pair_cost * length**2
         )
         if not joins:
-            current = open_segment[g] = Segment(first=b, tokens=prompt_tokens[b])
+            current, shared, added = Segment(), 0, length
             segments.append(current)
         current.rows.append(b)
+        current.shared.append(shared)
         current.tokens += added
     return segments
 
@@ -131,40 +167,108 @@ def attention_pair_cost(config) -> float:
     return MASKED_ATTENTION_SLOWDOWN * 4 * heads * head_dim / (2 * weights)
 
 
-def layout(batch: TrainBatch, lengths: torch.Tensor, segments: list[Segment]) -> PackedSegments:
-    """The (S, L) tensors of ``segments`` (right-padded to the longest) and the prediction index.
-    Built with Python lists from one ``tolist`` per field: per-row tensor slicing costs more."""
-    P = batch.prompt_length
-    input_ids, positions, attention = batch.input_ids.tolist(), batch.position_ids.tolist(), batch.attention_mask.tolist()
-    lengths = lengths.tolist()
+@dataclass(frozen=True)
+class ForwardTokens:
+    """What a micro-batch costs the packed forward, in tokens: ``computed``, the tree nodes it
+    feeds (padding not counted); ``rows``, what one forward per row would feed (each row's real
+    prompt and response tokens but its last); ``trained``, the sampled response tokens."""
+
+    computed: int
+    rows: int
+    trained: int
+
+
+def forward_tokens(batch: TrainBatch, *, share: bool = True, pair_cost: float = 0.0,
+                   max_tokens: int | None = None) -> ForwardTokens:
+    """``ForwardTokens`` of the segments ``pack_segments`` cuts ``batch`` into (``pair_cost`` 0:
+    the rows' trees, cut at ``max_tokens`` only)."""
+    tokens = row_tokens(batch, response_lengths(batch))
+    segments = pack_segments(tokens, share=share, pair_cost=pair_cost, max_tokens=max_tokens)
+    return ForwardTokens(computed=sum(s.tokens for s in segments), rows=sum(tokens.length),
+                         trained=batch.num_sampled_tokens())
+
+
+@dataclass(frozen=True)
+class PackedSegments:
+    """Segments batched for one call, and where each needed prediction lands.
+
+    ``ids``/``positions`` are (S, L), each segment's tree depth first, then padding; ``end`` (S, L)
+    is the slot after each node's subtree (a padding slot's: the next slot, so that it sees only
+    itself). ``source`` (N,) indexes the flattened (S * L) outputs: the node whose output predicts
+    response column ``cols[i]`` of batch row ``rows[i]``."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    end: torch.Tensor
+    source: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """(S, 1, L, L) additive: 0 where a query may attend to a key, -inf elsewhere. A key is
+        visible to the queries in its subtree: it is the query or one of its ancestors."""
+        S, L = self.end.shape
+        index = torch.arange(L, device=self.end.device)
+        causal = index[None, :] <= index[:, None]  # (L, L) [query, key]
+        visible = causal & (index[None, :, None] < self.end[:, None, :])  # (S, L, L)
+        return torch.zeros(S, 1, L, L, dtype=dtype, device=self.end.device).masked_fill_(~visible[:, None], float("-inf"))
+
+
+def layout(tokens: RowTokens, segments: list[Segment], device: torch.device | str) -> PackedSegments:
+    """The (S, L) tensors of ``segments`` (right-padded to the longest) and the prediction index."""
     width = max(segment.tokens for segment in segments)
-    ids, pos, owner, source, out_rows, out_cols = [], [], [], [], [], []
+    ids, pos, end, source, out_rows, out_cols = [], [], [], [], [], []
     for s, segment in enumerate(segments):
-        real = [c for c in range(P) if attention[segment.first][c]]
-        ids += [input_ids[segment.first][c] for c in real]
-        pos += [positions[segment.first][c] for c in real]
-        owner += [-1] * len(real)
-        last_prompt = s * width + len(real) - 1
-        for b in segment.rows:
-            n = lengths[b] - 1
-            # column 0 is predicted by the last prompt token, column t by response token t - 1
-            source.append(last_prompt)
-            source.extend(range(len(ids), len(ids) + n))
-            out_rows += [b] * (n + 1)
-            out_cols += range(n + 1)
-            ids += input_ids[b][P : P + n]
-            pos += positions[b][P : P + n]
-            owner += [b] * n
+        base = s * width
+        path: list[int] = []  # the current row's nodes, root first (flat indices)
+        starts = []
+        for b, shared in zip(segment.rows, segment.shared):
+            length, prompt = tokens.length[b], tokens.prompt[b]
+            starts.append(len(ids) - base)
+            path = path[:shared] + list(range(len(ids), len(ids) + length - shared))
+            ids += tokens.ids[b][shared:length]
+            pos += tokens.positions[b][shared:length]
+            # column 0 is predicted by the last prompt token, column t by the row's token prompt + t - 1
+            source += path[prompt - 1 : length]
+            out_rows += [b] * (length - prompt + 1)
+            out_cols += range(length - prompt + 1)
+        end += _subtree_ends(segment, tokens.length, starts)
         pad = (s + 1) * width - len(ids)
         ids += [0] * pad
         pos += [0] * pad
-        owner += [-2] * pad
-    device, S = batch.input_ids.device, len(segments)
+        end += range(segment.tokens + 1, width + 1)
+    S = len(segments)
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return PackedSegments(
-        ids=as_long(ids).view(S, width), positions=as_long(pos).view(S, width), owner=as_long(owner).view(S, width),
+        ids=as_long(ids).view(S, width), positions=as_long(pos).view(S, width), end=as_long(end).view(S, width),
         source=as_long(source), rows=as_long(out_rows), cols=as_long(out_cols),
     )
+
+
+def _subtree_ends(segment: Segment, length: list[int], starts: list[int]) -> list[int]:
+    """Each node's subtree end (the segment's own slot index), nodes in layout order. Row i's node
+    at depth d is an ancestor of the rows after it up to the first row j that shares at most d
+    tokens (rows are sorted: the prefix shared with row i only shrinks); its subtree ends where
+    row j's own nodes start. ``later`` holds (shared, start) of the rows after i whose shared is
+    below that of every row between them and i: the candidates for j, nearest last."""
+    ends: list[list[int]] = []
+    later: list[tuple[int, int]] = []
+    for i in reversed(range(len(segment.rows))):
+        shared = segment.shared[i]
+        row_ends = [segment.tokens] * (length[segment.rows[i]] - shared)  # depth shared + k at row_ends[k]
+        high = shared + len(row_ends)
+        for their_shared, their_start in reversed(later):  # their shared decreases
+            low = max(their_shared, shared)
+            if low < high:
+                row_ends[low - shared : high - shared] = [their_start] * (high - low)
+                high = low
+            if high <= shared:
+                break
+        ends.append(row_ends)
+        while later and later[-1][0] >= shared:
+            later.pop()
+        later.append((shared, starts[i]))
+    return [e for row_ends in reversed(ends) for e in row_ends]
 
 
 def packed_hidden(model: torch.nn.Module, packed: PackedSegments) -> torch.Tensor:

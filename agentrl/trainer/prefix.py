@@ -15,6 +15,9 @@ gradients up to float rounding):
   cut points minimize padded tokens plus a fixed charge per forward call (a call has a cost of
   its own, which the charge stands for, in tokens).
 
+These are the module path's (FSDP2, gradient checkpointing). The packed forward (``packed.py``)
+shares more: any leading tokens rows have in common, as prefix trees.
+
 Rows share a prompt when their prompt columns and prompt attention mask are identical (in the
 left-padded layout of ``batch.py`` equal prompts are padded identically), so the grouping needs
 no group ids and is exact by construction.
@@ -79,25 +82,27 @@ def _token_outputs(model: torch.nn.Module, batch: TrainBatch, share_prompts: boo
     """Yields ``(rows, cols, outputs)``: the model's (n, ·) outputs at the positions that predict
     response column ``cols[i]`` of batch row ``rows[i]``, every column up to each row's last real
     token exactly once, over one or more calls. The packed forward when the model allows it
-    (``packed.py``), else the distinct prompts once and one call per response-length bucket.
+    (``packed.py``: the rows as prefix trees, every shared token once), else the distinct prompts
+    once and one call per response-length bucket.
 
     Sharded over several ranks (FSDP2), each model call is a collective, yet how many calls a
     rank's rows need differs (distinct prompts, buckets, buckets of width 1 that need no call).
     The ranks then agree on the largest count and the short ones make empty calls (one token,
     no outputs yielded: their backward adds zero gradient), so every rank makes the same calls."""
-    lengths = _response_lengths(batch)
+    lengths = packed.response_lengths(batch)
+    if packed.packed_supported(model, batch):  # prefix trees: every shared token once
+        tokens = packed.row_tokens(batch, lengths)
+        segments = packed.pack_segments(tokens, share=share_prompts, pair_cost=packed.attention_pair_cost(model.config))
+        for bucket in length_buckets(torch.tensor([segment.tokens for segment in segments])):
+            layout = packed.layout(tokens, [segments[i] for i in bucket.tolist()], batch.input_ids.device)
+            yield layout.rows, layout.cols, model.get_output_embeddings()(packed.packed_hidden(model, layout))
+        return
     # transformers returns no K/V from a checkpointed model in training: prompts cannot be shared
     checkpointed = model.training and activation_checkpointing(model)
     if share_prompts and batch.prompt_length > 0 and not checkpointed:
         first, inverse = distinct_prompts(batch)
     else:
         first, inverse = torch.arange(len(batch)), torch.arange(len(batch))
-    if packed.packed_supported(model, batch):
-        segments = packed.pack_segments(batch, lengths, inverse, pair_cost=packed.attention_pair_cost(model.config))
-        for bucket in length_buckets(torch.tensor([segment.tokens for segment in segments])):
-            layout = packed.layout(batch, lengths, [segments[i] for i in bucket.tolist()])
-            yield layout.rows, layout.cols, model.get_output_embeddings()(packed.packed_hidden(model, layout))
-        return
     buckets = length_buckets(lengths)
     use_cache, padding = len(first) < len(batch), 0
     if needs_agreement(model):
@@ -211,13 +216,6 @@ def _full_logits(model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor, 
         position_ids=batch.position_ids[rows, cols], use_cache=False,
         logits_to_keep=width + 1,  # the LM head never runs over the prompt, forward or backward
     ).logits[:, :width]
-
-
-def _response_lengths(batch: TrainBatch) -> torch.Tensor:
-    """(B,) columns up to each row's last real response token (at least 1)."""
-    real = batch.response_attention_mask.bool()
-    columns = torch.arange(1, batch.response_length + 1, device=real.device)
-    return (real * columns).amax(dim=1).clamp(min=1).cpu()
 
 
 def activation_checkpointing(model: Any) -> bool:

@@ -150,7 +150,9 @@ def test_the_packed_path_feeds_each_prompt_once_then_its_responses_without_paddi
         GROUP_B + [60, 61] + [70, 71] + [0, 0],  # padded to the longer segment
         GROUP_A + [30, 31] + [50],
     ]
-    assert layout.owner.tolist() == [[-1] * 4 + [3, 3, 4, 4, -2, -2], [-1] * 7 + [0, 0, 2]]
+    # Each node's subtree ends at: the prompt's, the segment's end; a response token's, the next
+    # row's first own token; a padding slot's, the next slot (it sees only itself).
+    assert layout.end.tolist() == [[8] * 4 + [6, 6, 8, 8, 9, 10], [10] * 7 + [9, 9, 10]]
     assert layout.positions.tolist() == [[0, 1, 2, 3, 4, 5, 4, 5, 0, 0], list(range(9)) + [7]]
     # Row 0's three columns are predicted by the last prompt token and its own two fed tokens.
     L = layout.ids.shape[1]
@@ -166,11 +168,10 @@ def test_the_packed_path_feeds_each_prompt_once_then_its_responses_without_paddi
 def test_a_group_longer_than_a_segment_is_cut_and_each_part_gets_its_prompt(model, monkeypatch):
     monkeypatch.setattr(packed, "MAX_SEGMENT_TOKENS", 10)
     batch = make_batch([GROUP_A] * 3 + [GROUP_B], [[30, 31, 32], [40, 41, 42], [50, 51], [60, 61, 62, 63, 64, 65, 66, 67, 68]])
-    lengths = torch.tensor([3, 3, 2, 9])
-    _, inverse = distinct_prompts(batch)
+    tokens = packed.row_tokens(batch, torch.tensor([3, 3, 2, 9]))
     # Group A: 7 + 2 + 2 > 10, so row 1 starts a second segment; row 3 alone is longer than 10.
     Segment = packed.Segment
-    assert packed.pack_segments(batch, lengths, inverse) == [Segment(0, 9, [0]), Segment(1, 10, [1, 2]), Segment(3, 12, [3])]
+    assert packed.pack_segments(tokens) == [Segment(9, [0], [0]), Segment(10, [1, 2], [0, 7]), Segment(12, [3], [0])]
     got, _ = logprobs_and_grads(model, batch, share=True)
     with torch.no_grad():
         expected = padded_forward(model, batch)[0] * batch.response_mask
@@ -180,16 +181,16 @@ def test_a_group_longer_than_a_segment_is_cut_and_each_part_gets_its_prompt(mode
 def test_rows_share_a_segment_only_when_that_costs_less_than_their_own():
     # Join: the row's tokens plus pair_cost * (new length^2 - old length^2); alone: prompt +
     # tokens plus pair_cost * length^2 (token-equivalents).
-    grpo = make_batch([GROUP_A] * 2, [[30, 31, 32]] * 2)  # rows add 2 tokens after a 7-token prompt
-    lengths = torch.tensor([3, 3])
+    grpo = packed.row_tokens(make_batch([GROUP_A] * 2, [[30, 31, 32], [40, 41, 42]]), torch.tensor([3, 3]))  # 2 tokens after 7
     # join 2 + 0.01 * (11^2 - 9^2) = 2.4 < alone 9 + 0.01 * 9^2 = 9.81
-    assert packed.pack_segments(grpo, lengths, torch.tensor([0, 0]), pair_cost=0.01) == [packed.Segment(0, 11, [0, 1])]
-    sft = make_batch([[5]] * 2, [list(range(40, 80))] * 2)  # a one-token "prompt" before 40 tokens
-    lengths = torch.tensor([40, 40])
+    assert packed.pack_segments(grpo, pair_cost=0.01) == [packed.Segment(11, [0, 1], [0, 7])]
+    # a one-token "prompt" before 40 tokens
+    sft = packed.row_tokens(make_batch([[5]] * 2, [list(range(40, 80)), list(range(80, 120))]), torch.tensor([40, 40]))
     # join 39 + 0.01 * (79^2 - 40^2) = 85.4 > alone 40 + 0.01 * 40^2 = 56
-    alone = [packed.Segment(0, 40, [0]), packed.Segment(1, 40, [1])]
-    assert packed.pack_segments(sft, lengths, torch.tensor([0, 0]), pair_cost=0.01) == alone
-    assert packed.pack_segments(sft, lengths, torch.tensor([0, 0]), pair_cost=0.0) == [packed.Segment(0, 79, [0, 1])]  # attention free
+    alone = [packed.Segment(40, [0], [0]), packed.Segment(40, [1], [0])]
+    assert packed.pack_segments(sft, pair_cost=0.01) == alone
+    assert packed.pack_segments(sft, pair_cost=0.0) == [packed.Segment(79, [0, 1], [0, 1])]  # attention free
+    assert packed.pack_segments(sft, pair_cost=0.0, share=False) == alone
 
 
 def test_gradient_checkpointing_and_a_missing_prompt_take_the_module_path(tiny_model_dir):
