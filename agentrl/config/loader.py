@@ -251,7 +251,7 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
 def _check_environment(cfg: TrainConfig) -> list[tuple[str, str]]:
     """The config's environment (the one of rows that name none) is found and its library's
     loop installed, before any data or model is loaded; rows' own refs are checked with the data."""
-    from agentrl.config.schema import ENVIRONMENT_LOOPS, environment_import_hint
+    from agentrl.config.schema import ENVIRONMENT_LOOPS, environment_import_hint, environment_problem
     from agentrl.plugins import PluginRegistry
 
     env = cfg.environment
@@ -266,7 +266,7 @@ def _check_environment(cfg: TrainConfig) -> list[tuple[str, str]]:
     if loop not in registry.names("agent_loops"):
         problems.append(("environment.library", f"the {env.library} loop {loop!r} is not installed (known loops: "
                                                 f"{', '.join(registry.names('agent_loops'))})"))
-    if env.name is not None and (problem := registry.import_problem("environments", env.name)) is not None:
+    if env.name is not None and (problem := environment_problem(registry.import_problem, env.library, env.name)) is not None:
         problems.append(("environment.name", f"{problem} ({environment_import_hint(env.library, env.name)})"))
     return problems
 

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
-from agentrl.config.schema import environment_import_hint
+from agentrl.config.schema import environment_import_hint, environment_problem
 from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
 from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
@@ -188,7 +188,8 @@ def row_plugin_problems(
     for field, group, kind, name, known in named:
         if known is not None and name not in known:
             yield field, f"unknown {kind} {name!r} (known: {', '.join(sorted(known)) or 'none'})"
-        elif import_problem is not None and (problem := import_problem(group, name)) is not None:
+        elif import_problem is not None and (problem := environment_problem(import_problem, own.library, name)
+                                             if group == "environments" and own else import_problem(group, name)) is not None:
             hint = f" ({environment_import_hint(own.library, name)})" if group == "environments" and own else ""
             yield field, f"{kind} {name!r} cannot be loaded: {problem}{hint}"
 

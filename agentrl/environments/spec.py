@@ -5,7 +5,8 @@ row without one takes the config's ``environment`` section; a row with neither r
 would without environments. A row with a ref and no ``agent_name`` runs its library's loop
 (``LIBRARY_LOOPS``). ``resolve(ref)`` finds what ``ref.name`` names: an entry point in group
 ``agentrl.environments`` (``agentrl plugins list`` shows them), else ``pkg.mod:attr``, else the
-module ``pkg.mod``. Each library's adapter turns that object into its library's thing (verifiers:
+module ``pkg.mod``, else, for verifiers, the module its own id names as ``vf.load_environment``
+reads it (``vf-calc-tool`` and ``owner/vf-calc-tool``: ``vf_calc_tool``). Each library's adapter turns that object into its library's thing (verifiers:
 the module's ``load_environment(**args)``; trl: the class; openenv: the environment class or
 client) and keeps one per process through ``cached``.
 """
@@ -16,7 +17,8 @@ import json
 import threading
 from typing import Any, Callable, TypeVar
 
-from agentrl.config.schema import ENVIRONMENT_EXTRAS, ENVIRONMENT_LOOPS, EnvironmentConfig, environment_import_hint
+from agentrl.config.schema import (ENVIRONMENT_EXTRAS, ENVIRONMENT_LOOPS, EnvironmentConfig, environment_import_hint,
+                                   library_module)
 from agentrl.data.row import EnvironmentRef
 from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry
@@ -47,11 +49,19 @@ def resolve(ref: EnvironmentRef, registry: PluginRegistry | None = None) -> Any:
     with _lock:
         if key in _resolved:
             return _resolved[key]
+    registry = registry or PluginRegistry()
     try:
-        obj = (registry or PluginRegistry()).load_object("environments", ref.name)
+        obj = registry.load_object("environments", ref.name)
     except PluginError as exc:
-        raise PluginError(f"{ref.library} environment {ref.name!r} cannot be loaded: {exc} "
-                          f"({environment_import_hint(ref.library, ref.name)})") from exc
+        module = library_module(ref.library, ref.name)  # verifiers' own ids: vf-calc-tool is the module vf_calc_tool
+        if module is None:
+            raise PluginError(f"{ref.library} environment {ref.name!r} cannot be loaded: {exc} "
+                              f"({environment_import_hint(ref.library, ref.name)})") from exc
+        try:
+            obj = registry.load_object("environments", module)
+        except PluginError as own:
+            raise PluginError(f"{ref.library} environment {ref.name!r} cannot be loaded: {ref.library} reads the id as "
+                              f"the module {module!r}: {own} ({environment_import_hint(ref.library, module)})") from own
     with _lock:
         return _resolved.setdefault(key, obj)
 

@@ -181,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m agentrl.environments.verifiers NAME OUT.parquet [--args JSON] [--split eval]``."""
     parser = argparse.ArgumentParser(prog="python -m agentrl.environments.verifiers",
                                      description="Write a verifiers environment's dataset as agentrl rows (parquet).")
-    parser.add_argument("name", help="the environment: an entry point in agentrl.environments, pkg.mod or pkg.mod:attr")
+    parser.add_argument("name", help="the environment: an entry point in agentrl.environments, pkg.mod, pkg.mod:attr "
+                                      "or verifiers' own id (vf-calc-tool: the module vf_calc_tool)")
     parser.add_argument("out", help="the parquet file to write")
     parser.add_argument("--args", default="{}", help="load_environment's keyword arguments, as a JSON object")
     parser.add_argument("--split", choices=("train", "eval"), default="train")

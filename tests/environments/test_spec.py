@@ -237,3 +237,30 @@ def test_a_rows_ref_without_a_name_takes_the_configs_name_when_their_libraries_a
     found = {(p.row, p.field) for p in validate_files([path], known_agent_names=LOOPS, config_known=True)}
     assert found == {(0, "extra_info.environment.name"), (1, "extra_info.environment.name")}
     assert validate_files([path], known_agent_names=LOOPS) == []  # agentrl data validate: the config may name them
+
+
+def test_verifiers_own_ids_name_the_module_as_verifiers_reads_them(env_module, tmp_path):
+    """``vf-calc-tool`` and ``owner/vf-calc-tool`` (what ``vf-eval`` and ``vf.load_environment``
+    take) are the module ``vf_calc_tool``: the config check, the data check and ``resolve`` accept
+    them; a missing one is refused naming the module the id names. Other libraries keep names as given."""
+    (tmp_path / "vf_calc_tool.py").write_text("def load_environment(**args):\n    return ('calc', args)\n")
+    try:
+        for name in ("vf-calc-tool", "someone/vf-calc-tool", "vf_calc_tool"):
+            module = spec.resolve(spec.EnvironmentRef(library="verifiers", name=name))
+            assert module.__name__ == "vf_calc_tool"
+        validate_config({"environment": {"library": "verifiers", "name": "vf-calc-tool"}}, check_files=False)
+        path = str(write_rows([row({"library": "verifiers", "name": "vf-calc-tool"}),
+                               row({"library": "trl", "name": "vf-calc-tool"})], tmp_path / "ids.parquet"))
+        found = {(p.row, p.field) for p in validate_files([path], known_agent_names=LOOPS,
+                                                          import_problem=PluginRegistry().import_problem)}
+        assert found == {(1, "extra_info.environment.name")}  # a trl name is what it says
+        with pytest.raises(ConfigError) as err:
+            validate_config({"environment": {"library": "verifiers", "name": "vf-no-such-env"}}, check_files=False)
+        problem = dict(err.value.problems)["environment.name"]
+        assert "verifiers reads the id 'vf-no-such-env' as the module 'vf_no_such_env':" in problem
+        assert "no module named 'vf_no_such_env'" in problem
+        with pytest.raises(PluginError, match=r"verifiers environment 'vf-no-such-env' cannot be loaded: verifiers reads the "
+                                              r"id as the module 'vf_no_such_env': .*no module named 'vf_no_such_env'"):
+            spec.resolve(spec.EnvironmentRef(library="verifiers", name="vf-no-such-env"))
+    finally:
+        sys.modules.pop("vf_calc_tool", None)
