@@ -7,15 +7,16 @@ with its error kind - never dropped - so the loop can apply the malformed-call p
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 __all__ = [
     "ParsedCall", "ParsedTurn", "ToolParser", "HermesToolParser", "ReactToolParser", "MistralToolParser",
-    "Llama3JsonToolParser", "Phi4MiniToolParser", "DeepSeekR1ToolParser", "mistral_call_id",
+    "Llama3JsonToolParser", "Phi4MiniToolParser", "DeepSeekR1ToolParser", "mistral_call_id", "parse_turn",
 ]
 
 
@@ -24,7 +25,9 @@ class ParsedCall:
     raw: str
     name: str | None = None
     arguments: dict[str, Any] | None = None
-    error: str | None = None  # bad_json (the call's text is not a JSON object with name/arguments)
+    # bad_json (the call's text cannot be read in the family's format: JSON, or XML tags), or
+    # invalid_arguments (a typed parameter's text does not match the tool's schema)
+    error: str | None = None
     detail: str = ""  # what to tell the model when error is set
     id: str | None = None  # the call id, for families whose templates pair calls and results by id (Mistral)
 
@@ -51,7 +54,27 @@ class ParsedTurn:
 
 
 class ToolParser(Protocol):
-    def parse(self, text: str) -> ParsedTurn: ...
+    """Reads one assistant turn. ``tools`` are the session's tool schemas (OpenAI format): formats
+    whose arguments are text (XML parameters) type them by it, JSON formats ignore it. A parser
+    written for ``parse(text)`` alone still works (``parse_turn`` calls it without the schemas).
+    ``call_marker`` (a class attribute) is the text that opens a call in the format: a turn that
+    holds it but yields no call counts as an unparsed attempt (metric ``tool_calls/unparsed_turns``)."""
+
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn: ...
+
+
+_TAKES_TOOLS: dict[type, bool] = {}
+
+
+def parse_turn(parser: Any, text: str, tools: Sequence[dict[str, Any]] | None) -> ParsedTurn:
+    """``parser.parse(text, tools)``, or ``parser.parse(text)`` for a parser that takes no schemas."""
+    cls = type(parser)
+    takes = _TAKES_TOOLS.get(cls)
+    if takes is None:
+        params = inspect.signature(parser.parse).parameters
+        takes = _TAKES_TOOLS[cls] = "tools" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    result: ParsedTurn = parser.parse(text, tools=tools) if takes else parser.parse(text)
+    return result
 
 
 def _call_from_json(raw: str, body: str) -> ParsedCall:
@@ -82,14 +105,14 @@ class HermesToolParser:
     """Qwen2.5 / Qwen3 / hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, several per turn."""
 
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-    OPEN = "<tool_call>"
+    OPEN = call_marker = "<tool_call>"
 
     @staticmethod
     def format_calls(calls: list[tuple[str, dict[str, Any]]]) -> str:
         """The text a model of this format writes for ``calls`` (as Qwen's templates render them)."""
         return "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a, ensure_ascii=False)}}}\n</tool_call>' for n, a in calls)
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
         calls = [_call_from_json(m.group(0), m.group(1).strip()) for m in self._CALL.finditer(text)]
         rest = self._CALL.sub("", text)
         if self.OPEN in rest:  # opened but never closed: a call the model did not finish
@@ -110,8 +133,9 @@ class ReactToolParser:
 
     _ACTION = re.compile(r"^Action:[ \t]*(.*?)[ \t]*\r?\nAction Input:[ \t]*(.*?)[ \t]*$", re.MULTILINE)
     _FINAL = re.compile(r"^Final Answer:[ \t]*(.*)", re.MULTILINE | re.DOTALL)
+    call_marker = "Action:"
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
         final = self._FINAL.search(text)
         if final is not None:
             return ParsedTurn(content=text.strip(), final_answer=final.group(1).strip())
@@ -176,13 +200,13 @@ class MistralToolParser:
     the id goes into the assistant message's ``tool_calls`` and the ``tool`` message's
     ``tool_call_id`` (both kept in ``Trajectory.messages``)."""
 
-    OPEN = "[TOOL_CALLS]"
+    OPEN = call_marker = "[TOOL_CALLS]"
 
     @staticmethod
     def format_calls(calls: list[tuple[str, dict[str, Any]]]) -> str:
         return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
         at = text.find(self.OPEN)
         if at < 0:
             return ParsedTurn(content=text.strip())
@@ -214,12 +238,13 @@ class Llama3JsonToolParser:
     interpreter) is not a JSON call: it is reported malformed rather than taken as an answer."""
 
     TAG = "<|python_tag|>"
+    call_marker = '{"name"'  # a JSON call written after other text is not read as one
 
     @staticmethod
     def format_calls(calls: list[tuple[str, dict[str, Any]]]) -> str:
         return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
         body = text.strip()
         tagged = body.startswith(self.TAG)
         if tagged:
@@ -246,13 +271,13 @@ class Phi4MiniToolParser:
     """Phi-4-mini: ``<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>``."""
 
     _CALL = re.compile(r"<\|tool_call\|>(.*?)(<\|/tool_call\|>|$)", re.DOTALL)
-    OPEN = "<|tool_call|>"
+    OPEN = call_marker = "<|tool_call|>"
 
     @staticmethod
     def format_calls(calls: list[tuple[str, dict[str, Any]]]) -> str:
         return "<|tool_call|>" + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False) + "<|/tool_call|>"
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
         calls: list[ParsedCall] = []
         for match in self._CALL.finditer(text):
             if not match.group(2):
@@ -267,7 +292,7 @@ class DeepSeekR1ToolParser:
     """DeepSeek-R1 (and its distills): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
     ```json ARGS ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``, as its template renders a call."""
 
-    OPEN = "<｜tool▁calls▁begin｜>"
+    OPEN = call_marker = "<｜tool▁calls▁begin｜>"
     _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```<｜tool▁call▁end｜>", re.DOTALL)
 
     @staticmethod
@@ -278,7 +303,7 @@ class DeepSeekR1ToolParser:
         )
         return "<｜tool▁calls▁begin｜>" + body + "<｜tool▁calls▁end｜>"
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
         at = text.find(self.OPEN)
         if at < 0:
             return ParsedTurn(content=text.strip())
