@@ -141,6 +141,8 @@ def build_context(
             registry.canonical("agent_loops", loop): registry.load("tool_parsers", parser)()
             for loop, parser in setup.tool_parser_by_loop.items()
         },
+        history=setup.history,
+        history_by_loop={registry.canonical("agent_loops", loop): policy for loop, policy in setup.history_by_loop.items()},
         toolbox=toolbox,
         interactions=InteractionPool(setup.interaction_config, registry, specs=setup.interaction_specs),
         limits=setup.limits,
