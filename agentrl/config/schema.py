@@ -467,6 +467,29 @@ def environment_import_hint(library: str, name: str) -> str:
     return f"{library} is installed: is the package that defines {name!r} installed or on PYTHONPATH?"
 
 
+def library_module(library: str | None, name: str) -> str | None:
+    """The module a library's own environment id names, where that is not the name itself:
+    verifiers' ``load_environment(env_id)`` (the id ``vf-eval`` and ``vf.load_environment`` take)
+    imports what follows the id's last ``/`` with each ``-`` read as ``_`` (``vf-calc-tool`` and
+    ``owner/vf-calc-tool``: ``vf_calc_tool``). None for other libraries and ``pkg.mod:attr``."""
+    if library != "verifiers" or ":" in name:
+        return None
+    module = name.replace("-", "_").split("/")[-1]
+    return None if module == name else module
+
+
+def environment_problem(import_problem: Callable[[str, str], str | None], library: str | None, name: str) -> str | None:
+    """Why ``name`` does not load as an environment of ``library`` (None: it does), asked through
+    ``import_problem(group, name)`` (``PluginRegistry.import_problem``): as an entry point or
+    module, else as the module its library's own id names (``library_module``)."""
+    problem = import_problem("environments", name)
+    module = library_module(library, name) if problem is not None else None
+    if module is None:
+        return problem
+    other = import_problem("environments", module)
+    return None if other is None else f"{library} reads the id {name!r} as the module {module!r}: {other}"
+
+
 class TrlEnvironmentConfig(Section):
     # TRL reward functions (`pkg.mod:fn`), each called as GRPOTrainer calls its reward_funcs
     # (prompts=, completions=, completion_ids=, environments=, the row's columns, ...), once per
@@ -501,29 +524,6 @@ class OpenEnvEnvironmentConfig(Section):
     start_timeout_s: float = Field(120.0, gt=0)  # from starting the server to its answering GET /health
     step_timeout_s: float = Field(60.0, gt=0)  # each connect, reset and step; then environment_error
     # the model's turn as the action: auto (an MCP environment's tools for OpenEnv's CallToolAction,
-def library_module(library: str | None, name: str) -> str | None:
-    """The module a library's own environment id names, where that is not the name itself:
-    verifiers' ``load_environment(env_id)`` (the id ``vf-eval`` and ``vf.load_environment`` take)
-    imports what follows the id's last ``/`` with each ``-`` read as ``_`` (``vf-calc-tool`` and
-    ``owner/vf-calc-tool``: ``vf_calc_tool``). None for other libraries and ``pkg.mod:attr``."""
-    if library != "verifiers" or ":" in name:
-        return None
-    module = name.replace("-", "_").split("/")[-1]
-    return None if module == name else module
-
-
-def environment_problem(import_problem: Callable[[str, str], str | None], library: str | None, name: str) -> str | None:
-    """Why ``name`` does not load as an environment of ``library`` (None: it does), asked through
-    ``import_problem(group, name)`` (``PluginRegistry.import_problem``): as an entry point or
-    module, else as the module its library's own id names (``library_module``)."""
-    problem = import_problem("environments", name)
-    module = library_module(library, name) if problem is not None else None
-    if module is None:
-        return problem
-    other = import_problem("environments", module)
-    return None if other is None else f"{library} reads the id {name!r} as the module {module!r}: {other}"
-
-
     # text for an action whose one field is a string, else a tool with the action's fields as
     # parameters), text, or tool
     action: Literal["auto", "text", "tool"] = "auto"
