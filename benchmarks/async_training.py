@@ -67,7 +67,7 @@ def overrides(*, eta: int, partial: bool, seed: int, args: argparse.Namespace) -
     calc = "agent.tool_config.calculator"
     out = [
         f"trainer.total_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0", "trainer.export_hf=false",
-        "trainer.val_before_train=false", "trainer.save_rollouts=true", "logging.progress=false",
+        "trainer.final_validation=true", "trainer.val_before_train=false", "trainer.save_rollouts=true", "logging.progress=false",
         f"data.train_batch_size={args.batch_size}", f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.batch_size}",
         f"actor.ppo_micro_batch_size_per_gpu={math.gcd(8, args.batch_size * args.n)}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"data.max_response_length={args.max_response_length}",

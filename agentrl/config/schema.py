@@ -380,6 +380,9 @@ class TrainerConfig(Section):
     test_freq: int = Field(5, ge=0)  # validate every N steps (0: never)
     save_freq: int = Field(10, ge=0)  # checkpoint every N steps (0: never)
     val_before_train: bool = True
+    # validate after the last step (summary.json's heldout_*_after); null: when test_freq > 0, so
+    # that test_freq=0 validates after training no more than during it (val_before_train is its own switch)
+    final_validation: bool | None = None
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch threads of each worker process; null: OMP_NUM_THREADS where the environment sets it,

@@ -36,6 +36,7 @@ import torch
 
 from agentrl.agent.families import require_exact_template
 from agentrl.config import TrainConfig, load_config
+from agentrl.config.schema import TrainerConfig
 from agentrl.data.prepare import environment_dataset, prepare_data
 from agentrl.data.rollout_store import RolloutStore
 from agentrl.engines.guard import api_key_from_env
@@ -435,17 +436,24 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", success=f"{metrics['success_rate']:.2f}")
             if cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0:
                 trainer.save(done)
-        trainer.during(f"final validation after step {cfg.trainer.total_steps}")
-        after = trainer.validate(cfg.trainer.total_steps)
-        log.log(cfg.trainer.total_steps, after)
-        summary["heldout_success_after"] = after.get("val/success_rate")
-        summary["heldout_tool_use_after"] = after.get("val/tool_use_rate")
-        summary.update(_by_source(after, "after"))
+        if final_validation(cfg.trainer):
+            trainer.during(f"final validation after step {cfg.trainer.total_steps}")
+            after = trainer.validate(cfg.trainer.total_steps)
+            log.log(cfg.trainer.total_steps, after)
+            summary["heldout_success_after"] = after.get("val/success_rate")
+            summary["heldout_tool_use_after"] = after.get("val/tool_use_rate")
+            summary.update(_by_source(after, "after"))
         if cfg.trainer.export_hf:
             trainer.actor.call_all("export_hf", str(run.policy))
     finally:
         trainer.close()
     return trainer
+
+
+def final_validation(trainer: TrainerConfig) -> bool:
+    """Whether the run validates after its last step: ``trainer.final_validation``, else (null)
+    when it validates during training (``test_freq`` > 0)."""
+    return trainer.final_validation if trainer.final_validation is not None else trainer.test_freq > 0
 
 
 def _by_source(validation: dict[str, float], when: str) -> dict[str, dict[str, float]]:

@@ -20,7 +20,7 @@ from agentrl.data.rollout_store import RolloutStore
 pytestmark = pytest.mark.ray
 
 SHORT = [
-    "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=0", "trainer.max_checkpoints=3",
+    "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=0", "trainer.final_validation=true", "trainer.max_checkpoints=3",
     "trainer.val_before_train=false", "trainer.export_hf=false",
     "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
     "data.task_train_size=32", "data.task_val_size=8", "rollout.max_new_tokens=32", "data.max_response_length=96",

@@ -46,7 +46,7 @@ def test_async_training_reaches_the_synchronous_held_out_success_in_no_more_wall
     # the synchronous run builds the warm start itself (SFT, then validation before step 1) and the
     # asynchronous run starts from the policy it saved: two runs, not a third for the warm start
     sync_rows, sync = train(tmp_path, "sync", "trainer.val_before_train=true", f"trainer.total_steps={SYNC_STEPS}",
-                            "trainer.test_freq=0")
+                            "trainer.test_freq=0", "trainer.final_validation=true")
     before, target = sync["heldout_success_before"], sync["heldout_success_after"]
     sync_wall = sum(r["timing/step_s"] for r in sync_rows if "timing/step_s" in r)
     assert target >= before + 0.1, (before, target)  # the synchronous run learned something to reach
