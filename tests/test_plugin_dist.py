@@ -3,8 +3,11 @@
 The throwaway distribution ``myplugin`` (source: ``tests/fixtures/plugin_dist/``) is installed
 unpacked on a temporary path - its modules next to a ``myplugin-0.1.dist-info`` written from
 its ``pyproject.toml``, the layout pip leaves in site-packages - and never imported by hand:
-everything below finds it through ``importlib.metadata``, in this process, in subprocesses
-(the CLI) and in a Ray actor. It adds a tool, an interaction and an agent loop, a tool that
+agentrl finds it through ``importlib.metadata``, in this process, in subprocesses (the CLI) and
+in a Ray actor. The tests see agentrl's and its plugins alone: the table of the two
+distributions, read from their metadata, is what every process here resolves names with
+(``PLUGIN_TABLE_ENV``), so a plugin package the reader installed (the README's offers a tool
+named ``shout``) changes no result. It adds a tool, an interaction and an agent loop, a tool that
 fails, a tool whose name collides with a built-in, a tool and a reward whose module cannot be imported,
 and agent programs that fail (``tests/test_program_setup.py``).
 """
@@ -12,6 +15,7 @@ and agent programs that fail (``tests/test_program_setup.py``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -25,11 +29,11 @@ import pytest
 import agentrl.plugins as plugins
 from agentrl.data.row import Row
 from agentrl.errors import PluginError
-from agentrl.plugins import PluginRegistry
+from agentrl.plugins import PLUGIN_TABLE_ENV, PluginRegistry
 
 FIXTURE = Path(__file__).parent / "fixtures" / "plugin_dist"
 MINE = {
-    ("agentrl.tools", "shout"), ("agentrl.tools", "explode"), ("agentrl.tools", "calculator"), ("agentrl.tools", "telescope"),
+    ("agentrl.tools", "holler"), ("agentrl.tools", "explode"), ("agentrl.tools", "calculator"), ("agentrl.tools", "telescope"),
     ("agentrl.interactions", "always_right"), ("agentrl.agent_loops", "one_shot"), ("agentrl.rewards", "broken"),
     ("agentrl.data_source_rewards", "myplugin/shouting"), ("agentrl.agents", "absent_at_import"), ("agentrl.agents", "absent_at_call"),
     ("agentrl.agents", "gives_up"),
@@ -65,23 +69,63 @@ def site(tmp_path_factory) -> Path:
     return install_unpacked(FIXTURE, tmp_path_factory.mktemp("plugin-dist") / "site")
 
 
+@functools.lru_cache(maxsize=None)
+def plugin_table(site: Path) -> str:
+    """The plugins of agentrl and myplugin (on ``site``) alone, as found in their installed
+    metadata: the table every process of these tests resolves names with."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(PLUGIN_TABLE_ENV, raising=False)
+        patch.syspath_prepend(str(site))
+        plugins.refresh()  # the scan of installed metadata is cached per process
+        table = [spec.as_dict() for spec in plugins.discover() if spec.distribution in ("agentrl", "myplugin")]
+    plugins.refresh()
+    return json.dumps(table)
+
+
 @pytest.fixture
 def dist_path(site, monkeypatch):
     monkeypatch.syspath_prepend(str(site))
-    plugins.refresh()  # the scan of installed metadata is cached per process
+    monkeypatch.setenv(PLUGIN_TABLE_ENV, plugin_table(site))
+    plugins.refresh()
     yield site
     monkeypatch.undo()
     plugins.refresh()
 
 
 def agentrl(site: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+           PLUGIN_TABLE_ENV: plugin_table(site)}
     return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_the_distribution_is_invisible_until_its_path_is_on_sys_path(site):
+def test_the_distribution_is_found_through_its_metadata_once_its_path_is_on_sys_path(site, monkeypatch):
+    monkeypatch.delenv(PLUGIN_TABLE_ENV, raising=False)
     plugins.refresh()
     assert not any(spec.distribution == "myplugin" for spec in plugins.discover())
+    monkeypatch.syspath_prepend(str(site))
+    plugins.refresh()
+    try:
+        assert {(s.group, s.name) for s in plugins.discover() if s.distribution == "myplugin"} == MINE
+    finally:
+        monkeypatch.undo()
+        plugins.refresh()
+
+
+def test_a_plugin_package_the_reader_installed_changes_nothing_here(dist_path, tmp_path):
+    """The README's own example (a tool named ``shout``) installed beside agentrl: not in the table."""
+    readers = install_unpacked(FIXTURE, tmp_path / "readers")  # the same plugins again, as another distribution
+    (readers / "myplugin-0.1.dist-info").rename(readers / "my_pkg-0.1.dist-info")
+    metadata_file = readers / "my_pkg-0.1.dist-info" / "METADATA"
+    metadata_file.write_text(metadata_file.read_text().replace("Name: myplugin", "Name: my_pkg"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(readers))
+        plugins.refresh()
+        assert PluginRegistry().spec("tools", "holler").distribution == "myplugin"  # the table's
+        patch.delenv(PLUGIN_TABLE_ENV)  # without it, the reader's package would collide with the fixture's
+        plugins.refresh()
+        with pytest.raises(PluginError, match=r"plugin name 'holler' in group agentrl.tools is offered by several distributions \(my_pkg, myplugin\)"):
+            PluginRegistry().spec("tools", "holler")
+    plugins.refresh()
 
 
 def test_plugins_list_json_shows_the_distribution(dist_path):
@@ -109,7 +153,7 @@ def test_tool_interaction_and_loop_from_the_distribution_resolve(dist_path):
     from agentrl.agent.tool import Tool
 
     registry = PluginRegistry()
-    tool_cls = registry.load("tools", "shout")
+    tool_cls = registry.load("tools", "holler")
     result = asyncio.run(tool_cls().execute("i", {"text": "hi"}))
     assert (result.text, result.reward, result.metrics) == ("HI", 0.25, {"chars": 2.0})
     assert issubclass(tool_cls, Tool)
@@ -127,7 +171,7 @@ def test_broken_plugin_is_named_and_isolated(dist_path):
         "distribution myplugin) failed to load: ImportError: this plugin is broken on purpose"
     )
     assert registry.load("rewards", "gsm8k").__name__ == "gsm8k_strict"  # the others still load
-    assert registry.load("tools", "shout").name == "shout"
+    assert registry.load("tools", "holler").name == "holler"
 
 
 def test_duplicate_name_is_an_error_until_the_config_chooses(dist_path):
@@ -138,7 +182,7 @@ def test_duplicate_name_is_an_error_until_the_config_chooses(dist_path):
         "choose one with plugins.prefer.tools.calculator=<distribution>"
     )
     assert PluginRegistry({"tools": {"calculator": "agentrl"}}).load("tools", "calculator").__module__ == "agentrl_tools.calculator"
-    assert PluginRegistry({"agentrl.tools": {"calculator": "myplugin"}}).load("tools", "calculator").__name__ == "ShoutTool"
+    assert PluginRegistry({"agentrl.tools": {"calculator": "myplugin"}}).load("tools", "calculator").__name__ == "HollerTool"
     # a preference naming a distribution that does not offer the name does not silently pick one
     with pytest.raises(PluginError, match="offered by several distributions"):
         PluginRegistry({"tools": {"calculator": "nobody"}}).load("tools", "calculator")
@@ -177,7 +221,7 @@ def test_custom_loop_from_the_distribution_runs_a_rollout(dist_path, tiny_tokeni
 
     engine = ScriptedEngine(tiny_tokenizer, {"r": ["hello"]})
     setup = RolloutSetup.from_config(TrainConfig(data=DataConfig(max_response_length=64)))
-    ctx = build_context(engine, tiny_tokenizer, setup, tool_names=["shout"])
+    ctx = build_context(engine, tiny_tokenizer, setup, tool_names=["holler"])
     [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r", make_row(agent_name="one_shot"))]))
     assert (t.agent_name, t.reward, t.finish_reason) == ("one_shot", 0.75, "stop")
     assert t.messages[-1] == {"role": "assistant", "content": "hello"}
@@ -189,14 +233,14 @@ def test_plugin_tool_and_interaction_drive_the_builtin_tool_loop(dist_path, tiny
     from agentrl.agent.setup import RolloutSetup
     from agentrl.config.schema import DataConfig, TrainConfig
 
-    call = '<tool_call>\n{"name": "shout", "arguments": {"text": "hi"}}\n</tool_call>'
+    call = '<tool_call>\n{"name": "holler", "arguments": {"text": "hi"}}\n</tool_call>'
     engine = ScriptedEngine(tiny_tokenizer, {"r": [call, "done"]})
     setup = RolloutSetup.from_config(TrainConfig(data=DataConfig(max_response_length=256)))
-    ctx = build_context(engine, tiny_tokenizer, setup, tool_names=["shout"])
-    row = make_row(agent_name="tool_agent", extra_info={"tools_kwargs": {"shout": {}}, "interaction_kwargs": {"name": "always_right"}})
+    ctx = build_context(engine, tiny_tokenizer, setup, tool_names=["holler"])
+    row = make_row(agent_name="tool_agent", extra_info={"tools_kwargs": {"holler": {}}, "interaction_kwargs": {"name": "always_right"}})
     [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r", row)]))
     assert t.finish_reason == "interaction_done"
-    assert [(c.name, c.result, c.reward) for c in t.tool_calls] == [("shout", "HI", 0.25)]
+    assert [(c.name, c.result, c.reward) for c in t.tool_calls] == [("holler", "HI", 0.25)]
     assert [(turn.role, turn.reward) for turn in t.turns] == [("assistant", 0.25), ("tool", None), ("assistant", 1.0)]
 
 
@@ -226,7 +270,7 @@ def test_plugins_resolve_inside_a_ray_actor(dist_path):
 
     ray.init(
         address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(dist_path), "OMP_NUM_THREADS": "1"}},
+        runtime_env={"env_vars": {"PYTHONPATH": str(dist_path), "OMP_NUM_THREADS": "1", PLUGIN_TABLE_ENV: plugin_table(dist_path)}},
     )
     try:
 
@@ -241,7 +285,7 @@ def test_plugins_resolve_inside_a_ray_actor(dist_path):
                 from agentrl.plugins import PluginRegistry, discover
 
                 registry = PluginRegistry()
-                tool = registry.load("tools", "shout")()
+                tool = registry.load("tools", "holler")()
                 text = asyncio.run(tool.execute("i", {"text": "ray"})).text
                 interaction = registry.load("interactions", "always_right")()
                 done = asyncio.run(interaction.generate_response("i", [])).done
@@ -279,7 +323,7 @@ def test_a_row_naming_a_tool_that_fails_to_import_is_named_before_any_model_is_l
     from agentrl.data.io import write_rows
 
     rows = [{"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], "extra_info": {"tools_kwargs": tools}}
-            for tools in ({"shout": {}}, {"telescope": {}}, {"telescope": {}})]
+            for tools in ({"holler": {}}, {"telescope": {}}, {"telescope": {}})]
     data = write_rows(rows, tmp_path / "rows.parquet")
     expected = (f"file {data}, row 1, field extra_info.tools_kwargs.telescope: tool 'telescope' cannot be loaded: "
                 "plugin 'telescope' in group agentrl.tools (entry point telescope = myplugin_broken:Telescope, "

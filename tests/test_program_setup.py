@@ -40,7 +40,7 @@ def test_a_program_missing_a_package_at_import_is_refused_by_every_check_before_
     data = write_rows([program_row("gives_up", 0), program_row("absent_at_import", 1), program_row("absent_at_import", 2)],
                       tmp_path / "rows.parquet")
     expected = (f"file {data}, row 1, field extra_info.agent_program: agent program 'absent_at_import' cannot be loaded: "
-                f"{LOAD_ERROR} (the same in row 2)")
+                f"{LOAD_ERROR} (the same in row 2 of {data})")
     assert main(["data", "validate", str(data)]) == 1
     assert capsys.readouterr().out.splitlines()[0] == expected
     # train and rollout check their rows with the same call, before a model or an engine is built
