@@ -48,8 +48,9 @@ class ReplayEngine:
             session = f"{t.row_id}#{t.sample_index}"
             if session in self._turns:
                 raise ValueError(f"two trajectories share the session {session!r}; replay them in separate engines")
-            self._turns[session] = deque(
-                (t.response_ids[x.start : x.end], t.logprobs[x.start : x.end]) for x in t.turns if x.role == "assistant"
+            self._turns[session] = deque(  # every segment's, oldest first (agent.history=as_template)
+                (part.response_ids[x.start : x.end], part.logprobs[x.start : x.end])
+                for part in [*t.earlier_segments, t] for x in part.turns if x.role == "assistant"
             )
         self._served: dict[str, int] = {}
         self.weight_version = 0
@@ -99,7 +100,7 @@ class ReplayEngine:
 class Difference:
     """One way a re-run differs from the stored trajectory."""
 
-    kind: str  # prompt | turns | observation | assistant | template | turn_reward | tool_call | finish_reason | reward | loop_error
+    kind: str  # segments | prompt | turns | observation | assistant | template | turn_reward | tool_call | finish_reason | reward | loop_error
     turn: int | None  # index into the stored turns, when the difference is one turn's
     detail: str  # what differs, for a person
     stored_ids: tuple[int, ...] = ()
@@ -126,38 +127,57 @@ def _ids_detail(a: Sequence[int], b: Sequence[int], decode: Callable[[list[int]]
 
 
 def compare_trajectories(stored: Trajectory, rerun: Trajectory, *, decode: Callable[[list[int]], str] | None = None) -> list[Difference]:
-    """Every difference between a stored trajectory and its re-run, in stream order."""
+    """Every difference between a stored trajectory and its re-run, in stream order: each segment
+    (``Trajectory.earlier_segments``, then the last) token for token, then calls, finish and reward."""
+    diffs: list[Difference] = []
+    stored_parts, rerun_parts = [*stored.earlier_segments, stored], [*rerun.earlier_segments, rerun]
+    if len(stored_parts) != len(rerun_parts):
+        diffs.append(Difference("segments", None, f"{len(stored_parts)} segments stored, {len(rerun_parts)} in the re-run "
+                                "(the chat template or agent.history changed where the history is rewritten)"))
+    for k, (a, b) in enumerate(zip(stored_parts, rerun_parts)):
+        diffs += _compare_stream(a, b, decode, "" if len(stored_parts) == 1 else f"segment {k}: ")
+    return diffs + _compare_outcome(stored, rerun)
+
+
+def _compare_stream(stored: Any, rerun: Any, decode: Callable[[list[int]], str] | None, where: str) -> list[Difference]:
+    """The differences between two token streams (a trajectory or one of its segments)."""
     diffs: list[Difference] = []
     if stored.prompt_ids != rerun.prompt_ids:
-        diffs.append(Difference("prompt", None, "prompt tokens differ (chat template, tool schemas or the row changed): "
+        diffs.append(Difference("prompt", None, where + "prompt tokens differ (chat template, tool schemas or the row changed): "
                                 + _ids_detail(stored.prompt_ids, rerun.prompt_ids, decode),
                                 tuple(stored.prompt_ids), tuple(rerun.prompt_ids)))
     for k, (a, b) in enumerate(zip(stored.turns, rerun.turns)):
         a_ids, b_ids = stored.response_ids[a.start : a.end], rerun.response_ids[b.start : b.end]
         if a.role != b.role:
-            diffs.append(Difference("turns", k, f"turn {k} was {a.role}, re-run {b.role}"))
+            diffs.append(Difference("turns", k, f"{where}turn {k} was {a.role}, re-run {b.role}"))
             break  # the streams no longer line up
         if a_ids != b_ids:
             kind = "assistant" if a.role == "assistant" else "observation"
-            diffs.append(Difference(kind, k, f"turn {k} ({a.role}) tokens differ: " + _ids_detail(a_ids, b_ids, decode),
+            diffs.append(Difference(kind, k, f"{where}turn {k} ({a.role}) tokens differ: " + _ids_detail(a_ids, b_ids, decode),
                                     tuple(a_ids), tuple(b_ids)))
         elif a.reward != b.reward:
-            diffs.append(Difference("turn_reward", k, f"turn {k} ({a.role}) reward was {a.reward}, re-run {b.reward}"))
+            diffs.append(Difference("turn_reward", k, f"{where}turn {k} ({a.role}) reward was {a.reward}, re-run {b.reward}"))
     common = min(len(stored.turns), len(rerun.turns))
     for k, x in enumerate(stored.turns[common:], start=common):
         ids = stored.response_ids[x.start : x.end]
-        diffs.append(Difference("turns", k, f"turn {k} ({x.role}) is stored but not in the re-run: {_text(ids, decode)}",
+        diffs.append(Difference("turns", k, f"{where}turn {k} ({x.role}) is stored but not in the re-run: {_text(ids, decode)}",
                                 stored_ids=tuple(ids)))
     for k, x in enumerate(rerun.turns[common:], start=common):
         ids = rerun.response_ids[x.start : x.end]
-        diffs.append(Difference("turns", k, f"turn {k} ({x.role}) is only in the re-run: {_text(ids, decode)}",
+        diffs.append(Difference("turns", k, f"{where}turn {k} ({x.role}) is only in the re-run: {_text(ids, decode)}",
                                 rerun_ids=tuple(ids)))
     if len(stored.turns) == len(rerun.turns) and stored.turns:
         a_tail = stored.response_ids[stored.turns[-1].end :]
         b_tail = rerun.response_ids[rerun.turns[-1].end :]
         if a_tail != b_tail:
-            diffs.append(Difference("template", None, "tokens after the last turn differ: " + _ids_detail(a_tail, b_tail, decode),
+            diffs.append(Difference("template", None, where + "tokens after the last turn differ: " + _ids_detail(a_tail, b_tail, decode),
                                     tuple(a_tail), tuple(b_tail)))
+    return diffs
+
+
+def _compare_outcome(stored: Trajectory, rerun: Trajectory) -> list[Difference]:
+    """The differences in tool calls, finish reason and reward."""
+    diffs: list[Difference] = []
     for i, (a, b) in enumerate(zip(stored.tool_calls, rerun.tool_calls)):
         if (a.name, a.arguments, a.result, a.error, a.reward) != (b.name, b.arguments, b.result, b.error, b.reward):
             diffs.append(Difference("tool_call", a.turn, f"tool call {i} ({a.name}) returned {a.result!r} "

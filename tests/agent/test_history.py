@@ -189,3 +189,23 @@ def test_check_template_says_where_a_family_rewrites_its_history(tokenizers):
     assert "  history: rewritten by the template" in qwen3 and "<think>" in qwen3
     assert "agent.history=as_template starts a new segment" in qwen3
     assert "  history: append-only" in check_template(tokenizers["qwen2.5"]).render()
+
+
+def test_replay_rerun_of_a_segmented_trajectory_matches_segment_by_segment(tokenizers, make_ctx, tmp_path):
+    from agentrl.data.rollout_store import RolloutStore
+    from agentrl.replay.rerun import rerun_trajectories
+
+    tok = tokenizers["qwen3"]
+    kwargs, call_text, think, _ = FAMILIES["qwen3"]
+    t, _, _, _ = tool_and_retry(tok, kwargs, call_text, think, make_ctx, "as_template")
+    store = RolloutStore(tmp_path)
+    store.write_step(0, [t], rows=[("r0", make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"}))])
+    records = list(store.iter_stored())
+    assert len(records[0].trajectory.earlier_segments) == 1  # stored with its segments
+    [same] = asyncio.run(rerun_trajectories(records, make_ctx(None, tokenizer=tok), LoopTable("tool_agent"), decode=tok.decode))
+    assert same.differences == [] and len(same.rerun.earlier_segments) == 1
+    # re-run as one stream: the difference is named, and the stream differs where the template rewrote
+    ctx = make_ctx(None, tokenizer=tok, agent={"history": "as_sampled"})
+    [other] = asyncio.run(rerun_trajectories(records, ctx, LoopTable("tool_agent"), decode=tok.decode))
+    assert [d.kind for d in other.differences][:1] == ["segments"]
+    assert "2 segments stored, 1 in the re-run" in other.differences[0].detail
