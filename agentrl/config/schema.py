@@ -174,6 +174,16 @@ class AgentConfig(Section):
     tool_parser_by_loop: dict[str, str] = Field(default_factory=lambda: {"react": "react"})
     # extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 / SmolLM3
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # The history each request shows the model. as_template: every request is the chat template's
+    # own rendering of the messages so far, as a server gives it at inference; where the template
+    # rewrites the history (Qwen3 / DeepSeek-R1 drop earlier <think> blocks, gpt-oss earlier
+    # analysis, Mistral-Nemo moves the system prompt) the trajectory starts a new segment, trained
+    # with the trajectory's advantage, shared prefixes computed once. as_sampled: one append-only
+    # stream of what was sampled and observed, whatever the template does at inference
+    # (docs/model_families.md, Histories).
+    history: Literal["as_sampled", "as_template"] = "as_template"
+    # Loops that keep another history policy: loop name -> as_sampled | as_template.
+    history_by_loop: dict[str, Literal["as_sampled", "as_template"]] = Field(default_factory=dict)
     max_assistant_turns: int = Field(8, ge=1)
     max_user_turns: int = Field(4, ge=0)
     max_tool_response_tokens: int = Field(256, ge=1)
