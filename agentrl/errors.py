@@ -55,15 +55,17 @@ class ConfigError(AgentrlError):
 
 
 class DataError(AgentrlError):
-    """A dataset file or row is invalid; names the file, the row index and the field."""
+    """A dataset file or row is invalid; names the file, the row index and the field (and, in a
+    JSON Lines file, the row's line: ``row 3 (line 4)``)."""
 
-    def __init__(self, message: str, *, file: str | None = None, row: int | None = None, field: str | None = None):
-        self.message, self.file, self.row, self.field = message, file, row, field
+    def __init__(self, message: str, *, file: str | None = None, row: int | None = None, field: str | None = None,
+                 line: int | None = None):
+        self.message, self.file, self.row, self.field, self.line = message, file, row, field, line
         where = ", ".join(
             part
             for part in (
                 f"file {file}" if file is not None else "",
-                f"row {row}" if row is not None else "",
+                f"row {row}" + (f" (line {line})" if line is not None else "") if row is not None else "",
                 f"field {field}" if field is not None else "",
             )
             if part

@@ -26,8 +26,8 @@ def _validate(argv: list[str]) -> int:
     from agentrl.data.dataset import counted, validate_files
     from agentrl.data.io import count_rows
 
-    parser = argparse.ArgumentParser(prog="agentrl data validate", description="Check every row of parquet row files.")
-    parser.add_argument("files", nargs="+", help="parquet files of rows")
+    parser = argparse.ArgumentParser(prog="agentrl data validate", description="Check every row of row files.")
+    parser.add_argument("files", nargs="+", help="row files: parquet, or JSON rows (.jsonl: one object a line; .json: that or an array)")
     parser.add_argument("--default-agent", default=None, help="the loop that runs rows without agent_name (checked too)")
     args = parser.parse_args(argv)
     from agentrl.plugins import PluginRegistry

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from agentrl.config.schema import environment_import_hint, environment_problem
-from agentrl.data.io import decode_row, iter_raw_rows, open_parquet
+from agentrl.data.io import JsonRows, decode_row, is_json_rows, iter_raw_rows, open_parquet
 from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
 
@@ -66,15 +66,16 @@ def file_tags(files: Sequence[str | Path]) -> list[str]:
     return [f"{stem}/" if unique else f"{i}.{stem}/" for i, stem in enumerate(stems)]
 
 
-def parse_row(raw: dict[str, Any], *, file: str, index: int) -> Row:
-    """Validate one decoded row; a DataError names the file, the row and the first bad field."""
+def parse_row(raw: dict[str, Any], *, file: str, index: int, line: int | None = None) -> Row:
+    """Validate one decoded row; a DataError names the file, the row (and its ``line`` in a JSON
+    Lines file) and the first bad field."""
     try:
         return Row.model_validate(raw)
     except ValidationError as exc:
         errors = exc.errors()
         field = ".".join(str(p) for p in errors[0]["loc"]) or None
         more = f" (and {counted(len(errors) - 1, 'more problem')} in this row)" if len(errors) > 1 else ""
-        raise DataError(f"{errors[0]['msg']}{_got(errors[0])}{more}", file=file, row=index, field=field) from None
+        raise DataError(f"{errors[0]['msg']}{_got(errors[0])}{more}", file=file, row=index, field=field, line=line) from None
 
 
 def _got(error: Any) -> str:
@@ -119,9 +120,11 @@ def validate_files(
     defaulted = 0
     for path in dict.fromkeys(map(str, paths)):  # a file given twice (as training and validation data) is read once
         try:
-            for index, raw in iter_raw_rows(path):
+            json_rows = JsonRows(path) if is_json_rows(path) else None
+            for index, raw in json_rows if json_rows is not None else iter_raw_rows(path):
+                line = json_rows.line(index) if json_rows is not None else None
                 try:
-                    row = parse_row(raw, file=path, index=index)
+                    row = parse_row(raw, file=path, index=index, line=line)
                 except DataError as err:
                     found.add(err)
                     continue
@@ -131,7 +134,7 @@ def validate_files(
                 for field, problem in row_plugin_problems(row, known, known_tools, known_interactions, import_problem,
                                                           agents=known_agents, default_environment=default_environment,
                                                           config_known=config_known):
-                    found.add(DataError(problem, file=path, row=index, field=field))
+                    found.add(DataError(problem, file=path, row=index, field=field, line=line))
         except DataError as err:
             found.add(err)
     if known is not None and default_agent is not None and default_agent not in known and first_defaulted:
@@ -221,7 +224,8 @@ class _Problems:
             if rows:
                 shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
                 where = f"row{'s' if len(rows) > 1 else ''} {shown} of {problem.file}"
-                problem = DataError(f"{problem.message} (the same in {where})", file=problem.file, row=problem.row, field=problem.field)
+                problem = DataError(f"{problem.message} (the same in {where})", file=problem.file, row=problem.row, field=problem.field,
+                                    line=problem.line)
             listed.append(problem)
         if self.left_out:
             listed.append(DataError(f"... and {counted(self.left_out, 'more problem')} (only the first {self.cap} are listed)"))
@@ -254,7 +258,16 @@ class RowDataset:
         # per file: cumulative row counts of its row groups (from the footer, no data read)
         self._group_starts: list[list[int]] = []
         self._file_starts: list[int] = [0]
-        for path in self.files:
+        self._json: dict[int, JsonRows] = {}  # JSON row files by position: their rows' offsets, read in groups
+        for i, path in enumerate(self.files):
+            if is_json_rows(path):
+                self._json[i] = JsonRows(path)
+                starts = [0]
+                for size in self._json[i].group_sizes():
+                    starts.append(starts[-1] + size)
+                self._group_starts.append(starts)
+                self._file_starts.append(self._file_starts[-1] + starts[-1])
+                continue
             meta = open_parquet(path).metadata
             starts = [0]
             for g in range(meta.num_row_groups):
@@ -275,7 +288,8 @@ class RowDataset:
         if drop_last and self.num_rows < batch_size:
             raise DataError(f"{self.num_rows} rows cannot fill one batch of {batch_size}", file=", ".join(self.files))
         self._parquet: dict[int, pq.ParquetFile] = {}
-        self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
+        # decoded row groups: an Arrow table (parquet) or the rows' JSON texts (JSON rows)
+        self._cache: OrderedDict[tuple[int, int], pa.Table | list[bytes]] = OrderedDict()
         self._cached_bytes = 0
         self._order_of: tuple[int, Any] | None = None  # (epoch, its order: an int64 tensor or a range)
         self.reads = 0  # row groups decoded (for tests and progress)
@@ -315,23 +329,30 @@ class RowDataset:
         group = bisect.bisect_right(starts, local) - 1
         return file_index, group, local - starts[group]
 
-    def _row_group(self, file_index: int, group: int) -> pa.Table:
+    def _row_group(self, file_index: int, group: int) -> pa.Table | list[bytes]:
         key = (file_index, group)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
+        if file_index in self._json:
+            starts = self._group_starts[file_index]
+            return self._keep(key, self._json[file_index].read_texts(starts[group], starts[group + 1]))
         if file_index not in self._parquet:
             self._parquet[file_index] = open_parquet(self.files[file_index])
         try:
             table = self._parquet[file_index].read_row_group(group, use_threads=False)  # one small group: threads do not pay
         except (pa.ArrowException, OSError) as exc:  # the footer opened, the pages are damaged
             raise DataError(f"row group {group} is not readable: {exc}", file=self.files[file_index]) from exc
+        return self._keep(key, table)
+
+    def _keep(self, key: tuple[int, int], group: pa.Table | list[bytes]) -> pa.Table | list[bytes]:
+        """Cache a row group just read, dropping the least recently used beyond the byte budget."""
         self.reads += 1
-        self._cache[key] = table
-        self._cached_bytes += table.nbytes
+        self._cache[key] = group
+        self._cached_bytes += _nbytes(group)
         while len(self._cache) > 1 and self._cached_bytes > self.cache_bytes:
-            self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
-        return table
+            self._cached_bytes -= _nbytes(self._cache.popitem(last=False)[1])
+        return group
 
     def rows(self, indices: Sequence[int]) -> list[tuple[str, Row]]:
         """The rows at these global indices, in that order; each row group is decoded once."""
@@ -342,10 +363,15 @@ class RowDataset:
         out: list[tuple[str, Row] | None] = [None] * len(indices)
         for (file_index, group), places in wanted.items():
             table = self._row_group(file_index, group)
-            raws = table.take([within for _, within in places]).to_pylist()
             path, first = self.files[file_index], self._group_starts[file_index][group]
+            json_rows = self._json.get(file_index)
+            if json_rows is not None:
+                raws = [json_rows.decode(first + within, table[within]) for _, within in places]
+            else:
+                raws = [decode_row(raw) for raw in table.take([within for _, within in places]).to_pylist()]
             for (slot, within), raw in zip(places, raws):
-                row = parse_row(decode_row(raw), file=path, index=first + within)
+                line = json_rows.line(first + within) if json_rows is not None else None
+                row = parse_row(raw, file=path, index=first + within, line=line)
                 out[slot] = (self._tags[file_index] + row_uid(row, path, first + within), row)
         return out  # type: ignore[return-value]
 
@@ -376,6 +402,10 @@ class RowDataset:
                 f"these files hold {self.num_rows} rows with seed {self.seed}"
             )
         self.epoch, self.offset = state["epoch"], state["offset"]
+
+
+def _nbytes(group: pa.Table | list[bytes]) -> int:
+    return sum(map(len, group)) if isinstance(group, list) else group.nbytes
 
 
 def rows_from_dicts(rows: Sequence[dict[str, Any]], source: str = "<generated>") -> list[tuple[str, Row]]:

@@ -1,4 +1,5 @@
-"""Reading and writing row parquet files with pyarrow, in record batches.
+"""Reading and writing row files: parquet with pyarrow, in record batches; JSON rows (``.jsonl``,
+``.json``) with the same schema, read through ``JsonRows``.
 
 Free-form nested values - ``extra_info.tools_kwargs``, ``extra_info.interaction_kwargs``,
 ``extra_info.environment``, the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -23,12 +25,14 @@ from agentrl.errors import DataError
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
-__all__ = ["JSON_FIELDS", "ROW_GROUP_SIZE", "write_rows", "iter_raw_rows", "decode_row", "count_rows", "open_parquet"]
+__all__ = ["JSON_FIELDS", "ROW_GROUP_SIZE", "JSON_SUFFIXES", "write_rows", "iter_raw_rows", "decode_row", "count_rows", "open_parquet",
+           "is_json_rows", "JsonRows"]
 
 JSON_FIELDS = (("extra_info", "tools_kwargs"), ("extra_info", "interaction_kwargs"), ("extra_info", "environment"), ("prompt", "*", "tool_calls"), ("messages",))
 # Rows per row group when writing: the unit a shuffled dataset decodes to reach one row, so it
 # bounds both the memory of its cache and the work of a random read.
 ROW_GROUP_SIZE = 1024
+JSON_SUFFIXES = (".jsonl", ".json")  # row files read as JSON rows, not parquet
 _EXTRA_JSON = ("tools_kwargs", "interaction_kwargs", "environment")
 _STRUCTS = ("extra_info", "reward_model")
 
@@ -151,16 +155,24 @@ def open_parquet(path: str | Path) -> "pq.ParquetFile":
     except IsADirectoryError:
         raise DataError("is a directory, not a parquet file", file=str(path)) from None
     except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"not a readable parquet file: {exc}", file=str(path)) from exc
+        raise DataError(f"not a readable parquet file: {exc} (row files are parquet, or JSON Lines named .jsonl or .json)",
+                        file=str(path)) from exc
 
 
 def count_rows(path: str | Path) -> int:
-    return int(open_parquet(path).metadata.num_rows)
+    """The rows of a row file: parquet, or JSON (``.jsonl``, ``.json``: ``JsonRows``)."""
+    return JsonRows(path).num_rows if is_json_rows(path) else int(open_parquet(path).metadata.num_rows)
 
 
 def iter_raw_rows(path: str | Path, *, batch_size: int = 1024, columns: list[str] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """(row index, decoded row dict) for every row, reading one record batch at a time. A row whose
-    JSON-encoded field cannot be decoded ends the file with a DataError naming row and field."""
+    JSON-encoded field cannot be decoded ends the file with a DataError naming row and field.
+    A ``.jsonl`` or ``.json`` file is read as JSON rows (``JsonRows``); ``columns``
+    then keeps those keys of each row (a key a row lacks reads as None)."""
+    if is_json_rows(path):
+        for index, row in JsonRows(path):
+            yield index, row if columns is None else {c: row.get(c) for c in columns}
+        return
     parquet = open_parquet(path)
     if columns is not None:
         missing = [c for c in columns if c not in parquet.schema_arrow.names]
@@ -175,3 +187,103 @@ def iter_raw_rows(path: str | Path, *, batch_size: int = 1024, columns: list[str
                 raise DataError(str(exc), file=str(path), row=index, field=exc.field) from None
             yield index, decoded
             index += 1
+
+
+def is_json_rows(path: str | Path) -> bool:
+    """A row file read as JSON (by its suffix), not as parquet."""
+    return Path(path).suffix.lower() in JSON_SUFFIXES
+
+
+class JsonRows:
+    """The rows of one JSON row file: their count, groups and lines, and each row decoded.
+
+    JSON Lines (``.jsonl``, and ``.json`` written one object a line, as Hugging Face
+    ``datasets``' ``to_json`` writes them) is never loaded whole: opening it records the byte
+    offset and line number of every row (16 bytes a row) and rows are read back a group of
+    ``group_size`` at a time, as parquet row groups are. Blank lines are skipped; a problem names
+    the row (0-based, blank lines not counted) and its line (1-based). A ``.json`` file holding
+    one JSON array of rows is read whole."""
+
+    def __init__(self, path: str | Path, *, group_size: int = ROW_GROUP_SIZE):
+        self.path, self.group_size = str(path), group_size
+        self._texts: list[bytes] | None = None  # a JSON array's rows, re-encoded one by one
+        self._offsets, self._lines = array("q"), array("q")
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+                f.seek(0)
+                if head.startswith(b"["):
+                    self._read_array(f.read())
+                else:
+                    self._index(f)
+        except FileNotFoundError:
+            raise DataError("file not found", file=self.path) from None
+        except IsADirectoryError:
+            raise DataError("is a directory, not a row file", file=self.path) from None
+
+    def _index(self, f: Any) -> None:
+        position = 0
+        for number, text in enumerate(f, 1):
+            if text.strip():
+                self._offsets.append(position)
+                self._lines.append(number)
+            position += len(text)
+
+    def _read_array(self, data: bytes) -> None:
+        try:
+            rows = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise DataError(f"not valid JSON ({str(exc)[:120]}); a .json row file is a JSON array of rows or one row a line",
+                            file=self.path) from None
+        self._texts = [json.dumps(row).encode() for row in rows]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._texts) if self._texts is not None else len(self._offsets)
+
+    def line(self, index: int) -> int | None:
+        """The 1-based line of row ``index`` (None in a JSON array)."""
+        return None if self._texts is not None else int(self._lines[index])
+
+    def group_sizes(self) -> list[int]:
+        full, rest = divmod(self.num_rows, self.group_size)
+        return [self.group_size] * full + ([rest] if rest else [])
+
+    def read_texts(self, start: int, stop: int) -> list[bytes]:
+        """The JSON text of rows ``[start, stop)``."""
+        if self._texts is not None:
+            return self._texts[start:stop]
+        if start >= stop:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offsets[start])
+            texts, wanted = [], stop - start
+            for text in f:
+                if text.strip():
+                    texts.append(text)
+                    if len(texts) == wanted:
+                        break
+        return texts
+
+    def decode(self, index: int, text: bytes) -> dict[str, Any]:
+        """Row ``index`` from its JSON text, its JSON-text fields decoded (``decode_row``)."""
+        where = {"file": self.path, "row": index, "line": self.line(index)}
+        try:
+            row = json.loads(text.rstrip(b"\r\n"))
+        except json.JSONDecodeError as exc:  # its own line and column would count within the row's text
+            raise DataError(f"not valid JSON ({exc.msg} at column {exc.colno}); a JSON Lines file holds one row object a line",
+                            **where) from None
+        except (ValueError, RecursionError) as exc:
+            raise DataError(f"not valid JSON ({str(exc)[:120]}); a JSON Lines file holds one row object a line", **where) from None
+        if not isinstance(row, dict):
+            raise DataError(f"a row must be a JSON object, got {type(row).__name__}", **where)
+        try:
+            return decode_row(row)
+        except _UndecodableField as exc:
+            raise DataError(str(exc), field=exc.field, **where) from None
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(row index, decoded row) in file order, a group of rows read at a time."""
+        for start in range(0, self.num_rows, self.group_size):
+            for offset, text in enumerate(self.read_texts(start, min(start + self.group_size, self.num_rows))):
+                yield start + offset, self.decode(start + offset, text)
