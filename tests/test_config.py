@@ -238,3 +238,21 @@ def test_rollouts_cfg_job_shows_a_config_that_training_would_refuse():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "train_batch_size: 8" in done.stdout
+
+
+def test_a_misspelt_group_option_lists_the_options_and_the_closest_one(capsys):
+    """Not Hydra's traceback: the group's options, as an unknown key gets its closest key."""
+    from agentrl.cli import main
+
+    with pytest.raises(ConfigError) as info:
+        compose("train", ["algorithm=grpoo", "engine=zzz", "agent=react"])
+    assert info.value.problems == [
+        ("algorithm", "unknown option 'grpoo' (known: cispo, dapo, drgrpo, grpo, gspo, ppo, reinforce_plus_plus, rloo); "
+                      "did you mean algorithm=grpo?"),
+        ("engine", "unknown option 'zzz' (known: builtin, scripted, sglang)"),
+    ]
+    assert main(["train", "--cfg", "job", "data=gsm9k"]) == 1  # exits as every configuration error does
+    assert capsys.readouterr().err == (
+        "agentrl train: invalid configuration (1 problem):\n"
+        "  data: unknown option 'gsm9k' (known: arith, arith_retry, gsm8k, word, word_steps); did you mean data=gsm8k?\n"
+    )

@@ -47,6 +47,19 @@ def _split_override(text: str) -> tuple[str, str, str]:
     return prefix, key.strip(), value if sep else ""
 
 
+def _group_option_problem(prefix: str, group: str, option: str) -> str | None:
+    """Why ``group=option`` names no preset of the group (its YAML files), with the options and
+    the closest one; None when it names one (or removes the group: ``~group``, ``group=null``)."""
+    if prefix == "~" or option == "null":
+        return None
+    options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+    if option in options:
+        return None
+    close = difflib.get_close_matches(option, options, n=1)
+    hint = f"; did you mean {group}={close[0]}?" if close else ""
+    return f"unknown option {option!r} (known: {', '.join(options)}){hint}"
+
+
 def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     """Compose ``configs/<config_name>.yaml`` with Hydra and return a plain dict."""
     from hydra import compose as hydra_compose
@@ -63,6 +76,8 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
             problems.append((text, "an override must look like key=value"))
             continue
         if "." not in key and key in groups:
+            if (problem := _group_option_problem(prefix, key, value)) is not None:
+                problems.append((key, problem))
             group_overrides.append(text)
             continue
         verl = translate(key, value)  # verl's names: mapped, accepted without effect, or refused
@@ -79,7 +94,10 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        base = hydra_compose(config_name=config_name, overrides=group_overrides)
+        try:
+            base = hydra_compose(config_name=config_name, overrides=group_overrides)
+        except Exception as exc:  # hydra's own errors, which a group override can still meet
+            raise ConfigError([("<overrides>", str(exc).splitlines()[0])]) from exc
         final = []
         for prefix, key, value in value_overrides:
             # keys no YAML mentions are added (then validated by the schema, which names them)
