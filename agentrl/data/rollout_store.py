@@ -12,7 +12,13 @@ Layout: ``<root>/<split>-step<step:06d>-w<writer:03d>.parquet``. One row per tra
 The schema version sits in each file's metadata (``agentrl_schema_version``). Version 1 (the
 files agentrl 0.1 wrote, one per step: no ``writer_id`` and no ``row``) is read too, and files
 before version 4 read with no ``earlier_segments``, before version 5 with no ``token_versions`` (the
-weight version of each response token: an empty list, unknown).
+weight version of each response token: an empty list, unknown), before version 6 with no
+``dropped`` (every trajectory of a training step read as trained).
+
+``dropped`` says why a stored trajectory's group was not trained (null: it was, or its split does
+not train): ``stale``, a group an asynchronous run finished and dropped as older than
+``rollout.max_staleness`` (stored in the shard of the step that dropped it, beside the groups that
+step trained). ``TrajectoryFilter(dropped=False)`` reads what was trained.
 
 A shard is written to a hidden temporary file in the same directory in row groups, fsynced,
 then renamed over its final name (and the directory fsynced), so a reader sees a whole shard
@@ -51,11 +57,12 @@ from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectoryFinish, Tra
 if TYPE_CHECKING:  # pyarrow.dataset (and the pandas it imports, ~0.5 s) loads when a store is read
     import pyarrow.dataset as ds
 
-__all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
+__all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "DROPPED_REASONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
            "trajectories_to_table", "shard_name"]
 
-SCHEMA_VERSION = "5"  # 3: each tool call's metrics; 4: earlier segments; 5: token versions
-READABLE_VERSIONS = ("1", "2", "3", "4", "5")
+SCHEMA_VERSION = "6"  # 3: each tool call's metrics; 4: earlier segments; 5: token versions; 6: dropped groups
+READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6")
+DROPPED_REASONS = ("stale",)  # why a stored group was not trained (the ``dropped`` column)
 VERSION_KEY = b"agentrl_schema_version"
 
 _TURN = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64()), ("reward", pa.float64())])
@@ -78,6 +85,7 @@ SCHEMA = pa.schema(
         ("row", pa.string()),  # the dataset row as JSON; null when the writer did not have it
         ("earlier_segments", pa.list_(_SEGMENT)),  # Trajectory.earlier_segments (none before version 4)
         ("token_versions", pa.list_(pa.int64())),  # Trajectory.token_versions (none before version 5)
+        ("dropped", pa.string()),  # why its group was not trained (null: trained; none before version 6)
     ],
     metadata={VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -100,6 +108,7 @@ class TrajectoryFilter:
     finish_reason: str | Sequence[str] | None = None
     min_reward: float | None = None
     max_reward: float | None = None
+    dropped: bool | None = None  # True: only groups dropped untrained; False: only the rest; None: both
 
     def __post_init__(self) -> None:
         # a misspelt reason would select nothing, silently: refuse it, listing the known ones
@@ -122,6 +131,8 @@ class TrajectoryFilter:
             parts.append(pc.field("reward") >= self.min_reward)
         if self.max_reward is not None:
             parts.append(pc.field("reward") <= self.max_reward)
+        if self.dropped is not None:
+            parts.append(pc.field("dropped").is_valid() if self.dropped else pc.field("dropped").is_null())
         if not parts:
             return None
         expr = parts[0]
@@ -146,6 +157,7 @@ class StoredTrajectory:
     writer_id: int
     trajectory: Trajectory
     row: Row | None
+    dropped: str | None = None  # why its group was not trained (``DROPPED_REASONS``); None: trained
 
     @property
     def session_id(self) -> str:
@@ -156,7 +168,7 @@ class StoredTrajectory:
 # ----------------------------------------------------------------------------- encoding
 
 
-def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | None) -> dict[str, Any]:
+def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | None, dropped: str | None) -> dict[str, Any]:
     return {
         "step": step, "split": split, "writer_id": writer_id, "row_id": t.row_id, "group_id": t.group_id,
         "sample_index": t.sample_index, "data_source": t.data_source, "agent_name": t.agent_name,
@@ -178,6 +190,7 @@ def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | Non
             for g in t.earlier_segments
         ],
         "token_versions": t.token_versions,
+        "dropped": dropped,
     }
 
 
@@ -215,10 +228,11 @@ def _decode(r: dict[str, Any]) -> Trajectory:
 
 def trajectories_to_table(
     trajectories: Sequence[Trajectory], *, step: int = 0, split: str = "train", writer_id: int = 0,
-    rows: Mapping[str, Row] | None = None,
+    rows: Mapping[str, Row] | None = None, dropped: Mapping[str, str] | None = None,
 ) -> pa.Table:
-    rows = rows or {}
-    return pa.Table.from_pylist([_encode(t, step, split, writer_id, rows.get(t.row_id)) for t in trajectories], schema=SCHEMA)
+    rows, dropped = rows or {}, dropped or {}
+    return pa.Table.from_pylist([_encode(t, step, split, writer_id, rows.get(t.row_id), dropped.get(t.group_id))
+                                 for t in trajectories], schema=SCHEMA)
 
 
 def _rows_by_id(rows: Mapping[str, Row] | Iterable[tuple[str, Row]] | None) -> dict[str, Row]:
@@ -246,11 +260,16 @@ class RolloutStore:
         split: str = "train",
         writer_id: int = 0,
         rows: Mapping[str, Row] | Iterable[tuple[str, Row]] | None = None,
+        dropped: Mapping[str, str] | None = None,
     ) -> Path:
         """Write one shard atomically; ``rows`` (by row id, or ``(row_id, row)`` pairs as the
-        runner takes them) are stored with their trajectories so a re-run needs no dataset."""
+        runner takes them) are stored with their trajectories so a re-run needs no dataset;
+        ``dropped`` (group id -> one of ``DROPPED_REASONS``) marks the groups stored untrained."""
         if not re.fullmatch(r"[A-Za-z0-9_]+", split):
             raise ValueError(f"split must be letters, digits or '_', got {split!r}")
+        unknown = sorted({reason for reason in (dropped or {}).values() if reason not in DROPPED_REASONS})
+        if unknown:
+            raise ValueError(f"dropped: unknown reason(s) {unknown} (known: {', '.join(DROPPED_REASONS)})")
         if step < 0 or writer_id < 0:
             raise ValueError(f"step and writer_id must be >= 0, got step={step}, writer_id={writer_id}")
         by_id = _rows_by_id(rows)
@@ -264,7 +283,8 @@ class RolloutStore:
                 with pq.ParquetWriter(f, SCHEMA) as writer:
                     for i in range(0, max(len(trajectories), 1), self.row_group_size):
                         chunk = trajectories[i : i + self.row_group_size]
-                        writer.write_table(trajectories_to_table(chunk, step=step, split=split, writer_id=writer_id, rows=by_id))
+                        writer.write_table(trajectories_to_table(chunk, step=step, split=split, writer_id=writer_id,
+                                                                 rows=by_id, dropped=dropped))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -374,7 +394,8 @@ def _scan(dataset: ds.Dataset, where: TrajectoryFilter | None, limit: int | None
         for r in batch.to_pylist():
             row = Row.model_validate_json(r["row"]) if r["row"] is not None else None
             writer = r["writer_id"] if r["writer_id"] is not None else 0
-            yield StoredTrajectory(split=r["split"], step=r["step"], writer_id=writer, trajectory=_decode(r), row=row)
+            yield StoredTrajectory(split=r["split"], step=r["step"], writer_id=writer, trajectory=_decode(r), row=row,
+                                   dropped=r.get("dropped"))
             count += 1
             if limit is not None and count >= limit:
                 return

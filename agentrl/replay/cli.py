@@ -3,7 +3,7 @@
     agentrl replay show    DIR [filters] [--limit N] [--tokenizer PATH]
     agentrl replay report  DIR --output report.html [filters] [--samples N] [--tokenizer PATH]
     agentrl replay rescore DIR --reward NAME --output NEWDIR [--format-score F] [--tool-weight W ...] [filters]
-    agentrl replay train   DIR [--split S] [--step A:B] [--max-ratio 2.0] [--epochs N] [--output OUT] [key=value ...]
+    agentrl replay train   DIR [--split S] [--step A:B] [--max-ratio 2.0] [--epochs N] [--include-dropped] [--output OUT] [key=value ...]
     agentrl replay rerun   DIR [filters] [--limit N] [--config YAML] [--tokenizer PATH] [key=value ...]
 
 ``DIR`` is a rollout store, or a run directory holding one in ``rollouts/``. Filters:
@@ -29,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from agentrl.agent.call_stats import describe as describe_parse_rate
 from agentrl.errors import AgentrlError, ConfigError, DataError
 from agentrl.rundir import RunDir
 from agentrl.data.rollout_store import RolloutStore, StoredTrajectory, TrajectoryFilter
@@ -160,8 +161,10 @@ def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool
     def text(ids: list[int]) -> str:
         return decode(ids) if decode is not None else " ".join(map(str, ids))
 
+    dropped = f" · DROPPED ({s.dropped}): not trained" if s.dropped else ""  # stored beside the step's trained groups
     lines = [
-        style(f"═ {s.split} step {s.step} · {t.row_id} #{t.sample_index} · reward {t.reward:g} · finish {t.finish_reason}", "1"),
+        style(f"═ {s.split} step {s.step} · {t.row_id} #{t.sample_index} · reward {t.reward:g} · finish {t.finish_reason}"
+              f"{dropped}", "1"),
         f"  group {t.group_id} · {t.data_source} · loop {t.agent_name} · policy version {t.policy_version}"
         f" · ground truth {t.ground_truth!r}",
         f"  tokens: prompt {len(t.prompt_ids)}, response {len(t.response_ids)} ({sampled} sampled, "
@@ -171,6 +174,8 @@ def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool
                        if m and v != NO_VERSION)
     if versions:  # stores before schema version 5 kept none
         lines.append("  sampled at weight version: " + ", ".join(f"v{v} ×{k}" for v, k in sorted(versions.items())))
+    if (parse_rate := describe_parse_rate(t.metrics)) is not None:  # tool calls parsed / malformed / unparsed turns
+        lines.append("  " + parse_rate)
 
     def block(label: str, ids: list[int], mask: list[int]) -> None:
         lines.append(label)
@@ -227,13 +232,22 @@ def _show(args: argparse.Namespace) -> int:
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     shown = 0
     program_errors: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    parse_counts: Counter[str] = Counter()  # the shown trajectories' parse rate, summed
     for stored in store.iter_stored(_filter(args), limit=args.limit):
         print(format_trajectory(stored, decode, color=color))
         print()
         shown += 1
+        parse_counts.update({k: v for k, v in stored.trajectory.metrics.items() if k == "turns" or k.startswith("tool_calls/")})
         if stored.trajectory.finish_reason is TrajectoryFinish.PROGRAM_ERROR:
             program_errors[str(stored.trajectory.reward_info.get("exception_type", "?"))] += 1
-    print(f"{shown} {'trajectory' if shown == 1 else 'trajectories'} shown")
+        if stored.dropped:
+            dropped[stored.dropped] += 1
+    print(f"{shown} {'trajectory' if shown == 1 else 'trajectories'} shown"
+          + (f", of which {sum(dropped.values())} of groups dropped untrained ("
+             + ", ".join(f"{reason} {n}" for reason, n in dropped.most_common()) + ")" if dropped else ""))
+    if (parse_rate := describe_parse_rate(parse_counts)) is not None:
+        print("all shown: " + parse_rate)
     if program_errors:
         print("program errors by exception type: " + ", ".join(f"{name} {n}" for name, n in program_errors.most_common()))
     return 0
@@ -253,7 +267,8 @@ def metrics_by_step(store: RolloutStore, where: TrajectoryFilter | None = None) 
     rows: dict[int, dict[str, Any]] = {}
     for split, step in pairs:
         one = TrajectoryFilter(split=split, steps=(step, step + 1), data_source=where.data_source,
-                               finish_reason=where.finish_reason, min_reward=where.min_reward, max_reward=where.max_reward)
+                               finish_reason=where.finish_reason, min_reward=where.min_reward, max_reward=where.max_reward,
+                               dropped=False)  # the groups trained: the step's reward/mean
         trajectories = list(store.iter_trajectories(one))
         prefix = "" if split == "train" else f"{split}/"
         rows.setdefault(step, {"step": step}).update(trajectory_metrics(trajectories, prefix=prefix))
@@ -328,7 +343,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config("train", args.overrides)
     out = Path(args.output) if args.output else make_run_dir(cfg).path
     summary = train_from_store(store, cfg, out, split=args.split, steps=parse_steps(args.step), max_ratio=args.max_ratio,
-                               epochs=args.epochs)
+                               epochs=args.epochs, include_dropped=args.include_dropped)
     print(json.dumps(summary, indent=2))
     print(f"run directory: {out}")
     return 0
@@ -413,6 +428,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step")
     p.add_argument("--max-ratio", type=float, default=2.0, help="truncation of the importance ratio (default 2.0)")
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--include-dropped", action="store_true",
+                   help="train the groups the online run stored untrained too (asynchronous runs' stale groups)")
     p.add_argument("--output", help="run directory (default: trainer.runs_root/trainer.run_name)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value (the train preset)")
     p.set_defaults(run=_train)

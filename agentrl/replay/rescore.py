@@ -94,7 +94,8 @@ def rescore_store(
             summary.reward_before += s.trajectory.reward
             summary.reward_after += new.reward
         rows = {s.trajectory.row_id: s.row for s in stored if s.row is not None}
-        target.write_step(first.step, rescored, split=first.split, writer_id=first.writer_id, rows=rows)
+        target.write_step(first.step, rescored, split=first.split, writer_id=first.writer_id, rows=rows,
+                          dropped={s.trajectory.group_id: s.dropped for s in stored if s.dropped})  # still untrained
     return summary
 
 

@@ -8,7 +8,10 @@ stored logprobs are the policy's own, the ratio is exactly 1 and the update is t
 step's. The mismatch is reported each step: ``logprob_mismatch/mean|max`` (|old - stored|, as
 online), ``replay/ratio_mean|max`` and ``replay/truncated_fraction``.
 
-One stored step (of one split) is one batch, trained in the order stored.
+One stored step (of one split) is one batch, trained in the order stored. Groups the online run
+stored without training them (``dropped``: an asynchronous run's stale groups) are skipped, as
+that run skipped them, unless ``include_dropped`` (``--include-dropped``) trains them too; the
+summary counts the trajectories skipped (``dropped_skipped``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from agentrl.trajectory import Trajectory
 if TYPE_CHECKING:
     from agentrl.data.rollout_store import RolloutStore
 
-__all__ = ["truncated_importance_weights", "replay_step", "train_from_store"]
+__all__ = ["truncated_importance_weights", "replay_step", "train_from_store", "batches_to_train", "stored_batch"]
 
 
 def replay_step(
@@ -48,6 +51,28 @@ def replay_step(
 # ----------------------------------------------------------------------------- the job
 
 
+def batches_to_train(store: "RolloutStore", *, split: str, steps: tuple[int | None, int | None] | None,
+                     include_dropped: bool = False) -> tuple[list[int], int]:
+    """The stored steps of ``split`` in ``steps`` that hold trajectories to train, and how many
+    stored trajectories are skipped as their groups' online run skipped them (``dropped``; 0
+    with ``include_dropped``)."""
+    from agentrl.data.rollout_store import TrajectoryFilter
+
+    keys = store.read_table(["step", "dropped"], TrajectoryFilter(split=split, steps=steps))
+    marks = list(zip(keys.column("step").to_pylist(), keys.column("dropped").to_pylist()))
+    skipped = 0 if include_dropped else sum(reason is not None for _, reason in marks)
+    return sorted({s for s, reason in marks if include_dropped or reason is None}), skipped
+
+
+def stored_batch(store: "RolloutStore", split: str, step: int, *, include_dropped: bool = False) -> list[Trajectory]:
+    """One stored step's trajectories to train, in the order stored: its trained groups (with
+    ``include_dropped``, its dropped groups too)."""
+    from agentrl.data.rollout_store import TrajectoryFilter
+
+    where = TrajectoryFilter(split=split, steps=(step, step + 1), dropped=None if include_dropped else False)
+    return list(store.iter_trajectories(where))
+
+
 def train_from_store(
     store: "RolloutStore",
     cfg: TrainConfig,
@@ -57,6 +82,7 @@ def train_from_store(
     steps: tuple[int | None, int | None] | None = None,
     max_ratio: float = 2.0,
     epochs: int = 1,
+    include_dropped: bool = False,
 ) -> dict[str, Any]:
     """Train the configured policy (``model.path``, else the tiny model) on every stored step
     of ``split`` in ``steps``, ``epochs`` times, on worker groups as ``agentrl train`` does (in this process for one rank each).
@@ -64,7 +90,6 @@ def train_from_store(
     ``summary.json`` into the run directory ``out_dir``; returns the summary."""
     from transformers import AutoTokenizer
 
-    from agentrl.data.rollout_store import TrajectoryFilter
     from agentrl.trainer.skilled_base import ensure_model
     from agentrl.trainer.in_process import InProcessGroup, runs_in_process
     from agentrl.trainer.logging import MetricsLogger
@@ -72,8 +97,7 @@ def train_from_store(
     from agentrl.trainer.groups import WorkerGroup
     from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker
 
-    where = TrajectoryFilter(split=split, steps=steps)
-    stored_steps = sorted(set(store.read_table(["step"], where).column("step").to_pylist()))
+    stored_steps, skipped = batches_to_train(store, split=split, steps=steps, include_dropped=include_dropped)
     if not stored_steps:
         raise DataError(f"no stored {split} trajectories in steps {_steps_text(steps)}", file=str(store.root))
     total = len(stored_steps) * epochs
@@ -120,7 +144,7 @@ def train_from_store(
         step = TrainingStep(cfg, groups, pad_token_id=pad_id, kl_ctrl=kl_ctrl)
         for _ in range(epochs):
             for source_step in stored_steps:
-                trajectories = list(store.iter_trajectories(TrajectoryFilter(split=split, steps=(source_step, source_step + 1))))
+                trajectories = stored_batch(store, split, source_step, include_dropped=include_dropped)
                 last = step.replay(trajectories, max_ratio=max_ratio, update_actor=done >= cfg.trainer.critic_warmup,
                                    where=f"stored {split} step {source_step}").metrics
                 last["replay/source_step"] = float(source_step)
@@ -138,6 +162,7 @@ def train_from_store(
 
             ray.shutdown()
     summary = {"store": str(store.root), "split": split, "source_steps": stored_steps, "updates": done, "max_ratio": max_ratio,
+               "dropped_skipped": skipped,
                "model": model_path, **{k: last[k] for k in ("logprob_mismatch/mean", "replay/ratio_mean", "replay/truncated_fraction")}}
     run.write_summary(summary)
     return summary

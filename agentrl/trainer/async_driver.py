@@ -219,9 +219,9 @@ class AsyncDriver:
             groups, dropped, waited = self.take(step)
         trajectories = [x for g in groups for x in g.trajectories]
         if t.store is not None:
-            stored = groups + dropped
+            stored = groups + dropped  # the dropped ones marked: a reader tells them from the trained
             t.store.write_step(step + 1, [x for g in stored for x in g.trajectories],
-                               rows=[self.rows[g.group_id] for g in stored])
+                               rows=[self.rows[g.group_id] for g in stored], dropped={g.group_id: "stale" for g in dropped})
         for g in groups + dropped:
             self.rows.pop(g.group_id, None)
         result = t.step.online(trajectories, step=step)
