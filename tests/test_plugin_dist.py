@@ -322,8 +322,8 @@ def test_a_row_naming_a_tool_that_fails_to_import_is_named_before_any_model_is_l
     """Installed is not enough: each plugin a row names is imported while the data is checked."""
     from agentrl.data.io import write_rows
 
-    rows = [{"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], "extra_info": {"tools_kwargs": tools}}
-            for tools in ({"holler": {}}, {"telescope": {}}, {"telescope": {}})]
+    rows = [{"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "HI"},
+             "extra_info": {"tools_kwargs": tools}} for tools in ({"holler": {}}, {"telescope": {}}, {"telescope": {}})]
     data = write_rows(rows, tmp_path / "rows.parquet")
     expected = (f"file {data}, row 1, field extra_info.tools_kwargs.telescope: tool 'telescope' cannot be loaded: "
                 "plugin 'telescope' in group agentrl.tools (entry point telescope = myplugin_broken:Telescope, "

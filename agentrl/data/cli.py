@@ -2,9 +2,11 @@
 
     agentrl data gsm8k --input FILE --output OUT.parquet --variant V [--strict] [--limit N]   (= python -m data_prep.gsm8k)
     agentrl data tasks --task arith --n 1000 --output-dir DIR                                 (= python -m data_prep.tasks)
-    agentrl data validate FILE... [--default-agent NAME]                                      (every bad row, then exit 1)
+    agentrl data validate FILE... [--default-agent NAME] [--reward NAME]                      (every bad row, then exit 1)
 
-``validate`` also names every row whose agent_name, tools, interaction or agent program (extra_info.agent_program) is not installed or fails to import.
+``validate`` reads parquet and JSON rows (.jsonl, .json); it also names every row whose agent_name, tools, interaction or
+agent program (extra_info.agent_program) is not installed or fails to import, and every row without the ground truth its
+reward (``--reward``, the config's reward.default: gsm8k unless you set it) compares the answer with.
 """
 
 from __future__ import annotations
@@ -23,27 +25,35 @@ def known_agent_names() -> set[str]:
 
 
 def _validate(argv: list[str]) -> int:
+    from agentrl.config.schema import AgentConfig, RewardConfig
     from agentrl.data.dataset import counted, validate_files
+    from agentrl.data.ground_truth import GroundTruthRule
     from agentrl.data.io import count_rows
 
     parser = argparse.ArgumentParser(prog="agentrl data validate", description="Check every row of row files.")
     parser.add_argument("files", nargs="+", help="row files: parquet, or JSON rows (.jsonl: one object a line; .json: that or an array)")
     parser.add_argument("--default-agent", default=None, help="the loop that runs rows without agent_name (checked too)")
+    parser.add_argument("--reward", default=RewardConfig().default,
+                        help=f"the reward that scores the rows: your config's reward.default (default: {RewardConfig().default}); "
+                             "rows it cannot score without a ground truth must have one")
     args = parser.parse_args(argv)
     from agentrl.plugins import PluginRegistry
 
     registry = PluginRegistry()
+    rule = GroundTruthRule(RewardConfig(default=args.reward), args.default_agent or AgentConfig().default_loop,
+                           declared=registry.names("data_source_rewards"))
     problems = validate_files(
         args.files, known_agent_names=registry.accepted_names("agent_loops"), default_agent=args.default_agent,
         known_tools=registry.names("tools"), known_interactions=registry.names("interactions"),
-        import_problem=registry.import_problem, known_agents=registry.names("agents"),
+        import_problem=registry.import_problem, known_agents=registry.names("agents"), ground_truth=rule,
     )
     for problem in problems:
         print(problem)
     if problems:
         return 1
-    total = sum(count_rows(path) for path in args.files)
-    print(f"{counted(total, 'row')} in {counted(len(args.files), 'file')}: all valid")
+    files = list(dict.fromkeys(args.files))
+    total = sum(count_rows(path) for path in files)
+    print(f"{counted(total, 'row')} in {counted(len(files), 'file')}: all valid")
     return 0
 
 

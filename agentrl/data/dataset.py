@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from agentrl.config.schema import environment_import_hint, environment_problem
+from agentrl.data.ground_truth import GroundTruthRule
 from agentrl.data.io import JsonRows, decode_row, is_json_rows, iter_raw_rows, open_parquet
 from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
@@ -100,6 +101,7 @@ def validate_files(
     known_agents: Collection[str] | None = None,
     default_environment: EnvironmentRef | None = None,
     config_known: bool = False,
+    ground_truth: GroundTruthRule | None = None,
 ) -> list[DataError]:
     """Every problem in ``paths``, in file and row order: missing or unreadable files, rows that
     fail validation, and (for each ``known_*`` given) rows naming a plugin that is not among
@@ -108,7 +110,9 @@ def validate_files(
     agent program (``extra_info.agent_program``, the ``openai_agent`` loop's), or the loop of its
     environment's library (``extra_info.environment``, else ``default_environment``: the config's).
     With ``config_known`` (``default_environment`` is the run's config's, None when it has none),
-    a row's environment that names nothing and cannot take the config's name is a problem too.
+    a row's environment that names nothing and cannot take the config's name is a problem too;
+    with ``ground_truth`` (the run's reward settings), so is a row without the ground truth its
+    reward compares the answer with (``GroundTruthRule``).
     ``import_problem(group, name)`` (``PluginRegistry.import_problem``), when given, is asked
     about each plugin a row names, so one that is installed but fails to import is reported at
     the first row naming it, before any model is loaded. At most ``max_reported`` problems are
@@ -135,6 +139,8 @@ def validate_files(
                                                           agents=known_agents, default_environment=default_environment,
                                                           config_known=config_known):
                     found.add(DataError(problem, file=path, row=index, field=field, line=line))
+                if ground_truth is not None and (problem := ground_truth.problem(row, default_environment)) is not None:
+                    found.add(DataError(problem, file=path, row=index, field="reward_model.ground_truth", line=line))
         except DataError as err:
             found.add(err)
     if known is not None and default_agent is not None and default_agent not in known and first_defaulted:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl.data.dataset import counted, file_tags, parse_row, row_uid, validate_files
+from agentrl.data.ground_truth import GroundTruthRule
 from agentrl.data.io import iter_raw_rows, write_rows
 from agentrl.data.row import EnvironmentRef, Row
 from agentrl.errors import DataError
@@ -95,6 +96,8 @@ def prepare_data(
         known_agents=registry.names("agents"),
         default_environment=EnvironmentRef.from_config(cfg.environment),  # rows without their own run in it
         config_known=True,
+        # a row its reward can only score 0 (no ground truth to compare with) is refused too
+        ground_truth=GroundTruthRule(cfg.reward, cfg.agent.default_loop, declared=registry.names("data_source_rewards")),
     )
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
