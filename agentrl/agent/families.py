@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.agent.render import ChatRenderer
+from agentrl.agent.tool_parsers import parse_turn
 
 __all__ = ["StopTokens", "stop_tokens", "detect_tool_parser", "TemplateReport", "check_template", "require_exact_template", "cli_main"]
 
@@ -78,6 +79,10 @@ def detect_tool_parser(tokenizer: Any, chat_template: str | None = None) -> str:
         return "deepseek_r1"
     if "<|tool_call|>" in vocab:
         return "phi4_mini"
+    if "<arg_key>" in template or "<arg_key>" in vocab:  # GLM-4.5 / 4.6
+        return "glm45"
+    if "<function=" in template:  # Qwen3-Coder, Qwen3.5 / 3.6: XML parameters inside <tool_call>
+        return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"
     if "<|start_header_id|>" in template and "tool_call" in template:
@@ -220,7 +225,7 @@ def check_template(
         sampled = renderer.encode(sampled_text) + [renderer.eos_id]
         ours += sampled
         reference += tokenizer.encode(sampled_text, add_special_tokens=False) + [renderer.eos_id]
-        parsed = parser.parse(sampled_text)
+        parsed = parse_turn(parser, sampled_text, schemas)
         assistant: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
             assistant["tool_calls"] = [c.as_message_call() for c in parsed.calls]

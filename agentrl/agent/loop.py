@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
+from agentrl.agent.call_stats import read_turn
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import Limits
 from agentrl.agent.tool_parsers import ParsedCall, ParsedTurn, ToolParser
@@ -290,7 +291,7 @@ class Episode:
         neither executed nor returned. What to do with the calls or the answer is the loop's."""
         turn, result, text = await self.generate()
         index = self.turn_index
-        parsed = self.parser.parse(text)
+        parsed = read_turn(self.parser, text, self.tools.schemas(), self.counts)  # metrics tool_calls/parsed, ... (call_stats)
         calls = {"tool_calls": [call.as_message_call() for call in parsed.calls]} if parsed.calls else {}
         self.add_assistant_message(parsed.content, **calls)
         if result.finish_reason is FinishReason.LENGTH:

@@ -56,6 +56,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agentrl.agent.call_stats import read_turn
 from agentrl.agent.loop import EpisodeEnd, LoopContext, sample_turn
 from agentrl.agent.openai_request import Ask, answer_text, log_overrides, messages_and_tools, read_request
 from agentrl.agent.openai_wire import MODEL_NAME, RequestRefused, error_response, normalize_message, sse_stream
@@ -114,6 +115,7 @@ class EndpointSession:
     error: str | None = None
     malformed_calls: list[tuple[int, ToolCallRecord]] = field(default_factory=list)  # (segment, call) answered as text
     tool_errors: Counter[str] = field(default_factory=Counter)  # malformed calls by kind
+    parse_counts: Counter[str] = field(default_factory=Counter)  # tool_calls/parsed, ... (agentrl.agent.call_stats)
     refused: str | None = None  # the first request refused with a 4xx that did not end the trajectory
     crashed: str | None = None  # the endpoint's own failure serving a request (answered 500)
     weight_versions: list[int] = field(default_factory=list)
@@ -156,7 +158,8 @@ class EndpointSession:
             "response_tokens": float(len(builder.response_ids)), "sampled_tokens": float(sum(builder.response_mask)),
             "gen_time_s": self.gen_time, "segment_splits": float(self.segment_splits),
             "segment_earlier_tokens": float(sum(sum(s.response_mask) for s in earlier)),
-            **{f"tool_errors/{kind}": float(n) for kind, n in self.tool_errors.items()}, **metrics,
+            **{f"tool_errors/{kind}": float(n) for kind, n in self.tool_errors.items()},
+            **{key: float(n) for key, n in self.parse_counts.items()}, **metrics,
         }
         if self.weight_versions:
             metrics.update(weight_version_min=float(min(self.weight_versions)),
@@ -250,7 +253,7 @@ class EndpointSession:
         has arguments its schema accepts, the calls come back as ``tool_calls`` (content: the text
         before them); otherwise the whole text comes back as content, with no ``tool_calls``,
         never with arguments of the endpoint's making."""
-        parsed = self.parser.parse(text) if ask.parse_calls else None
+        parsed = read_turn(self.parser, text, ask.tools or [], self.parse_counts) if ask.parse_calls else None
         if parsed is None or not parsed.calls:
             return {"role": "assistant", "content": parsed.content if parsed is not None else text}, []
         schemas = {t["function"].get("name"): t["function"].get("parameters")

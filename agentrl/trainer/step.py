@@ -30,6 +30,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
+from agentrl.agent.call_stats import step_metrics as parse_rate_metrics
 from agentrl.config.schema import TrainConfig
 from agentrl.errors import AgentrlError, DataError
 from agentrl.trainer.algorithms.advantages import estimate_advantages
@@ -303,6 +304,7 @@ def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> 
             if key.startswith(("tool_errors/", "program_errors/", "env_errors/")):
                 m[f"{prefix}{key}"] = m.get(f"{prefix}{key}", 0.0) + value
     m.update(tool_call_metrics(trajectories, prefix))
+    m.update(parse_rate_metrics(trajectories, prefix))  # tool_calls/parsed, malformed_rate, unparsed_turn_rate, ...
     # what interactions (interaction/<key>, summed over the trajectory's turns), custom loops
     # (loop/<key>) and environments (env/<reward function>, agentrl.environments) emit: the mean
     # over the trajectories that report the key
