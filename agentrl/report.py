@@ -19,7 +19,7 @@ import html
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from agentrl.trajectory import Trajectory
 
@@ -51,6 +51,9 @@ PLOTS: tuple[Plot, ...] = (
     Plot("success after a first answer judged wrong (interaction tasks)",
          ("retry/second_attempt_success", "val/retry/second_attempt_success", "val/source/agentrl/arith_retry_after_wrong/success_rate")),
     Plot("tool errors by kind (per step)", prefixes=("tool_errors/",)),
+    # agentrl.agent.call_stats: calls malformed among all calls, turns with the format's call marker and no call
+    Plot("tool-call parse rate", ("tool_calls/malformed_rate", "tool_calls/unparsed_turn_rate",
+                                  "val/tool_calls/malformed_rate", "val/tool_calls/unparsed_turn_rate")),
     Plot("per tool: calls and mean ToolResult.metrics (per step)", prefixes=("tool/",)),
     Plot("response length (tokens)", ("response_length/mean", "val/response_length/mean")),
     Plot("finish reasons (fraction)", prefixes=("finish/",)),
@@ -64,6 +67,7 @@ PLOTS: tuple[Plot, ...] = (
     Plot("partial rollouts: requests interrupted and resumed (per step)", ("engine/interrupted_requests", "engine/resumed_requests")),
 )
 STALENESS = "staleness of the trained samples (policy versions)"
+WHOLE_RUN = " (whole run, unfiltered)"  # the legend's mark of a filtered report's metrics.jsonl series
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
@@ -132,8 +136,9 @@ def _frame(title: str, xs: list[float], ys: list[float], legend: int, x_label: s
     return out, sx, sy, legend_top, left
 
 
-def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step") -> str:
-    """A line plot: labelled ticks along both axes, the legend below the axes (never over the lines)."""
+def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step", whole_run: Collection[str] = ()) -> str:
+    """A line plot: labelled ticks along both axes, the legend below the axes (never over the lines);
+    a key in ``whole_run`` is labelled so in a filtered report."""
     points = [p for values in series.values() for p in values]
     out, sx, sy, legend_top, left = _frame(title, [p[0] for p in points], [p[1] for p in points], len(series), x_label)
     for i, (name, values) in enumerate(series.items()):
@@ -144,7 +149,8 @@ def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str 
                    for x, y in values)
         row = legend_top + 14 * i
         out.append(f'<g class="legend-entry"><line x1="{left}" y1="{row - 4}" x2="{left + 18}" y2="{row - 4}" stroke="{color}" stroke-width="2"/>'
-                   f'<text x="{left + 24}" y="{row}" font-size="11" fill="{color}">{html.escape(name)}</text></g>')
+                   f'<text x="{left + 24}" y="{row}" font-size="11" fill="{color}">{html.escape(name)}'
+                   f'{WHOLE_RUN if name in whole_run else ""}</text></g>')
     out.append("</svg>")
     return "".join(out)
 
@@ -193,7 +199,7 @@ def _staleness_histogram(rows: Sequence[dict[str, Any]]) -> str | None:
     return _stacked_bars("staleness histogram per step (trajectories)", columns)
 
 
-def _plots(rows: Sequence[dict[str, Any]]) -> list[str]:
+def _plots(rows: Sequence[dict[str, Any]], whole_run: Collection[str] = ()) -> list[str]:
     available = sorted({k for row in rows for k in row})
     svgs = []
     for plot in PLOTS:
@@ -201,7 +207,7 @@ def _plots(rows: Sequence[dict[str, Any]]) -> list[str]:
             svgs.append(histogram)  # an asynchronous run's staleness: the histogram per step, then mean and max
         series = {key: values for key in plot.series_keys(available) if (values := _series(rows, key))}
         if series:
-            svgs.append(_svg(plot.title, series))
+            svgs.append(_svg(plot.title, series, whole_run=whole_run))
     return svgs
 
 
@@ -309,6 +315,25 @@ def _headline(summary: dict[str, Any]) -> str:
     return f'<section class="result">{table}<p class="run">{" · ".join(run)}</p></section>'
 
 
+def _stopped(summary: dict[str, Any]) -> str:
+    """A run a health check stopped (``summary["stopped"]``, trainer/health.py): why, first."""
+    stop = summary.get("stopped")
+    if not isinstance(stop, dict):
+        return ""
+    return (f'<section class="stopped err"><h2>Stopped at step {html.escape(str(stop.get("step")))} by a health check</h2>'
+            f'<p>{html.escape(str(stop.get("reason", "")))}</p></section>')
+
+
+def _filtered(filters: str | None, whole_run: Collection[str]) -> str:
+    """A filtered report's banner: which trajectories the page shows, and what is not filtered."""
+    if not filters:
+        return ""
+    rest = (f" The series marked “{WHOLE_RUN.strip()}” are the trainer's figures from metrics.jsonl, over every "
+            "trajectory of each step." if whole_run else "")
+    return (f'<p class="filtered"><b>Filtered: <code>{html.escape(filters)}</code>.</b> Every plot and sample is drawn from the '
+            f"stored trajectories that pass these filters.{rest}</p>")
+
+
 def _summary_table(summary: dict[str, Any]) -> str:
     cells = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v) if isinstance(v, (dict, list)) else str(v))}</td></tr>"
                     for k, v in summary.items())
@@ -322,12 +347,17 @@ def render_report(
     *,
     decode: Decode | None = None,
     summary: dict[str, Any] | None = None,
+    filtered: str | None = None,
+    whole_run_keys: Collection[str] = (),
 ) -> str:
     """The report page: the headline from ``summary`` (held-out success and tool use before and
     after, the command and its wall time), the plots over steps, the whole summary, then sample
     trajectories. ``metrics_rows`` are dicts with a ``step`` (as in ``metrics.jsonl``);
-    ``decode(ids) -> str`` renders tokens as text (without it, token ids are shown)."""
-    plots = _plots(metrics_rows)
+    ``decode(ids) -> str`` renders tokens as text (without it, token ids are shown).
+    ``filtered`` (the filters, as given: ``--split train --min-reward 0.5``) marks a report of
+    some trajectories only: a banner under the title says so, and the series of
+    ``whole_run_keys`` (the trainer's figures, which no filter reaches) are labelled as the whole run's."""
+    plots = _plots(metrics_rows, whole_run_keys)
     headline = _headline(summary or {})
     summary_html = _summary_table(summary) if summary else ""
     plots_html = "".join(f'<div class="plotbox">{svg}</div>' for svg in plots) or "<p>No metrics over steps.</p>"
@@ -344,10 +374,11 @@ body {{ font-family: sans-serif; margin: 24px; color: #222; }}
 .err {{ color: #d62728; }} .calls {{ font-size: 13px; margin: 2px 0; }} .summary td {{ padding: 2px 10px; border-bottom: 1px solid #ddd; }}
 .legend span {{ padding: 0 6px; border: 1px solid #ccc; }}
 .headline {{ border-collapse: collapse; font-size: 16px; }} .headline th, .headline td {{ padding: 4px 14px; text-align: right; border-bottom: 1px solid #ddd; }}
+.filtered {{ background: #fff3cd; border: 2px solid #e0a800; padding: 8px 12px; font-size: 16px; }}
 .headline th[scope=row] {{ text-align: left; }} .headline td.after {{ font-weight: bold; }} .run {{ color: #444; }}
 </style></head><body>
-<h1>{html.escape(title)}</h1>{headline}
-<h2>Over steps</h2><div class="plots">{plots_html}</div>
+<h1>{html.escape(title)}</h1>{_filtered(filtered, whole_run_keys)}{_stopped(summary or {})}{headline}
+<h2>Over steps{" · filtered" if filtered else ""}</h2><div class="plots">{plots_html}</div>
 {summary_html}
 <h2>Sample trajectories</h2>
 <p class="legend"><span class="t s">sampled (trained on)</span> <span class="t m">observed (masked: prompt, tool results, user turns, template)</span>

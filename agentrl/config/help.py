@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel
 
-from agentrl.config import schema
+from agentrl.config import health, schema
 from agentrl.config.loader import compose, config_dir, validate_config
 
 __all__ = ["schema_docs", "config_keys", "key_rows", "command_groups", "command_help", "resolved_config_yaml", "config_command_main"]
@@ -27,8 +27,12 @@ __all__ = ["schema_docs", "config_keys", "key_rows", "command_groups", "command_
 
 def schema_docs() -> dict[str, str]:
     """``{"DataConfig.train_batch_size": "prompts per step", ...}``: each field's comment, taken
-    from the end of its line, else from the comment lines right above it."""
-    source = inspect.getsource(schema)
+    from the end of its line, else from the comment lines right above it (``trainer.health``'s
+    sections are written in ``agentrl/config/health.py``)."""
+    return {**_field_comments(inspect.getsource(schema)), **_field_comments(inspect.getsource(health))}
+
+
+def _field_comments(source: str) -> dict[str, str]:
     comments: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:

@@ -15,6 +15,8 @@ from typing import Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentrl.config.health import HealthBound, HealthConfig
+
 __all__ = [
     "Section",
     "DataConfig",
@@ -35,7 +37,7 @@ __all__ = [
     "ActorConfig",
     "CriticConfig",
     "SFTConfig",
-    "TrainerConfig",
+    "TrainerConfig", "HealthConfig", "HealthBound",
     "LoggingConfig",
     "PluginsConfig",
     "EnvironmentLibrary",
@@ -432,6 +434,7 @@ class TrainerConfig(Section):
     # group has one rank, no RAY_ADDRESS is set, no server is placed by Ray and
     # trainer.max_restarts is 0 (a restart needs worker processes to lose), else ray
     workers: Literal["auto", "ray", "local"] = "auto"
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
     def planned_steps(self, steps_per_epoch: int) -> int:
         """The steps this run takes: total_steps, capped at total_epochs passes over the data."""

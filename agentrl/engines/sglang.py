@@ -263,6 +263,14 @@ class SGLangEngine:
             raise EngineUnavailable(f"no server loaded the weights from {path}: {failures[0][1] if failures else 'none healthy'}")
         self.weight_version, self._weights_path = new_version, path
 
+    async def served_weight_version(self) -> int | None:
+        """The lowest weight version the healthy servers report holding (``/get_model_info``),
+        not the one this client sent; None when none reports a number."""
+        infos = await asyncio.gather(*(s.client.model_info() for s in self.servers if s.healthy), return_exceptions=True)
+        found = [str(i.get("weight_version", "")) for i in infos if isinstance(i, dict)]
+        numbers = [int(v) for v in found if v.lstrip("-").isdigit()]
+        return min(numbers) if numbers else None
+
     async def _sync_call(self, server: _Server, call: Any, endpoint: str) -> None:
         url = server.client.base_url
         self._sync_pending[url] = endpoint

@@ -229,7 +229,8 @@ class AsyncDriver:
             with timed(timings, "weight_sync"):
                 t.sync_weights(version + 1)  # one version an update (staleness counts updates)
         wall = time.perf_counter() - start
-        metrics = {**result.metrics, **timings, **staleness_metrics(groups, version, self.eta)}
+        metrics = {**result.metrics, **timings, **staleness_metrics(groups, version, self.eta),
+                   **t.health_metrics(trajectories, result, version, dropped_groups=len(dropped))}
         metrics.update({
             "step": float(step + 1),
             "tokens/per_s": float(result.batch.attention_mask.sum()) / wall,

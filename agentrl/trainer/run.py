@@ -47,11 +47,13 @@ from agentrl.trainer.skilled_base import ensure_model
 from agentrl.trainer.algorithms.kl import AdaptiveKLController, FixedKLController
 from agentrl.trainer.algorithms.recipes import dynamic_sampling_filter
 from agentrl.trainer.async_driver import AsyncDriver
+from agentrl.trainer.health import HealthMonitor, HealthStop, probe_served_policy, step_health_metrics
 from agentrl.trainer.startup import StartupClock
+from agentrl.trainer.progress import model_line, rl_line, say, workers_line
 from agentrl.trainer.checkpoint_io import read_json
 from agentrl.trainer.logging import MetricsLogger
 from agentrl.trainer.sft import run_sft_on_actor
-from agentrl.trainer.step import Groups, RolloutFailed, TrainingStep, check_weight_versions, timed, trajectory_metrics
+from agentrl.trainer.step import Groups, RolloutFailed, StepResult, TrainingStep, check_weight_versions, timed, trajectory_metrics
 from agentrl.trajectory import Trajectory
 
 __all__ = ["Trainer", "RunResult", "train", "cli_main"]
@@ -98,8 +100,10 @@ class Trainer:
 
         self.cfg, self.run, self.log = cfg, RunDir(run_dir), log
         clock = self.startup
+        say(model_line(cfg), log)
         self.model_path = str(ensure_model(cfg))
         clock.lap("model")
+        say("data: preparing and checking the rows", log)
         self.train_files, val_rows = prepare_data(cfg, self.run.data, environment_rows=environment_dataset(cfg))
         self.dataset = RowDataset(
             self.train_files, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
@@ -137,6 +141,8 @@ class Trainer:
         api_key = self.servers.api_key if self.servers is not None else api_key_from_env()
         setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights), server_urls=urls, api_key=api_key)
         self.weight_version = 0  # the engine's weights: the version of the last sync
+        self.served_version: int | None = None  # the version the engine reported holding after it (trainer/health.py)
+        self.health = HealthMonitor(cfg.trainer.health, say=log.console, weight_sync=cfg.engine.weight_sync)
         # trainer.total_epochs caps the run; written back so every later reader (LR schedule, loop, summary) agrees
         self.total_steps = cfg.trainer.total_steps = cfg.trainer.planned_steps(len(self.dataset))
         self.start_step = 0
@@ -144,6 +150,7 @@ class Trainer:
         warm_start = not resumed and cfg.sft.enable and (cfg.model.path is None or cfg.sft.train_files)
         # Ray's resources: GPUs, and the bundles the groups share
         plan = {} if self.in_process else plan_groups(cfg, actor_cpus=cpus / cfg.actor.world_size * 0.5)
+        say(workers_line(cfg, in_process=self.in_process), log)
         self.actor = Group(
             ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
@@ -253,11 +260,12 @@ class Trainer:
         except RolloutFailed:
             self.save(step)  # resumable: trainer.resume=<run dir> continues from here
             raise
+        sampled_by = self.weight_version
         if result.updated_actor:
             with timed(timings, "weight_sync"):
                 self.sync_weights(self.weight_version + 1)  # one version an update, as in async mode
         wall = time.perf_counter() - start
-        metrics = {**result.metrics, **sampling, **timings}
+        metrics = {**result.metrics, **sampling, **timings, **self.health_metrics(trajectories, result, sampled_by)}
         metrics.update({
             "step": float(step + 1),
             "tokens/per_s": float(result.batch.attention_mask.sum()) / wall,
@@ -276,6 +284,29 @@ class Trainer:
     def sync_weights(self, version: int) -> None:
         self.actor.call_all("sync_weights", version)
         self.weight_version = version
+        self.served_version = self.actor.call_rank0("engine_weight_version")  # what the engine says it holds now
+
+    def health_metrics(self, trajectories: list[Trajectory], result: StepResult, version: int, *,
+                       dropped_groups: int = 0) -> dict[str, float]:
+        """``health/*`` of a step whose tokens the trainer scored at weight ``version`` (before
+        its sync), and the versions synced and reported after it (``HealthMonitor.check`` reads them)."""
+        metrics = step_health_metrics(trajectories, result.batch, version, dropped_groups=dropped_groups)
+        if result.updated_actor and self.served_version is not None:
+            metrics.update({"health/synced_version": float(self.weight_version), "health/engine_version": float(self.served_version)})
+            if self.driver is not None:  # asynchronous: the step's tokens are mostly older versions; probe the new one
+                mismatch, tokens, versions = probe_served_policy(
+                    self.actor, trajectories[0].prompt_ids, pad_token_id=self.pad_id, seed=self.weight_version,
+                    micro_batch_size=self.cfg.actor.ppo_micro_batch_size_per_gpu)
+                metrics.update({"health/logprob_mismatch": mismatch, "health/mismatch_tokens": float(tokens),
+                                "health/weight_version": float(min(versions, default=self.weight_version))})
+        return metrics
+
+    def stop(self, stop: HealthStop, summary: dict[str, Any]) -> None:
+        """A health check stopped the run: a checkpoint of the step (``trainer.resume=auto`` goes on
+        from it) and the stop in the summary (and so in the report)."""
+        self.save(stop.step)
+        summary["stopped"] = stop.record()
+        self.log.console(f"agentrl train: stopped at step {stop.step}: {stop}")
 
     def validate(self, step: int) -> dict[str, float]:
         if not self.val_rows:
@@ -288,7 +319,8 @@ class Trainer:
 
     def warm_start_sft(self) -> None:
         self.during("SFT warm start")
-        run_sft_on_actor(self.actor, self.cfg, self.model_path, self.tokenizer, self.pad_id, self.log, self.run.path)
+        run_sft_on_actor(self.actor, self.cfg, self.model_path, self.tokenizer, self.pad_id, self.log, self.run.path,
+                         label="agentrl train: SFT warm start")
         self.actor.call_all("reset_optimizer", self.cfg.actor.optim, max(1, self.total_steps))
         self.sync_weights(0)
         self.actor.call_all("export_hf", str(self.run.sft_policy))
@@ -404,6 +436,7 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
     trainer = Trainer(cfg, run.path, log=log, startup=StartupClock(count_process=not restarted))
     try:
         if cfg.trainer.val_before_train and trainer.start_step == 0:
+            say(f"validation before step 1: {len(trainer.val_rows)} held-out rows", log)
             trainer.during("validation before step 1")
             before = trainer.validate(0)
             log.log(0, before)
@@ -421,6 +454,7 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             log.log(trainer.start_step, startup)
             summary.update(startup)
             summary.update(counts)
+        say(rl_line(cfg, start_step=trainer.start_step), log)
         bar = tqdm(range(trainer.start_step, cfg.trainer.total_steps), desc="RL", unit="step", disable=not cfg.logging.progress,
                    initial=trainer.start_step, total=cfg.trainer.total_steps)
         metrics: dict[str, float] = {}
@@ -434,6 +468,11 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
                 metrics.update(trainer.validate(done))
             log.log(done, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", success=f"{metrics['success_rate']:.2f}")
+            try:
+                trainer.health.check(done, metrics)  # warnings on the console; a stop ends the run here
+            except HealthStop as stop:
+                trainer.stop(stop, summary)
+                return trainer  # no final validation or export: the stop is the run's result
             if cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0:
                 trainer.save(done)
         if final_validation(cfg.trainer):
@@ -465,10 +504,15 @@ def _by_source(validation: dict[str, float], when: str) -> dict[str, dict[str, f
 
 
 def cli_main(argv: list[str]) -> int:
+    say("reading the config")
     cfg = load_config("train", argv)
     result = train(cfg, command=shlex.join(["agentrl", "train", *argv]))
     print(json.dumps(result.summary, indent=2))
     print(f"run directory: {result.run_dir}")
+    if "stopped" in result.summary:  # a health check stopped it (trainer/health.py): not a success
+        print(f"agentrl train: stopped at step {result.summary['stopped']['step']}: {result.summary['stopped']['reason']}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

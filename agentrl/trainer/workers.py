@@ -379,6 +379,26 @@ class ActorWorker(Worker):
         """Collective: the full policy state dict (on rank 0; ``{}`` elsewhere)."""
         return gather_model_state(self.model)
 
+    def engine_weight_version(self) -> int | None:
+        """The weight version the engine reports holding (None: no engine on this rank): the
+        built-in engine's scheduler, the engine process's last confirmed update, SGLang servers'
+        own ``/get_model_info`` (the lowest, when several), not the version the trainer sent."""
+        if self.engine is None:
+            return None
+        served = getattr(self.engine, "served_weight_version", None)
+        reported = self._run_async(served()) if served is not None else None
+        return int(self.engine.weight_version) if reported is None else reported
+
+    def probe_engine(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> tuple[list[int], list[float], list[int]]:
+        """A few tokens sampled by the engine at the rollouts' temperature: (ids, logprobs, the
+        version of each), for the trainer to score under the version it just synced (trainer/health.py)."""
+        from agentrl.engines.base import GenerateRequest, SamplingParams
+
+        assert self.engine is not None, "probe_engine on a rank without an engine"
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, seed=seed)
+        result = self._run_async(self.engine.generate(GenerateRequest(list(prompt_ids), sampling, rid=f"health-probe-{seed}")))
+        return list(result.output_ids), list(result.logprobs), result.token_versions()
+
     def engine_stats(self) -> dict[str, float]:
         if self.engine is None:
             return {}

@@ -22,6 +22,8 @@ class _Actor:
         self.synced: list[int] = []
 
     def call_rank0(self, method, *args, **kwargs):
+        if method == "engine_weight_version":  # asked after each sync (trainer/health.py): the engine has it
+            return self.synced[-1]
         assert method == "rollout", method
         self.rollout_versions.append(kwargs["policy_version"])
         return []
@@ -48,6 +50,7 @@ def _trainer(warmup: int) -> Trainer:
     trainer.cfg = load_config("train", [f"trainer.critic_warmup={warmup}", "algorithm=ppo"], check_files=False)
     trainer.driver, trainer.store, trainer.weight_version = None, None, 0
     trainer.actor, trainer.step = _Actor(), _Step(warmup)
+    trainer.health_metrics = lambda *args, **kwargs: {}  # no trajectories to measure
     return trainer
 
 

@@ -1,0 +1,83 @@
+"""The run's health measures and their bounds (trainer/health.py), on hand-made trajectories."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.config import load_config
+from agentrl.config.schema import HealthConfig
+from agentrl.trainer.batch import collate
+from agentrl.trainer.health import HealthMonitor, HealthStop, served_policy_mismatch, tool_error_rates, uniform_group_share
+from agentrl.trajectory import NO_VERSION, ToolCallRecord, Trajectory, Turn
+
+
+def _traj(group: str, reward: float, *, logprobs=(-1.0, -1.0, -1.0), versions=(), calls=()) -> Trajectory:
+    return Trajectory(row_id=group, group_id=group, sample_index=0, data_source="t", agent_name="single_turn", prompt_ids=[5, 6], response_ids=[7, 8, 9], response_mask=[1, 0, 1],
+                      logprobs=list(logprobs), turns=[Turn("assistant", 0, 1), Turn("tool", 1, 2), Turn("assistant", 2, 3)], messages=[], finish_reason="stop", reward=reward,
+                      token_versions=list(versions), tool_calls=list(calls))
+
+
+def test_the_mismatch_counts_only_the_tokens_sampled_at_the_trainers_version():
+    # row 0's two sampled tokens: version 3 (off by 0.5) and 2 (off by 2.0, an older policy's); row 1's: unknown
+    trajectories = [_traj("a", 1.0, logprobs=(-1.5, 0.0, -3.0), versions=(3, NO_VERSION, 2)),
+                    _traj("b", 0.0, logprobs=(-1.0, 0.0, -1.0))]
+    batch = collate(trajectories, pad_token_id=0, max_prompt_length=4, max_response_length=4)
+    batch = batch.replace(old_logprobs=torch.full_like(batch.engine_logprobs, -1.0))
+    assert served_policy_mismatch(trajectories, batch, 3) == (0.5, 1)
+    assert served_policy_mismatch(trajectories, batch, 2) == (2.0, 1)
+    assert served_policy_mismatch(trajectories, batch, 4) == (0.0, 0)
+
+
+def test_uniform_groups_are_those_whose_samples_all_got_one_reward():
+    trajectories = [_traj("a", 1.0), _traj("a", 1.0), _traj("b", 0.0), _traj("b", 1.0), _traj("c", 0.0), _traj("c", 0.0)]
+    assert uniform_group_share(trajectories) == pytest.approx(2 / 3)
+    assert uniform_group_share([_traj("a", 1.0), _traj("b", 0.0)]) is None  # rollout.n=1: nothing to compare
+
+
+def test_tool_error_rates_are_shares_of_all_calls_by_kind():
+    ok, boom, late = (ToolCallRecord(turn=0, name="calc", arguments={}, raw="", result="", error=e) for e in (None, "tool_exception", "timeout"))
+    assert tool_error_rates([_traj("a", 0.0, calls=[ok, boom, boom]), _traj("a", 0.0, calls=[late])]) == {
+        "tool_exception": 0.5, "timeout": 0.25}
+
+
+def test_a_measure_warns_once_per_streak_and_stops_after_its_stop_steps():
+    said: list[str] = []
+    config = load_config("train", ["trainer.health.tool_errors.warn_steps=2", "trainer.health.tool_errors.stop_steps=3"],
+                         check_files=False).trainer.health
+    assert config.tool_errors.warn == 0.5 and config.tool_errors.stop == 1.0  # one key set keeps the measure's other defaults
+    monitor = HealthMonitor(config, say=said.append)
+    failing = {"health/tool_error_rate/tool_exception": 1.0}
+    monitor.check(1, failing)
+    assert said == []
+    monitor.check(2, failing)
+    assert len(said) == 1 and said[0].startswith(
+        "warning: step 2: tool_errors/tool_exception = 1, at or above trainer.health.tool_errors.warn=0.5 on 2 consecutive "
+        "steps: tool calls fail when they run.")
+    with pytest.raises(HealthStop, match=r"^step 3: tool_errors/tool_exception = 1, at or above "
+                                         r"trainer.health.tool_errors.stop=1.0 on 3 consecutive steps") as stop:
+        monitor.check(3, failing)
+    assert stop.value.record()["key"] == "trainer.health.tool_errors.stop" and len(said) == 1
+
+
+def test_a_streak_broken_by_a_healthy_step_starts_again():
+    monitor = HealthMonitor(HealthConfig(), say=lambda _: None)
+    mismatch = {"health/logprob_mismatch": 0.05, "health/mismatch_tokens": 10.0}
+    for step in range(1, 6):  # over the bound every other step: never two in a row
+        monitor.check(step, mismatch if step % 2 else {"health/logprob_mismatch": 1e-7, "health/mismatch_tokens": 10.0})
+    with pytest.raises(HealthStop, match="on 2 consecutive steps"):
+        monitor.check(6, mismatch)
+    # a step without a token of the trainer's version is not measured (it neither breaks nor extends a streak)
+    quiet = HealthMonitor(HealthConfig(), say=lambda _: None)
+    quiet.check(1, mismatch)
+    quiet.check(2, {"health/logprob_mismatch": 0.0, "health/mismatch_tokens": 0.0})
+    with pytest.raises(HealthStop):
+        quiet.check(3, mismatch)
+
+
+def test_an_engine_that_reports_another_version_than_the_synced_one_stops_at_once():
+    monitor = HealthMonitor(HealthConfig(), say=lambda _: None, weight_sync="disk")
+    monitor.check(4, {"health/synced_version": 4.0, "health/engine_version": 4.0})
+    with pytest.raises(HealthStop, match=r"^step 5: after the weight sync to version 5 the engine reports weight version 4: "
+                                         r".*\(engine.weight_sync=disk\)"):
+        monitor.check(5, {"health/synced_version": 5.0, "health/engine_version": 4.0})
