@@ -311,7 +311,35 @@ def build_once(final: Path, build: Callable[[Path], object]) -> Path:
 
 def resolve_model(cfg: "TrainConfig") -> Path:
     """The model a job starts from: ``model.path``, else the tiny model of ``model.tiny`` (with
-    its skills, when it names any)."""
+    its skills, when it names any); with ``model.chat_template``, that model under this template
+    (``with_chat_template``), so every process that loads its tokenizer renders with it."""
+    path = _resolve_model(cfg)
+    return with_chat_template(path, cfg.model.chat_template) if cfg.model.chat_template is not None else path
+
+
+def with_chat_template(model_dir: str | Path, template: str | Path, cache_root: str | Path | None = None) -> Path:
+    """A directory that is ``model_dir`` with the chat template of the jinja file ``template``: the
+    model's files linked, ``chat_template.jinja`` the template, ``tokenizer_config.json`` without a
+    template of its own. Built once per (model, template text) into the cache, so the trainer, the
+    engine's process and SGLang servers, which each load the tokenizer from a path, all get it."""
+    model_dir, text = Path(model_dir).resolve(), Path(template).read_text(encoding="utf-8")
+    key = hashlib.sha256(f"{model_dir}|{text}".encode()).hexdigest()[:16]
+    root = Path(cache_root) if cache_root is not None else _cache_root().parent / "templated"
+
+    def build(staging: Path) -> None:
+        for item in model_dir.iterdir():
+            if item.name not in ("chat_template.jinja", "tokenizer_config.json"):
+                (staging / item.name).symlink_to(item)
+        (staging / "chat_template.jinja").write_text(text, encoding="utf-8")
+        config_file = model_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config.pop("chat_template", None)
+        (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+    return build_once(root / f"{model_dir.name}-{key}", build)
+
+
+def _resolve_model(cfg: "TrainConfig") -> Path:
     if cfg.model.path is not None:
         return Path(cfg.model.path)
     tiny = cfg.model.tiny
