@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
 from agentrl.agent.call_stats import read_turn
+from agentrl.agent.history import HistoryPolicy, fresh_request
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import Limits
 from agentrl.agent.tool_parsers import ParsedCall, ParsedTurn, ToolParser
@@ -74,9 +75,14 @@ class LoopContext:
     reward_components: RewardComponents = field(default_factory=RewardComponents)  # reward.components
     # the config's environment section (agentrl.environments): the ref of rows that name none, library settings
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    history: HistoryPolicy = "as_template"  # agent.history (agentrl.agent.history) of every loop not in history_by_loop
+    history_by_loop: Mapping[str, HistoryPolicy] = field(default_factory=dict)
 
     def parser_for(self, loop_name: str) -> ToolParser:
         return self.parser_by_loop.get(loop_name, self.parser)
+
+    def history_for(self, loop_name: str) -> HistoryPolicy:
+        return self.history_by_loop.get(loop_name, self.history)
 
     @property
     def default_environment(self) -> EnvironmentRef | None:
@@ -184,16 +190,18 @@ class Episode:
         prompt_ids: list[int],
         parser: ToolParser | None = None,
         prompt_tools: list[dict[str, Any]] | None = None,
+        history: HistoryPolicy | None = None,
     ):
         self.row, self.ctx = row, ctx
         self.parser = parser if parser is not None else ctx.parser  # the playing loop's (LoopContext.parser_for)
+        self.history = history if history is not None else ctx.history  # the playing loop's (LoopContext.history_for)
         self.row_id, self.group_id, self.sample_index, self.seed = row_id, group_id, sample_index, seed
         self.session_id = f"{row_id}#{sample_index}"
         self.tools, self.interaction = tools, interaction
         self.messages = messages
         self.prompt_tools = prompt_tools  # the tools block the template renders (for a fresh rendering)
         self.builder = TrajectoryBuilder(prompt_ids)
-        # the stretches before the template moved the prompt (ChatRenderer.prompt_move), oldest first
+        # the stretches before the template rewrote the history (agent.history=as_template), oldest first
         self.earlier_segments: list[TrajectorySegment] = []
         self._earlier_tokens = 0  # their response tokens and the observations that ended them
         self.tool_calls: list[ToolCallRecord] = []
@@ -302,19 +310,18 @@ class Episode:
     def observe(self, messages: list[dict[str, Any]], role: TurnRole) -> Turn:
         """Append tool or user messages as a masked delta (ends the episode if it cannot fit).
 
-        With a template that moves the prompt once the conversation goes on (Mistral-Nemo's
-        system message and tools block go before the last user turn: ``ChatRenderer.prompt_move``)
-        the conversation is rendered afresh; when that no longer starts with this segment's
-        prompt, the tokens so far become an earlier segment (exact as sampled, under their own
-        prompt) and a new one starts from the fresh rendering: every request is what the
-        template gives the model at inference."""
+        Under ``agent.history=as_template`` with a template that rewrites the history (drops
+        earlier reasoning, moves the system prompt: ``agentrl.agent.history``), the conversation
+        is rendered afresh; when the stream with the delta is not that rendering, the tokens so
+        far become an earlier segment (exact as sampled, under their own prompt) and a new one
+        starts from the fresh rendering: every request is what the template gives the model at
+        inference."""
         renderer = self.ctx.renderer
-        ids = renderer.observation_ids(messages, after_eos=self.last_stopped_on_eos)
-        if renderer.prompt_move is not None:
-            fresh = renderer.encode(renderer.render_prompt_text(self.messages + messages, self.prompt_tools))
-            prompt = self.builder.prompt_ids
-            if fresh[: len(prompt)] != prompt:
-                return self._start_segment(fresh, ids, role, messages)
+        text = renderer.observation_text(messages, after_eos=self.last_stopped_on_eos)
+        ids = renderer.encode(text)
+        fresh = fresh_request(renderer, self.history, self.builder.all_ids, text, self.messages + messages, self.prompt_tools)
+        if fresh is not None:
+            return self._start_segment(fresh, ids, role, messages)
         return self.observe_ids(ids, role, messages)
 
     def _start_segment(self, prompt_ids: list[int], ids: list[int], role: TurnRole, messages: list[dict[str, Any]]) -> Turn:
@@ -458,7 +465,7 @@ class AgentLoop:
             episode = Episode(
                 row, ctx, row_id=row_id, group_id=group_id, sample_index=sample_index, seed=seed, tools=tools,
                 interaction=interaction, messages=messages, prompt_ids=prompt_ids, parser=ctx.parser_for(self.name),
-                prompt_tools=self.prompt_tools(schemas),
+                prompt_tools=self.prompt_tools(schemas), history=ctx.history_for(self.name),
             )
             try:
                 finish, error = await self._play(episode, interaction)

@@ -57,6 +57,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentrl.agent.call_stats import read_turn
+from agentrl.agent.history import HistoryPolicy, fresh_request
 from agentrl.agent.loop import EpisodeEnd, LoopContext, sample_turn
 from agentrl.agent.openai_request import Ask, answer_text, log_overrides, messages_and_tools, read_request
 from agentrl.agent.openai_wire import MODEL_NAME, RequestRefused, error_response, normalize_message, sse_stream
@@ -120,6 +121,7 @@ class EndpointSession:
     crashed: str | None = None  # the endpoint's own failure serving a request (answered 500)
     weight_versions: list[int] = field(default_factory=list)
     gen_time: float = 0.0
+    history: HistoryPolicy = "as_template"  # agent.history: extending requests checked against a fresh rendering
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @classmethod
@@ -127,7 +129,7 @@ class EndpointSession:
                        seed: int | None) -> EndpointSession:
         """The session of one trajectory of the loop ``loop_name`` (its tool parser), on the rollout's engine."""
         return cls(engine=ctx.engine, renderer=ctx.renderer, parser=ctx.parser_for(loop_name), limits=ctx.limits,
-                   sampling=ctx.sampling, session_id=f"{row_id}#{sample_index}", seed=seed)
+                   sampling=ctx.sampling, session_id=f"{row_id}#{sample_index}", seed=seed, history=ctx.history_for(loop_name))
 
     @property
     def segment_splits(self) -> int:
@@ -341,12 +343,13 @@ class EndpointSession:
             rest = messages[known:]
             if (tools == seg.tools and messages[:known] == seg.messages and rest
                     and all(m["role"] in ("tool", "user") for m in rest)):
-                delta = self.renderer.observation_ids(rest, after_eos=seg.stopped_on_eos)
-                role: TurnRole = "tool" if rest[0]["role"] == "tool" else "user"
-                self.check_turn(seg, len(delta) + 1)  # the observation and at least one token to read it
-                seg.builder.append_observed(delta, role)
-                seg.messages.extend(rest)
-                return seg, True
+                text = self.renderer.observation_text(rest, after_eos=seg.stopped_on_eos)
+                if fresh_request(self.renderer, self.history, seg.builder.all_ids, text, messages, tools) is None:
+                    delta, role = self.renderer.encode(text), ("tool" if rest[0]["role"] == "tool" else "user")
+                    self.check_turn(seg, len(delta) + 1)  # the observation and at least one token to read it
+                    seg.builder.append_observed(delta, role)
+                    seg.messages.extend(rest)
+                    return seg, True
         try:
             prompt = self.renderer.prompt_ids(messages, tools)
         except Exception as exc:
