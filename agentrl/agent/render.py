@@ -172,6 +172,10 @@ class ChatRenderer:
         server applying the template gives the model for the next request."""
         return self._render(list(messages), add_generation_prompt=True, tools=tools or None)
 
+    def render_text(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's rendering of the conversation without the generation prompt."""
+        return self._render(list(messages), add_generation_prompt=False, tools=tools or None)
+
     def _probe_prompt_move(self) -> str | None:
         tools = [{"type": "function", "function": {"name": "probe", "description": "d", "parameters": {"type": "object", "properties": {}}}}]
         call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "probe", "arguments": {}}}
