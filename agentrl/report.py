@@ -54,6 +54,9 @@ PLOTS: tuple[Plot, ...] = (
     # agentrl.agent.call_stats: calls malformed among all calls, turns with the format's call marker and no call
     Plot("tool-call parse rate", ("tool_calls/malformed_rate", "tool_calls/unparsed_turn_rate",
                                   "val/tool_calls/malformed_rate", "val/tool_calls/unparsed_turn_rate")),
+    # agentrl.agent.call_stats: calls malformed among all calls, turns with the format's call marker and no call
+    Plot("tool-call parse rate", ("tool_calls/malformed_rate", "tool_calls/unparsed_turn_rate",
+                                  "val/tool_calls/malformed_rate", "val/tool_calls/unparsed_turn_rate")),
     Plot("per tool: calls and mean ToolResult.metrics (per step)", prefixes=("tool/",)),
     Plot("response length (tokens)", ("response_length/mean", "val/response_length/mean")),
     Plot("finish reasons (fraction)", prefixes=("finish/",)),

@@ -29,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from agentrl.agent.call_stats import describe as describe_parse_rate
 from agentrl.errors import AgentrlError, ConfigError, DataError
 from agentrl.rundir import RunDir
 from agentrl.data.rollout_store import RolloutStore, StoredTrajectory, TrajectoryFilter
@@ -173,6 +174,8 @@ def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool
                        if m and v != NO_VERSION)
     if versions:  # stores before schema version 5 kept none
         lines.append("  sampled at weight version: " + ", ".join(f"v{v} ×{k}" for v, k in sorted(versions.items())))
+    if (parse_rate := describe_parse_rate(t.metrics)) is not None:  # tool calls parsed / malformed / unparsed turns
+        lines.append("  " + parse_rate)
 
     def block(label: str, ids: list[int], mask: list[int]) -> None:
         lines.append(label)
@@ -230,10 +233,12 @@ def _show(args: argparse.Namespace) -> int:
     shown = 0
     program_errors: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
+    parse_counts: Counter[str] = Counter()  # the shown trajectories' parse rate, summed
     for stored in store.iter_stored(_filter(args), limit=args.limit):
         print(format_trajectory(stored, decode, color=color))
         print()
         shown += 1
+        parse_counts.update({k: v for k, v in stored.trajectory.metrics.items() if k == "turns" or k.startswith("tool_calls/")})
         if stored.trajectory.finish_reason is TrajectoryFinish.PROGRAM_ERROR:
             program_errors[str(stored.trajectory.reward_info.get("exception_type", "?"))] += 1
         if stored.dropped:
@@ -241,6 +246,8 @@ def _show(args: argparse.Namespace) -> int:
     print(f"{shown} {'trajectory' if shown == 1 else 'trajectories'} shown"
           + (f", of which {sum(dropped.values())} of groups dropped untrained ("
              + ", ".join(f"{reason} {n}" for reason, n in dropped.most_common()) + ")" if dropped else ""))
+    if (parse_rate := describe_parse_rate(parse_counts)) is not None:
+        print("all shown: " + parse_rate)
     if program_errors:
         print("program errors by exception type: " + ", ".join(f"{name} {n}" for name, n in program_errors.most_common()))
     return 0

@@ -29,6 +29,7 @@ from agentrl.agent.tool_parsers import (
     MistralToolParser,
     Phi4MiniToolParser,
 )
+from agentrl.agent.xml_tool_parsers import Qwen3CoderToolParser
 from agentrl.errors import ConfigError
 
 CALL = [("calculator", {"expression": "12 * 34"})]
@@ -55,6 +56,16 @@ TOOL_FAMILIES = {
         {}, "hermes", HermesToolParser.format_calls(CALL), "\n<|im_start|>user\n408<|im_end|>\n<|im_start|>assistant\n",
         ["<|im_end|>", "<|end_of_text|>"], True,
     ),
+    "qwen3-coder": (
+        {}, "qwen3_coder", Qwen3CoderToolParser.format_calls(CALL),
+        "\n<|im_start|>user\n<tool_response>\n408\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n", ["<|im_end|>", "<|endoftext|>"], True,
+    ),
+    # the generation prompt opens the <think> block: the model writes the rest of it
+    "qwen3.5": ({}, "qwen3_coder", Qwen3CoderToolParser.format_calls(CALL), QWEN_TOOL + "<think>\n", ["<|im_end|>", "<|endoftext|>"], False),
+    "qwen3.5-no-thinking": (
+        {"enable_thinking": False}, "qwen3_coder", Qwen3CoderToolParser.format_calls(CALL), QWEN_TOOL + "<think>\n\n</think>\n\n",
+        ["<|im_end|>", "<|endoftext|>"], False,
+    ),
     "smollm3-no-thinking": (
         {"enable_thinking": False}, "hermes", HermesToolParser.format_calls(CALL),
         "\n<|im_start|>user\n408<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n", ["<|im_end|>", "<|end_of_text|>"], True,
@@ -67,6 +78,11 @@ REFUSED = {
     "phi3.5": "drops messages with role 'tool'",
     "deepseek-r1-distill-qwen": "after an earlier round of tool results",
 }
+# families whose templates write no end-of-turn token after an assistant message (GLM-4.5/4.6: the
+# model stops at the next message's role token): the renderer refuses them; their parsers are tested
+# against the template's own rendering of calls (test_xml_tool_calls.py)
+UNRENDERABLE = {"glm-4.6": "does not start with an added token: generation needs an end-of-turn token to stop at"}
+RENDERABLE = [f for f in FAMILIES if f not in UNRENDERABLE]
 
 
 REAL = "+real"  # a case suffix: the family's released vocabulary instead of the stand-in
@@ -134,7 +150,7 @@ def tokenizers(family_dirs):
 
 
 def test_every_family_in_the_fixtures_is_covered():
-    assert {_family(c) for c in TOOL_FAMILIES} | set(REFUSED) == set(FAMILIES)
+    assert {_family(c) for c in TOOL_FAMILIES} | set(REFUSED) | set(UNRENDERABLE) == set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", REAL_VOCAB_FAMILIES)
@@ -160,6 +176,8 @@ def test_tool_conversation_is_sampled_ids_plus_the_templates_rendering_of_each_o
     kwargs, parser, call_text, tool_text, stops, append_only = TOOL_FAMILIES[_base(case)]
     tok = tokenizers[_key(case)]
     think = "<think>\nmultiply\n</think>\n\n" if "<think>" in tok.chat_template and kwargs.get("enable_thinking") is not False else ""
+    if think and tok.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True, tokenize=False).endswith("<think>\n"):
+        think = think.removeprefix("<think>\n")  # Qwen3.5's generation prompt opens the block
     script = [think + "Let me compute.\n" + call_text if parser == "hermes" else call_text, think + "#### 408"]
     engine = ScriptedEngine(tok, {"r0": script})
     ctx = make_ctx(engine, tokenizer=tok, agent={"chat_template_kwargs": kwargs})
@@ -167,6 +185,7 @@ def test_tool_conversation_is_sampled_ids_plus_the_templates_rendering_of_each_o
 
     assert type(ctx.parser).__name__ == {
         "hermes": "HermesToolParser", "llama3_json": "Llama3JsonToolParser", "mistral": "MistralToolParser", "phi4_mini": "Phi4MiniToolParser",
+        "qwen3_coder": "Qwen3CoderToolParser",
     }[parser]
     stop_ids = tuple(tok.convert_tokens_to_ids(s) for s in stops)
     assert ctx.sampling.stop_token_ids == stop_ids and engine.requests[0].sampling.stop_token_ids == stop_ids
@@ -256,7 +275,7 @@ def test_stop_tokens_are_end_of_turn_then_every_eos(tokenizers):
         "deepseek-r1-distill-qwen": ["<｜end▁of▁sentence｜>"],
         **{_family(c): v[4] for c, v in TOOL_FAMILIES.items()},
     }
-    for family, tok in tokenizers.items():
+    for family, tok in ((f, t) for f, t in tokenizers.items() if f not in UNRENDERABLE):
         stops = stop_tokens(tok)
         assert stops.ids == tuple(tok.convert_tokens_to_ids(s) for s in expected[_family(family)]), family
         assert stops.end_of_turn == expected[_family(family)][0]
@@ -282,6 +301,7 @@ def test_auto_parser_follows_the_template(tokenizers):
         "qwen3": "hermes", "qwen2.5": "hermes", "llama3.1": "llama3_json", "llama3.2": "llama3_json", "mistral-nemo": "mistral",
         "phi3.5": "hermes", "phi4-mini": "phi4_mini", "gemma2": "hermes", "gemma3": "hermes",
         "deepseek-r1-distill-qwen": "deepseek_r1", "smollm2": "hermes", "smollm3": "hermes",
+        "qwen3-coder": "qwen3_coder", "qwen3.5": "qwen3_coder", "glm-4.6": "glm45",
     }
     assert {f: detect_tool_parser(tokenizers[f + REAL]) for f in REAL_VOCAB_FAMILIES} == {
         "qwen3": "hermes", "qwen2.5": "hermes", "llama3.1": "llama3_json", "llama3.2": "llama3_json", "mistral-nemo": "mistral",
@@ -345,6 +365,7 @@ def test_a_malformed_mistral_call_goes_through_the_policy(tokenizers, make_ctx):
 
 # ---------------------------------------------------------------------- check-template
 CHECK_OK = [("qwen3", {}), ("qwen3", {"enable_thinking": False}), ("qwen2.5", {}), ("llama3.1", {}), ("llama3.2", {}),
+            ("qwen3-coder", {}), ("qwen3.5", {}), ("qwen3.5", {"enable_thinking": False}),
             ("mistral-nemo", {}), ("phi4-mini", {}), ("smollm2", {}), ("smollm3", {}), ("smollm3", {"enable_thinking": False})]
 CHECK_OK += [(f + REAL, kw) for f, kw in CHECK_OK if f in REAL_VOCAB_FAMILIES]
 
@@ -407,7 +428,8 @@ def test_gsm8k_tool_rollout_with_each_familys_native_calls(case, tokenizers, mak
 
     kwargs, parser, _, tool_text, stops, _ = TOOL_FAMILIES[_base(case)]
     tok = tokenizers[_key(case)]
-    fmt = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser, "phi4_mini": Phi4MiniToolParser}[parser]
+    fmt = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser, "phi4_mini": Phi4MiniToolParser,
+           "qwen3_coder": Qwen3CoderToolParser}[parser]
     calls = [("calculator", {"expression": "48 + 24"}), ("check_answer", {"answer": "72"})]
     script = [fmt.format_calls([calls[0]]), fmt.format_calls([calls[1]]), "Natalia sold 72 clips.\n#### 72"]
     row = Row.model_validate(convert_record(GSM8K, 0, "tool", "train"))
@@ -467,10 +489,12 @@ USER_TURN = {  # the template's rendering of an appended user turn (an interacti
     "deepseek-r1-distill-qwen": "<｜User｜>{}<｜Assistant｜><think>\n",
     "smollm2": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
     "smollm3": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+    "qwen3-coder": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+    "qwen3.5": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n",
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", RENDERABLE)
 def test_an_interaction_reply_is_the_templates_user_turn_with_no_placeholder(family, tokenizers, make_ctx):
     from agentrl_interactions.gsm8k import INCORRECT
 
