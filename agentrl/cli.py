@@ -118,6 +118,8 @@ def bench_main(argv: list[str]) -> int:
 
 
 QUIET_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
+IMPORTING = ("importing its libraries (torch, transformers; the first run after an install also compiles their "
+             "bytecode: a minute or more on a slow or shared machine)")
 RESUME_HINT = " (the same command with trainer.resume=auto goes on from the last checkpoint it saved, if it saved one)"
 
 
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             from agentrl.config.help import config_command_main
 
             return config_command_main(command, rest, COMMANDS[command][1])
+        if command in CONFIG_COMMANDS:  # a sign of life before the imports, the longest wait of a fresh install's first run
+            print(f"agentrl {command}: {IMPORTING}", file=sys.stderr, flush=True)
         return int(_resolve(COMMANDS[command][0])(rest) or 0)
     except AgentrlError as exc:
         # Errors agentrl raises on purpose are messages for the user, not tracebacks.

@@ -98,7 +98,8 @@ def test_ctrl_c_ends_a_command_with_130_and_train_says_how_to_go_on(command, mon
 
     monkeypatch.setattr(cli, "_resolve", lambda target: interrupted)
     assert cli.main([command, "trainer.total_steps=1"]) == 130
-    said = capsys.readouterr().err.strip()
+    importing, said = capsys.readouterr().err.strip().splitlines()
+    assert importing == f"agentrl {command}: {cli.IMPORTING}"  # the sign of life before the imports
     if command == "train":
         assert said == ("agentrl train: interrupted (the same command with trainer.resume=auto goes on from the last "
                         "checkpoint it saved, if it saved one)")

@@ -196,11 +196,12 @@ def _conversations(cfg: TrainConfig) -> tuple[list[list[dict[str, Any]]], list[l
 
 def run_sft_on_actor(
     actor: Group, cfg: TrainConfig, model_path: str, tokenizer: Any, pad_id: int, log: MetricsLogger, run_dir: Path, *,
-    export_every: int = 0,
+    export_every: int = 0, label: str = "agentrl sft: SFT",
 ) -> dict[str, float]:
     """SFT epochs on an actor worker group; returns the last metrics. With ``export_every`` the
     policy is exported as a transformers checkpoint every that many steps, to
-    ``policies/step_N`` in the run directory (loadable with ``model.path=``)."""
+    ``policies/step_N`` in the run directory (loadable with ``model.path=``). ``label`` begins
+    the console line that says how many steps are coming."""
     from tqdm.auto import tqdm
 
     train, heldout = _conversations(cfg)
@@ -216,6 +217,10 @@ def run_sft_on_actor(
                             batch_size=len(heldout), pad_token_id=pad_id, epochs=1, seed=0)[0]
         check_shards = shards(check, W)
     actor.call_all("reset_optimizer", cfg.sft.optim, len(batches))
+    stop_at = cfg.sft.stop_at_success
+    early = f"; ends early at held-out greedy success {stop_at:g}" if heldout and stop_at is not None else ""
+    log.console(f"{label}: {len(batches)} steps ({len(examples)} demonstrations, batch {cfg.sft.batch_size}, "
+                f"{cfg.sft.epochs} epoch{'s' if cfg.sft.epochs != 1 else ''}{early})")
     metrics: dict[str, float] = {}
     bar = tqdm(batches, desc="SFT", unit="step", disable=not cfg.logging.progress)
     for i, batch in enumerate(bar):
