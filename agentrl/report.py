@@ -331,10 +331,10 @@ def _filtered(filters: str | None, whole_run: Collection[str]) -> str:
     """A filtered report's banner: which trajectories the page shows, and what is not filtered."""
     if not filters:
         return ""
-    rest = (f" The series marked “{WHOLE_RUN.strip()}” are the trainer's figures from metrics.jsonl, over every "
-            "trajectory of each step." if whole_run else "")
-    return (f'<p class="filtered"><b>Filtered: <code>{html.escape(filters)}</code>.</b> Every plot and sample is drawn from the '
-            f"stored trajectories that pass these filters.{rest}</p>")
+    rest = (f", except the series marked “{WHOLE_RUN.strip(' ()')}”: the trainer's figures from metrics.jsonl, over every "
+            "trajectory of each step" if whole_run else "")
+    return (f'<p class="filtered"><b>Filtered: <code>{html.escape(filters)}</code>.</b> The plots and samples are drawn from the '
+            f"stored trajectories that pass these filters{rest}.</p>")
 
 
 def _summary_table(summary: dict[str, Any]) -> str:

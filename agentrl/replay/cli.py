@@ -290,15 +290,39 @@ def join_run_metrics(rows: list[dict], records: Iterable[dict]) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+# The trainer's own figures in metrics.jsonl (losses, KL, timings, the engine's): a filtered
+# report keeps only these from it, marked as the whole run's; every figure over trajectories
+# (reward, success, tool use, finish reasons, ...) is drawn from the filtered ones alone.
+WHOLE_RUN_PREFIXES = ("actor/", "critic/", "advantages/", "async/", "balance/", "dynamic_sampling/", "engine/", "health/", "kl",
+                      "logprob_mismatch/", "model/", "optimizer/", "perf/", "replay/", "rollout_corr/", "sft/", "startup/", "timing/")
+
+
+def filter_flags(args: argparse.Namespace) -> str | None:
+    """The filters of a command as given on its command line (``--split train --min-reward 0.5``),
+    or None when it has none."""
+    parts = [f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+             for flag, value in (("--split", args.split), ("--step", args.step), ("--min-reward", args.min_reward),
+                                 ("--max-reward", args.max_reward)) if value is not None]
+    parts += [f"{flag} {value}" for flag, values in (("--data-source", args.data_source), ("--finish-reason", args.finish_reason))
+              for value in values or []]
+    return " ".join(parts) or None
+
+
 def _report(args: argparse.Namespace) -> int:
     from agentrl.report import render_report
 
     store = open_store(args.dir)
     where = _filter(args)
+    filtered = filter_flags(args)
     rows = metrics_by_step(store, where)
     run = RunDir(store.root.parent)
+    whole_run: set[str] = set()
     if run.metrics.is_file():  # a run directory: the trainer's own metrics (losses, KL, mismatch) join in
-        rows = join_run_metrics(rows, run.read_metrics())
+        records = run.read_metrics()
+        if filtered:  # its figures over trajectories are the unfiltered ones: left out
+            records = [{k: v for k, v in r.items() if k == "step" or k.startswith(WHOLE_RUN_PREFIXES)} for r in records]
+            whole_run = {k for r in records for k in r if k != "step"}
+        rows = join_run_metrics(rows, records)
     samples: list[Trajectory] = []
     if rows and args.samples > 0:
         last = max(store.read_table(["step"], where).column("step").to_pylist())
@@ -307,7 +331,7 @@ def _report(args: argparse.Namespace) -> int:
         samples = list(store.iter_trajectories(pick, limit=args.samples))
     tokenizer = _tokenizer(store, args.tokenizer, required=False)
     page = render_report(rows, samples, args.title or f"agentrl rollouts · {store.root}",
-                         decode=tokenizer.decode if tokenizer is not None else None)
+                         decode=tokenizer.decode if tokenizer is not None else None, filtered=filtered, whole_run_keys=whole_run)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)

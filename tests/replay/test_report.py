@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from agentrl.replay.cli import cli_main
@@ -59,6 +60,27 @@ def test_report_command_plots_the_stored_steps_and_the_runs_metrics(scripted_sto
     assert {"reward/mean", "val/reward/mean", "finish/stop", "finish/interaction_done", "logprob_mismatch/mean"} <= keys
     # samples come from the last stored step (the validation step 2 of one row)
     assert page.count('<section class="traj">') == 1 and "r0 #0" in page
+
+
+def test_a_filtered_report_says_so_and_draws_only_the_trainers_own_metrics_from_metrics_jsonl(scripted_store, tmp_path):
+    logged = [{"step": s, "reward/mean": 0.123, "val/reward/mean": 0.777, "tool_use_rate": 0.321, "actor/pg_loss": 0.5,
+               "logprob_mismatch/mean": 0.001 * (s + 1)} for s in range(3)]
+    (scripted_store.root.parent / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
+    out = tmp_path / "report.html"
+    assert cli_main(["report", str(scripted_store.root.parent), "--output", str(out), "--split", "train", "--min-reward", "1"]) == 0
+    page = out.read_text()
+    body = page[page.index("<body>"):]
+    assert body.index("<h1>") < body.index('<p class="filtered"><b>Filtered: <code>--split train --min-reward 1</code>.</b>') \
+        < body.index("<h2>Over steps · filtered</h2>")
+    assert "except the series marked “whole run, unfiltered”: the trainer's figures from metrics.jsonl" in body
+    # the curves over trajectories are the filtered ones': every trained trajectory kept has reward 1
+    assert set(re.findall(r"<title>reward/mean step (\d+): ([^<]*)</title>", page)) == {("0", "1"), ("1", "1")}
+    assert "0.123" not in page and "0.321" not in page and "val/" not in page
+    legend = re.findall(r'<g class="legend-entry">.*?<text[^>]*>([^<]*)</text></g>', page)
+    assert "logprob_mismatch/mean (whole run, unfiltered)" in legend and "reward/mean" in legend
+    # unfiltered, the same run's report has no banner and marks nothing
+    assert cli_main(["report", str(scripted_store.root.parent), "--output", str(out)]) == 0
+    assert 'class="filtered"' not in out.read_text() and "unfiltered" not in out.read_text()
 
 
 def test_report_shows_each_calls_tool_metrics(scripted_store):
