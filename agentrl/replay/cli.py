@@ -1,7 +1,7 @@
 """``agentrl replay``: show, report, re-score, re-train and re-run stored rollouts.
 
     agentrl replay show    DIR [filters] [--limit N] [--tokenizer PATH]
-    agentrl replay report  DIR --output report.html [filters] [--samples N] [--tokenizer PATH]
+    agentrl replay report  DIR [--output FILE] [filters] [--samples N] [--tokenizer PATH]    (FILE: DIR's report.html)
     agentrl replay rescore DIR --reward NAME --output NEWDIR [--format-score F] [--tool-weight W ...] [filters]
     agentrl replay train   DIR [--split S] [--step A:B] [--max-ratio 2.0] [--epochs N] [--include-dropped] [--output OUT] [key=value ...]
     agentrl replay rerun   DIR [filters] [--limit N] [--config YAML] [--tokenizer PATH] [key=value ...]
@@ -332,7 +332,8 @@ def _report(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(store, args.tokenizer, required=False)
     page = render_report(rows, samples, args.title or f"agentrl rollouts · {store.root}",
                          decode=tokenizer.decode if tokenizer is not None else None, filtered=filtered, whole_run_keys=whole_run)
-    out = Path(args.output)
+    # default: the run directory's report.html (a store of its own, e.g. rescore's output: its own folder's)
+    out = Path(args.output) if args.output else (run.path if store.root == run.rollouts else store.root) / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     print(f"report: {out}")
@@ -427,7 +428,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="a static HTML report")
     p.add_argument("dir")
-    p.add_argument("--output", required=True)
+    p.add_argument("--output", help="the HTML file (default: report.html in the run directory, replacing the one training wrote)")
     _add_filters(p)
     p.add_argument("--samples", type=int, default=6, help="sample trajectories from the last step (default 6)")
     p.add_argument("--title")
