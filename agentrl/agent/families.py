@@ -19,14 +19,17 @@ deltas) and compares the token stream with an independent reference built from
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.agent.harmony import HISTORY_NOTE, HarmonyRenderer, is_harmony_template
+from agentrl.agent.history import history_rewrite
 from agentrl.agent.render import ChatRenderer
 from agentrl.agent.tool_parsers import parse_turn
 
-__all__ = ["StopTokens", "stop_tokens", "detect_tool_parser", "TemplateReport", "check_template", "require_exact_template", "cli_main"]
+__all__ = ["StopTokens", "family_renderer", "stop_tokens", "detect_tool_parser", "TemplateReport", "check_template", "require_exact_template", "cli_main"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +54,20 @@ def _model_dir(tokenizer: Any, model_dir: str | Path | None) -> Path | None:
     return Path(model_dir) if model_dir is not None and Path(model_dir).is_dir() else None
 
 
+def family_renderer(
+    tokenizer: Any, *, chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None
+) -> ChatRenderer:
+    """The renderer of the family's chat template: ``ChatRenderer``, or ``HarmonyRenderer`` for
+    gpt-oss's harmony template (its turns end with <|call|> or <|return|>, its tool results name the call)."""
+    template = chat_template or getattr(tokenizer, "chat_template", None) or ""
+    kind = HarmonyRenderer if is_harmony_template(template) else ChatRenderer
+    return kind(tokenizer, chat_template=chat_template, template_kwargs=template_kwargs)
+
+
 def stop_tokens(tokenizer: Any, renderer: ChatRenderer | None = None, *, model_dir: str | Path | None = None) -> StopTokens:
     """Every id a turn ends at: the template's end-of-turn token, the tokenizer's eos and the
     eos ids of ``generation_config.json`` (next to the tokenizer, or in ``model_dir``)."""
-    renderer = renderer or ChatRenderer(tokenizer)
+    renderer = renderer or family_renderer(tokenizer)
     sources: dict[int, list[str]] = {}
 
     def add(token_id: int | None, source: str) -> None:
@@ -62,6 +75,8 @@ def stop_tokens(tokenizer: Any, renderer: ChatRenderer | None = None, *, model_d
             sources.setdefault(int(token_id), []).append(source)
 
     add(renderer.eos_id, f"chat template end-of-turn {renderer.eos_token!r}")
+    if renderer.call_token is not None:  # harmony (gpt-oss) ends a turn that calls a tool with <|call|>
+        add(renderer.call_id, f"chat template end of a tool call {renderer.call_token!r}")
     add(tokenizer.eos_token_id, f"tokenizer eos {tokenizer.eos_token!r}")
     for token_id in _generation_config_eos(_model_dir(tokenizer, model_dir)):
         add(token_id, "generation_config.json eos_token_id")
@@ -73,6 +88,8 @@ def detect_tool_parser(tokenizer: Any, chat_template: str | None = None) -> str:
     native tool-call format, read from the chat template and the vocabulary."""
     template = chat_template or tokenizer.chat_template or ""
     vocab = {t.content for t in tokenizer.added_tokens_decoder.values()}
+    if is_harmony_template(template):  # gpt-oss
+        return "harmony"
     if "[TOOL_CALLS]" in template or "[TOOL_CALLS]" in vocab:
         return "mistral"
     if "<｜tool▁calls▁begin｜>" in template or "<｜tool▁calls▁begin｜>" in vocab:
@@ -119,6 +136,7 @@ class TemplateReport:
     drift: dict[str, Any] | None = None  # {position, ours, reference, ours_text, reference_text}
     refused: str | None = None  # why this family cannot be used (the renderer refused it)
     prompt_move: str | None = None  # how the template moves the first request's prompt later (ChatRenderer.prompt_move)
+    history: str | None = None  # where the template rewrites the history (agentrl.agent.history.history_rewrite)
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
@@ -134,6 +152,9 @@ class TemplateReport:
             f"  tool results: {self.tools}",
             f"  tool-call round trip: {self.round_trip}",
             f"  append-only template: {self.append_only}",
+            "  history: " + ("append-only (agent.history=as_template and as_sampled give the same stream)" if self.history is None
+                             else f"rewritten by the template: {self.history}; agent.history=as_template starts a new "
+                             "segment there (every request as the template renders it), as_sampled keeps one stream"),
             "  prompt stays in place: " + ("yes" if self.prompt_move is None else
                                            f"no: {self.prompt_move}; a request after such a turn starts a new segment "
                                            "from the template's own rendering of the conversation"),
@@ -150,15 +171,14 @@ class TemplateReport:
 def _reference_delta(tokenizer: Any, renderer: ChatRenderer, before: list[dict], new: list[dict], tools: Any) -> str:
     """The template's own rendering of ``new`` after the conversation ``before`` (ending with an
     assistant turn): the text after that turn's end-of-turn token, from ``apply_chat_template``
-    on the real messages - independent of the renderer's dummy conversation and caches."""
+    on the real messages - independent of the renderer's dummy conversation and caches. ``before``
+    is rendered as a request (with the generation prompt), so its last turn ends as it does in
+    history (harmony: an answer with <|end|>, not <|return|>)."""
     kwargs = dict(tokenize=False, chat_template=renderer.chat_template, tools=tools, **renderer.template_kwargs)
-    head = tokenizer.apply_chat_template(before, add_generation_prompt=False, **kwargs)
+    head = tokenizer.apply_chat_template(before, add_generation_prompt=True, **kwargs)
     full = tokenizer.apply_chat_template(before + new, add_generation_prompt=True, **kwargs)
-    n = head.count(renderer.eos_token)
-    at = -1
-    for _ in range(n):
-        at = full.index(renderer.eos_token, at + 1)
-    return full[at + len(renderer.eos_token) :]
+    ends = re.compile("|".join(re.escape(t) for t in (renderer.eos_token, *renderer.message_end_tokens)))
+    return full[[m.end() for m in ends.finditer(full)][len(ends.findall(head)) - 1] :]
 
 
 def check_template(
@@ -177,7 +197,7 @@ def check_template(
     from agentrl.plugins import PluginRegistry
 
     try:
-        renderer = ChatRenderer(tokenizer, chat_template=chat_template, template_kwargs=chat_template_kwargs)
+        renderer = family_renderer(tokenizer, chat_template=chat_template, template_kwargs=chat_template_kwargs)
     except Exception as exc:
         return TemplateReport(False, "", (), {}, "", False, "", "", refused=f"{exc}")
     stops = stop_tokens(tokenizer, renderer, model_dir=model_dir)
@@ -186,8 +206,10 @@ def check_template(
     report = TemplateReport(
         ok=True, parser=parser_name, stop_ids=stops.ids, stop_tokens={i: "; ".join(s) for i, s in stops.sources.items()},
         end_of_turn=stops.end_of_turn, append_only=renderer.append_only, tools="ok", round_trip="ok",
-        prompt_move=renderer.prompt_move,
+        prompt_move=renderer.prompt_move, history=history_rewrite(renderer),
     )
+    if isinstance(renderer, HarmonyRenderer):
+        report.notes.append(HISTORY_NOTE)
     problem = renderer.tool_message_problem
     use_tools = tools and problem is None
     if tools and problem is not None:
@@ -214,18 +236,21 @@ def check_template(
     if use_tools:
         for calls, result in zip(CALLS, RESULTS):
             plan.append((getattr(parser, "format_calls")(calls), [{"role": "tool", "content": result}]))
-    plan.append(("#### 409", [{"role": "user", "content": FOLLOW_UP}]))
-    plan.append(("409", []))
+    answer = getattr(parser, "format_answer", lambda text: text)  # harmony answers in its final channel
+    plan.append((answer("#### 409"), [{"role": "user", "content": FOLLOW_UP}]))
+    plan.append((answer("409"), []))
     # a reasoning model writes a <think> block first (kept in the trajectory as sampled)
     thinking = "<think>" in renderer.chat_template and renderer.template_kwargs.get("enable_thinking") is not False
     opened = tokenizer.decode(ours).endswith("<think>\n")  # DeepSeek-R1's generation prompt opens the block itself
     reasoning = ("" if opened else "<think>\n") + "I should use the calculator.\n</think>\n\n" if thinking else ""
+    if hasattr(parser, "format_analysis"):  # harmony: an analysis message before each call and answer
+        reasoning = parser.format_analysis("I should use the calculator.")
     for answer_text, observations in plan:
         sampled_text = reasoning + answer_text
-        sampled = renderer.encode(sampled_text) + [renderer.eos_id]
-        ours += sampled
-        reference += tokenizer.encode(sampled_text, add_special_tokens=False) + [renderer.eos_id]
         parsed = parse_turn(parser, sampled_text, schemas)
+        end_id = renderer.call_id if parsed.calls and renderer.call_id is not None else renderer.eos_id  # harmony: <|call|>
+        ours += renderer.encode(sampled_text) + [end_id]
+        reference += tokenizer.encode(sampled_text, add_special_tokens=False) + [end_id]
         assistant: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
             assistant["tool_calls"] = [c.as_message_call() for c in parsed.calls]
@@ -260,11 +285,6 @@ def check_template(
             "position": at, "ours": ours[at : at + 8], "reference": reference[at : at + 8],
             "ours_text": tokenizer.decode(ours[at : at + 8]), "reference_text": tokenizer.decode(reference[at : at + 8]),
         }
-    if not renderer.append_only:
-        report.notes.append(
-            "the template rewrites history (e.g. drops earlier <think> blocks): the trajectory keeps what the model "
-            "saw while generating, which is exact for training"
-        )
     return report
 
 

@@ -74,6 +74,12 @@ class ChatRenderer:
     is the token generation stops at.
     """
 
+    # Harmony (gpt-oss) ends a turn that calls a tool with a token of its own, a stop token too,
+    # and every message in history with <|end|> (agentrl.agent.harmony); None / () elsewhere.
+    call_token: str | None = None
+    call_id: int | None = None
+    message_end_tokens: tuple[str, ...] = ()  # tokens besides eos_token that end a message in history
+
     def __init__(
         self, tokenizer: Any, *, chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None
     ):

@@ -21,9 +21,8 @@ import inspect
 import zlib
 from typing import Any, Callable, Iterable, Sequence, cast
 
-from agentrl.agent.families import detect_tool_parser, stop_tokens
+from agentrl.agent.families import detect_tool_parser, family_renderer, stop_tokens
 from agentrl.agent.loop import AgentLoop, LoopContext, RewardFn
-from agentrl.agent.render import ChatRenderer
 from agentrl.agent.setup import RolloutSetup
 from agentrl.agent.tools_runtime import InteractionPool, ToolBox
 from agentrl.config.schema import RewardConfig
@@ -123,7 +122,7 @@ def build_context(
         registry=registry, max_parallel_calls=setup.max_parallel_calls, tool_timeout_s=setup.tool_timeout_s,
         specs=setup.tool_specs,
     )
-    renderer = ChatRenderer(tokenizer, template_kwargs=setup.chat_template_kwargs)
+    renderer = family_renderer(tokenizer, template_kwargs=setup.chat_template_kwargs)
     parser_name = detect_tool_parser(tokenizer, renderer.chat_template) if setup.tool_parser == "auto" else setup.tool_parser
     if setup.default_loop == "tool_agent" and toolbox.tools and renderer.tool_message_problem is not None:
         raise ConfigError([("agent.default_loop", (

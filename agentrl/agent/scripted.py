@@ -117,6 +117,6 @@ class ScriptedEngine:
 def _end_of_turn(tokenizer: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         return str(tokenizer.eos_token)
-    from agentrl.agent.render import ChatRenderer
+    from agentrl.agent.families import family_renderer
 
-    return str(ChatRenderer(tokenizer).eos_token)
+    return str(family_renderer(tokenizer).eos_token)
