@@ -56,6 +56,11 @@ class TrainBatch:
     values: torch.Tensor | None = None  # (B, R) the critic's values before the update
     advantages: torch.Tensor | None = None  # (B, R)
     returns: torch.Tensor | None = None  # (B, R) value targets
+    # (B,) long: the row of the trajectory each row trains, when some have earlier segments
+    # (``step.with_earlier_segments``): its own row, or its trajectory's for a segment. Rows with
+    # one number share tokens; ``balance.balanced_shards`` keeps them on one rank, where the
+    # packed forward computes their shared tokens once. None: every row is its own.
+    trajectory_index: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

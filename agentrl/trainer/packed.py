@@ -38,6 +38,7 @@ segments of one trajectory, are computed in full there).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ from agentrl.engines._packed import fast_decoder_supported, rms_norm, rotate_hal
 from agentrl.trainer.batch import TrainBatch
 
 __all__ = ["Segment", "RowTokens", "PackedSegments", "ForwardTokens", "packed_supported", "response_lengths", "row_tokens", "pack_segments",
-           "attention_pair_cost", "layout", "forward_tokens", "packed_hidden", "MAX_SEGMENT_TOKENS"]
+           "attention_pair_cost", "layout", "forward_tokens", "pass_tokens", "packed_hidden", "MAX_SEGMENT_TOKENS"]
 
 # Longest segment: the block mask and the attention scores grow with its square.
 MAX_SEGMENT_TOKENS = 1024
@@ -186,6 +187,14 @@ def forward_tokens(batch: TrainBatch, *, share: bool = True, pair_cost: float = 
     segments = pack_segments(tokens, share=share, pair_cost=pair_cost, max_tokens=max_tokens)
     return ForwardTokens(computed=sum(s.tokens for s in segments), rows=sum(tokens.length),
                          trained=batch.num_sampled_tokens())
+
+
+def pass_tokens(shards: Sequence[TrainBatch], micro_batch_size: int) -> ForwardTokens:
+    """``ForwardTokens`` summed over the micro-batches of one pass over ``shards`` (each rank's
+    rows cut into ``micro_batch_size`` rows and trimmed, as the workers do), trees cut at the
+    segment cap only (``pair_cost`` 0: the attention-cost choice needs the model's config)."""
+    counts = [forward_tokens(micro.trim()) for shard in shards if len(shard) for micro in shard.split(micro_batch_size)]
+    return ForwardTokens(*(sum(getattr(c, name) for c in counts) for name in ("computed", "rows", "trained")))
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from agentrl.trainer.algorithms.masked import masked_mean, masked_var
 from agentrl.trainer.algorithms.recipes import add_to_last_sampled_token, overlong_filter_mask, overlong_reward_penalty
 from agentrl.trainer.balance import balanced_shards
 from agentrl.trainer.batch import TrainBatch, collate
+from agentrl.trainer.packed import pass_tokens
 from agentrl.trainer.rank import mini_batch_denominator
 from agentrl.trajectory import Trajectory, TrajectoryFinish
 
@@ -186,9 +187,12 @@ def with_earlier_segments(trajectories: Sequence[Trajectory]) -> tuple[list[Traj
     """The rows to train, the row whose advantage each takes (-1: its own) and the row where each
     group's block starts. Without earlier segments: the trajectories as given and no blocks
     (mini-batches go by row count). With them (an agent program rewrote its history,
-    ``Trajectory.earlier_segments``): each group's trajectories, then their earlier segments,
-    each a row in a group of its own so that it stays out of the group's statistics; a mini-batch
-    of k groups starts at every k-th block (``mini_batch_starts``), its groups' segments with it."""
+    ``Trajectory.earlier_segments``): each of a group's trajectories followed by its earlier
+    segments, each segment a row in a group of its own so that it stays out of the group's
+    statistics; a mini-batch of k groups starts at every k-th block (``mini_batch_starts``), its
+    groups' segments with it. A trajectory's rows are adjacent, so that they land in one
+    micro-batch where its size allows, and the packed forward computes the tokens they share once
+    (``packed.py``; ``trajectory_indices`` keeps them on one rank)."""
     if not any(t.earlier_segments for t in trajectories):
         return list(trajectories), [-1] * len(trajectories), []
     by_group: dict[str, list[Trajectory]] = {}
@@ -198,11 +202,11 @@ def with_earlier_segments(trajectories: Sequence[Trajectory]) -> tuple[list[Traj
     parent: list[int] = []
     blocks: list[int] = []
     for members in by_group.values():
-        first = len(rows)
-        blocks.append(first)
-        rows.extend(members)
-        parent.extend([-1] * len(members))
-        for i, t in enumerate(members):
+        blocks.append(len(rows))
+        for t in members:
+            own = len(rows)
+            rows.append(t)
+            parent.append(-1)
             for k, seg in enumerate(t.earlier_segments):
                 rows.append(dataclasses.replace(
                     t, group_id=f"{t.group_id}#{t.sample_index}/segment{k}", prompt_ids=seg.prompt_ids,
@@ -210,8 +214,16 @@ def with_earlier_segments(trajectories: Sequence[Trajectory]) -> tuple[list[Traj
                     token_versions=seg.token_versions,
                     turns=[dataclasses.replace(x, reward=None) for x in seg.turns], reward=0.0, tool_calls=[],
                     earlier_segments=[]))
-                parent.append(first + i)
+                parent.append(own)
     return rows, parent, blocks
+
+
+def trajectory_indices(parent: Sequence[int]) -> torch.Tensor | None:
+    """``TrainBatch.trajectory_index`` from ``with_earlier_segments``' parents: each row's
+    trajectory row (None when no row has a parent: every row is its own)."""
+    if all(p < 0 for p in parent):
+        return None
+    return torch.tensor([p if p >= 0 else row for row, p in enumerate(parent)], dtype=torch.long)
 
 
 def mini_batch_starts(blocks: Sequence[int], groups_per_mini: int) -> list[int]:
@@ -446,6 +458,7 @@ class TrainingStep:
         rows, parent, blocks = with_earlier_segments(usable)
         batch = collate(rows, pad_token_id=self.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
                         max_response_length=cfg.data.max_response_length)
+        batch = batch.replace(trajectory_index=trajectory_indices(parent))
         batch, shaping_metrics = overlong_shaping(batch, rows, cfg)
         actor, micro = groups.actor, cfg.actor.ppo_micro_batch_size_per_gpu
         on_policy = on_policy and update_actor
@@ -511,6 +524,10 @@ class TrainingStep:
             "trajectories/earlier_segments": float(len(rows) - len(usable)),  # trained as rows of their own
         })
         metrics.update(failure_metrics(trajectories))
+        # what one actor pass feeds the packed forward (prefix trees per micro-batch) and what one
+        # forward per row would, against metrics' tokens/sampled: shared tokens computed once
+        passed = pass_tokens(balanced_shards(batch, actor.world_size).shards, micro)
+        metrics.update({"perf/tokens_computed": float(passed.computed), "perf/tokens_rows": float(passed.rows)})
         metrics.update(weight_metrics)
         metrics.update(shaping_metrics)
         if batch.ref_logprobs is not None:

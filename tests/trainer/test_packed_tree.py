@@ -203,3 +203,11 @@ def test_forward_tokens_counts_the_tree_the_rows_and_the_trained_tokens():
     assert counts == packed.ForwardTokens(computed=(8 + 6 * 15 + 6) + 6 * 15, rows=sum(14 + 6 * k for k in range(16)),
                                           trained=16 * 7 - 1)
     assert packed.forward_tokens(batch, share=False) == packed.ForwardTokens(counts.rows, counts.rows, counts.trained)
+
+
+def test_a_pass_shares_within_each_micro_batch_only():
+    batch = make_batch(*caterpillar(3))  # rows of 14, 20 and 26 tokens; the tree of all three: 38
+    assert packed.pass_tokens([batch], 3) == packed.ForwardTokens(computed=38, rows=60, trained=21)
+    # micro-batches of two rows: rows 0 and 1 share 8 tokens (14 + 12), row 2 alone (26)
+    assert packed.pass_tokens([batch], 2) == packed.ForwardTokens(computed=52, rows=60, trained=21)
+    assert packed.pass_tokens([batch.select([0, 1]), batch.select([2])], 4) == packed.pass_tokens([batch], 2)

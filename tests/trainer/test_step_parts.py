@@ -10,7 +10,8 @@ from agentrl.config.schema import TrainConfig
 from agentrl.trainer.algorithms.masked import masked_whiten
 from agentrl.trainer.batch import collate
 from agentrl.trainer.step import (
-    compute_advantages, mini_batch_starts, pad_rows, share_advantages, shards, trajectory_metrics, with_earlier_segments,
+    compute_advantages, mini_batch_starts, pad_rows, share_advantages, shards, trajectory_indices, trajectory_metrics,
+    with_earlier_segments,
 )
 from agentrl.trajectory import ToolCallRecord, Trajectory, TrajectorySegment, Turn
 
@@ -109,10 +110,12 @@ def test_earlier_segments_train_with_their_trajectorys_advantage_outside_the_gro
     b = traj("g", 1, [("assistant", 2, None)], reward=0.0)
     c, d = traj("h", 0, [("assistant", 1, None)], reward=0.0), traj("h", 1, [("assistant", 1, None)], reward=0.0)
     rows, parent, blocks = with_earlier_segments([a, b, c, d])
-    assert [r.group_id for r in rows] == ["g", "g", "g#0/segment0", "h", "h"] and parent == [-1, -1, 0, -1, -1]
-    assert blocks == [0, 3]  # each group's trajectories, then their segments
+    # each trajectory followed by its segments (adjacent: one micro-batch, one rank, shared tokens)
+    assert [r.group_id for r in rows] == ["g", "g#0/segment0", "g", "h", "h"] and parent == [-1, 0, -1, -1, -1]
+    assert blocks == [0, 3]  # each group's trajectories and their segments
     assert mini_batch_starts(blocks, 1) == [0, 3] and mini_batch_starts(blocks, 2) == [0]
-    seg = rows[2]
+    assert trajectory_indices(parent).tolist() == [0, 0, 2, 3, 4] and trajectory_indices([-1, -1]) is None
+    seg = rows[1]
     assert (seg.prompt_ids, seg.response_ids, seg.response_mask, seg.reward) == ([7, 8, 9], [4, 4, 4, 6], [1, 1, 0, 1], 0.0)
     assert seg.token_versions == [5, 5, -1, 6]  # the segment's own, not its trajectory's
     assert seg.turns[0].reward is None and not seg.earlier_segments  # its turn reward is not counted twice
@@ -122,13 +125,30 @@ def test_earlier_segments_train_with_their_trajectorys_advantage_outside_the_gro
     # group g: rewards 1 and 0 -> +-1/sqrt(2) (Bessel's std), the segment's tokens take a's advantage
     a_adv = 2**-0.5
     assert_close(batch.advantages[0, :2], torch.full((2,), a_adv))
-    assert_close(batch.advantages[1, :2], torch.full((2,), -a_adv))
-    assert_close(batch.advantages[2, :4], torch.tensor([a_adv, a_adv, 0.0, a_adv]))
+    assert_close(batch.advantages[2, :2], torch.full((2,), -a_adv))
+    assert_close(batch.advantages[1, :4], torch.tensor([a_adv, a_adv, 0.0, a_adv]))
+    assert_close(batch.returns[1, :4], batch.returns[0, 0] * torch.tensor([1.0, 1.0, 0.0, 1.0]))
     # without the segment, the group's advantages are the same: it is outside the statistics
     alone, _ = compute_advantages(collate([a, b, c, d], pad_token_id=0), cfg, kl_coef=None)
-    assert_close(alone.advantages[:2, :2], batch.advantages[:2, :2])
+    assert_close(alone.advantages[:2, :2], batch.advantages[[0, 2], :2])
     # nothing changes for trajectories without segments: same rows, same order, mini-batches by count
     assert with_earlier_segments([b, c]) == ([b, c], [-1, -1], []) and mini_batch_starts([], 1) == []
+
+
+def test_every_earlier_segment_of_every_trajectory_takes_its_trajectorys_advantage():
+    segment = lambda n: TrajectorySegment([7, 8], [4] * n, [1] * n, [-0.1] * n, [Turn("assistant", 0, n)])  # noqa: E731
+    a = traj("g", 0, [("assistant", 2, None)], reward=1.0)
+    b = traj("g", 1, [("assistant", 1, None)], reward=0.0)
+    c = traj("g", 2, [("assistant", 1, None)], reward=0.5)
+    a.earlier_segments, b.earlier_segments = [segment(3), segment(1)], [segment(2)]
+    rows, parent, _ = with_earlier_segments([a, b, c])
+    assert parent == [-1, 0, 0, -1, 3, -1]
+    batch, _ = compute_advantages(collate(rows, pad_token_id=0), cfg_with(adv_estimator="grpo"), kl_coef=None)
+    batch = share_advantages(batch, parent)
+    own = batch.advantages[[0, 3, 5], 0]  # rewards 1, 0, 0.5: +1, -1, 0 in the group's std
+    assert_close(own, torch.tensor([1.0, -1.0, 0.0]))
+    for row, trajectory in [(1, 0), (2, 0), (4, 3)]:
+        assert_close(batch.advantages[row], own[[0, 3, 5].index(trajectory)] * batch.response_mask[row])
 
 
 def test_several_data_sources_each_get_success_and_tool_use_and_one_source_adds_nothing():
