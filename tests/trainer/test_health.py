@@ -81,3 +81,15 @@ def test_an_engine_that_reports_another_version_than_the_synced_one_stops_at_onc
     with pytest.raises(HealthStop, match=r"^step 5: after the weight sync to version 5 the engine reports weight version 4: "
                                          r".*\(engine.weight_sync=disk\)"):
         monitor.check(5, {"health/synced_version": 5.0, "health/engine_version": 4.0})
+
+
+def test_agentrl_train_exits_1_with_the_reason_when_a_health_check_stopped_the_run(tmp_path, monkeypatch, capsys):
+    from agentrl.trainer import run
+
+    stopped = {"step": 3, "measure": "uniform_groups", "value": 1.0, "key": "trainer.health.uniform_groups.stop",
+               "reason": "step 3: uniform_groups = 1, at or above trainer.health.uniform_groups.stop=1.0"}
+    monkeypatch.setattr(run, "train", lambda cfg, command: run.RunResult(tmp_path, {"stopped": stopped}))
+    assert run.cli_main(["trainer.total_steps=3"]) == 1
+    assert capsys.readouterr().err.endswith(f"agentrl train: stopped at step 3: {stopped['reason']}\n")
+    monkeypatch.setattr(run, "train", lambda cfg, command: run.RunResult(tmp_path, {}))
+    assert run.cli_main(["trainer.total_steps=3"]) == 0
