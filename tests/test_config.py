@@ -256,3 +256,22 @@ def test_a_misspelt_group_option_lists_the_options_and_the_closest_one(capsys):
         "agentrl train: invalid configuration (1 problem):\n"
         "  data: unknown option 'gsm9k' (known: arith, arith_retry, gsm8k, word, word_steps); did you mean data=gsm8k?\n"
     )
+
+
+def test_cfg_job_prints_plain_yaml_that_reads_back_as_the_config(capsys):
+    """``rollout.n`` is ``n: 4``, not OmegaConf's ``'n': 4`` (YAML 1.1's one-letter boolean, which
+    neither PyYAML nor OmegaConf reads as one); a string a reader would take for a number stays quoted."""
+    import json
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from agentrl.config.help import config_command_main
+
+    overrides = ["rollout.n=4", "trainer.run_name='1e5'"]
+    assert config_command_main("train", ["--cfg", "job", *overrides], "") == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert "  n: 4" in lines and "  run_name: '1e5'" in lines and "'n'" not in text
+    expected = json.loads(load_config("train", overrides, check_files=False).model_dump_json())
+    assert yaml.safe_load(text) == expected == OmegaConf.to_container(OmegaConf.create(text))

@@ -147,14 +147,33 @@ def command_help(command: str, overrides: list[str], summary: str) -> str:
     return "\n".join(out)
 
 
+def plain_yaml(data: Any) -> str:
+    """``data`` as YAML with a string quoted only where a YAML reader (PyYAML's, OmegaConf's)
+    would read another type. OmegaConf's own dumper also quotes YAML 1.1's one-letter booleans
+    (``y``, ``n``), which no reader here takes for booleans: ``rollout.n`` printed as ``'n': 4``."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        try:  # OmegaConf reads more forms as numbers than PyYAML does ("1e-5"): quote what a float parses
+            float(value)
+        except ValueError:
+            return dumper.represent_str(value)
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="'")
+
+    Dumper.add_representer(str, text)
+    return yaml.dump(data, Dumper=Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
 def resolved_config_yaml(command: str, overrides: list[str]) -> str:
-    """The validated config of ``agentrl <command> overrides`` as YAML (what the run would save)."""
+    """The validated config of ``agentrl <command> overrides`` as YAML (the values the run saves
+    in ``config.yaml``)."""
     import json
 
-    from omegaconf import OmegaConf
-
     cfg = validate_config(compose(command, overrides), check_files=False, training=command != "rollout")
-    return OmegaConf.to_yaml(OmegaConf.create(json.loads(cfg.model_dump_json())))
+    return plain_yaml(json.loads(cfg.model_dump_json()))
 
 
 def config_command_main(command: str, argv: list[str], summary: str) -> int:
