@@ -96,11 +96,15 @@ def plugins_main(argv: list[str]) -> int:
             rows.append(row)
         print(json.dumps(rows, indent=2))
     else:
-        for spec in specs:
-            status = ""
-            if args.check:
-                status = "  BROKEN" if (spec.group, spec.name, spec.distribution) in errors else "  ok"
-            print(f"{spec.group:<22} {spec.name:<20} {spec.target:<50} {spec.distribution}{status}")
+        header = ["GROUP", "NAME", "TARGET", "DISTRIBUTION"] + (["CHECK"] if args.check else [])
+        table = [header] + [
+            [spec.group, spec.name, spec.target, spec.distribution or "?"]
+            + (["BROKEN" if (spec.group, spec.name, spec.distribution) in errors else "ok"] if args.check else [])
+            for spec in specs
+        ]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]  # the last column is not padded
+        for row in table:
+            print("  ".join([cell.ljust(width) for cell, width in zip(row, widths)] + [row[-1]]))
         for error in errors.values():
             print(error, file=sys.stderr)
     return 1 if errors else 0

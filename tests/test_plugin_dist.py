@@ -336,3 +336,20 @@ def test_a_row_naming_a_tool_that_fails_to_import_is_named_before_any_model_is_l
     assert rollout.returncode != 0
     assert expected in rollout.stderr
     assert list((tmp_path / "runs").rglob("*.jsonl")) == []  # stopped before the engine: no trajectory written
+
+
+def test_plugins_list_has_a_header_row_and_with_check_a_check_column(dist_path, capsys):
+    from agentrl.cli import main
+
+    assert main(["plugins", "list", "--group", "interactions"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "GROUP                 NAME          TARGET                                       DISTRIBUTION",
+        "agentrl.interactions  always_right  myplugin_mod:AlwaysRightInteraction          myplugin",
+        "agentrl.interactions  gsm8k         agentrl_interactions.gsm8k:Gsm8kInteraction  agentrl",
+    ]
+    assert main(["plugins", "list", "--group", "rewards", "--check"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].split() == ["GROUP", "NAME", "TARGET", "DISTRIBUTION", "CHECK"]
+    assert [line.split()[1::3] for line in out.splitlines()[1:]] == [
+        ["broken", "BROKEN"], ["exact_number", "ok"], ["gsm8k", "ok"], ["gsm8k_flexible", "ok"]]
+    assert err.startswith("plugin 'broken' in group agentrl.rewards")
