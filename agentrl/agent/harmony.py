@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from agentrl.agent.render import ChatRenderer, TemplateUnsupported
 from agentrl.agent.tool_parsers import ParsedCall, ParsedTurn
 
-__all__ = ["HarmonyToolParser", "HarmonyCall", "HarmonyRenderer", "is_harmony_template", "HISTORY_NOTE"]
+__all__ = ["HarmonyToolParser", "HarmonyCall", "HarmonyRenderer", "is_harmony_template", "name_tool_results", "HISTORY_NOTE"]
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 CALL, RETURN = "<|call|>", "<|return|>"
@@ -223,3 +223,16 @@ class HarmonyRenderer(ChatRenderer):
         if later != alone:
             return f"the template renders a second round of tool results as {later!r} but a first one as {alone!r}"
         return None
+
+
+def name_tool_results(renderer: ChatRenderer, before: Sequence[dict[str, Any]], messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` to render after ``before``: for a harmony renderer, each tool message without
+    a ``name`` (an OpenAI client's) named as the template names it, after the first call of the
+    last assistant message that made calls; any other renderer's messages unchanged."""
+    if not isinstance(renderer, HarmonyRenderer):
+        return list(messages)
+    calls = next((m["tool_calls"] for m in reversed(before) if m.get("role") == "assistant" and m.get("tool_calls")), None)
+    if not calls:
+        return list(messages)
+    name = (calls[0].get("function") or calls[0]).get("name") or ""
+    return [dict(m, name=name) if m.get("role") == "tool" and "name" not in m else m for m in messages]

@@ -57,6 +57,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentrl.agent.call_stats import read_turn
+from agentrl.agent.harmony import name_tool_results
 from agentrl.agent.history import HistoryPolicy, fresh_request
 from agentrl.agent.loop import EpisodeEnd, LoopContext, sample_turn
 from agentrl.agent.openai_request import Ask, answer_text, log_overrides, messages_and_tools, read_request
@@ -343,7 +344,8 @@ class EndpointSession:
             rest = messages[known:]
             if (tools == seg.tools and messages[:known] == seg.messages and rest
                     and all(m["role"] in ("tool", "user") for m in rest)):
-                text = self.renderer.observation_text(rest, after_eos=seg.stopped_on_eos)
+                shown = name_tool_results(self.renderer, seg.messages, rest)  # gpt-oss names a result after its call
+                text = self.renderer.observation_text(shown, after_eos=seg.stopped_on_eos)
                 if fresh_request(self.renderer, self.history, seg.builder.all_ids, text, messages, tools) is None:
                     delta, role = self.renderer.encode(text), ("tool" if rest[0]["role"] == "tool" else "user")
                     self.check_turn(seg, len(delta) + 1)  # the observation and at least one token to read it

@@ -202,3 +202,33 @@ def test_check_template_passes_and_reports_the_rewrite(tok, gpt_oss_dir, capsys)
     assert out.startswith("check-template: OK\n") and "  tool parser: harmony\n" in out
     assert "(chat template end of a tool call '<|call|>'; generation_config.json eos_token_id)" in out
     assert "  note: gpt-oss: a final answer the model ended with <|return|> is rendered with <|end|>" in out
+
+
+# ---------------------------------------------------------------------- agent programs (the OpenAI endpoint)
+def test_an_openai_clients_tool_result_is_named_after_its_call(tok, make_ctx):
+    """An OpenAI client's tool message has no ``name``; the template names the result after the
+    call it answers, and so does the endpoint's observation."""
+    import openai
+    from agent_helpers import loop_with
+    from agent_helpers import run_rows as run
+
+    from agentrl_agent_programs.gsm8k_calculator import CALCULATOR
+
+    script = [RETRY[0], P.format_answer("#### 408")]
+    engine = ScriptedEngine(tok, {"r0": script})
+    ctx = make_ctx(engine, tokenizer=tok, agent={"history": "as_template"})
+
+    def program(task):
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        messages = list(task.messages)
+        first = client.chat.completions.create(model=task.model, messages=messages, tools=[CALCULATOR]).choices[0].message
+        [call] = first.tool_calls
+        messages += [first, {"role": "tool", "tool_call_id": call.id, "content": "408"}]
+        return client.chat.completions.create(model=task.model, messages=messages, tools=[CALCULATOR]).choices[0].message.content
+
+    (t,) = run(loop_with(program), ctx, [("r0", make_row(agent="openai_agent"))])
+    assert t.reward == 1.0 and t.metrics["segment_splits"] == 0, t.reward_info
+    sampled = tok.encode(script[0], add_special_tokens=False)
+    tool = tok.encode(_tool_turn("408"), add_special_tokens=False)
+    assert t.response_ids == sampled + tool + tok.encode(script[1], add_special_tokens=False) + [tok.convert_tokens_to_ids("<|return|>")]
+    assert engine.requests[1].input_ids == t.prompt_ids + sampled + tool
