@@ -100,10 +100,13 @@ class ScriptedActor:
 
 class Log:
     def __init__(self):
-        self.rows = []
+        self.rows, self.console_lines = [], []
 
     def log(self, step, metrics):
         self.rows.append((step, dict(metrics)))
+
+    def console(self, text):
+        self.console_lines.append(text)
 
 
 def test_sft_stops_at_the_first_check_reaching_the_target(tiny_tokenizer, tmp_path, capsys):
@@ -115,6 +118,8 @@ def test_sft_stops_at_the_first_check_reaching_the_target(tiny_tokenizer, tmp_pa
     assert metrics["sft/step"] == 6.0 and metrics["sft/heldout_greedy_success"] == 0.5
     assert [m.get("sft/heldout_greedy_success") for _, m in log.rows] == [None, 0.0, None, 0.25, None, 0.5]
     assert "stopped at step 6 of 10" in capsys.readouterr().out
+    # said before the first step, with the count (agentrl train's warm start says so with its own label)
+    assert log.console_lines == ["agentrl sft: SFT: 10 steps (40 demonstrations, batch 4, 1 epoch; ends early at held-out greedy success 0.5)"]
 
 
 def test_an_optimizer_reset_after_a_forward_only_pass_trains_the_sharded_parameters_and_saves(actor, tmp_path):
