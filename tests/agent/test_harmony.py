@@ -192,6 +192,22 @@ def test_a_call_then_an_interaction_retry_as_template_starts_a_segment_at_the_re
     assert t.response_ids == tok.encode(RETRY[2], add_special_tokens=False) + [tok.convert_tokens_to_ids("<|return|>")]
 
 
+@pytest.mark.parametrize("history", ["as_template", "as_sampled"])
+def test_a_call_in_the_models_own_header_is_rewritten_by_the_template(history, tok, make_ctx):
+    """gpt-oss often writes the recipient in the channel header and compact JSON; the template
+    renders the call in its own header: as_template starts a segment at the result, as_sampled
+    keeps the call as sampled."""
+    own = '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression":"12 * 34"}<|call|>'
+    t, ctx, engine = _episode(tok, make_ctx, [own, P.format_answer("#### 408")], history=history)
+    assert t.reward == 1.0 and t.tool_calls[0].arguments == {"expression": "12 * 34"}
+    stream = engine.requests[0].input_ids + tok.encode(own + _tool_turn("408"), add_special_tokens=False)
+    fresh = _rendered(tok, ctx, t.messages[:4])
+    assert fresh == tok.encode(tok.decode(stream).replace(own, P.format_calls([("calculator", {"expression": "12 * 34"})]) + "<|call|>"),
+                               add_special_tokens=False)
+    assert engine.requests[1].input_ids == (fresh if history == "as_template" else stream)
+    assert len(t.earlier_segments) == (history == "as_template")
+
+
 # ---------------------------------------------------------------------- check-template
 def test_check_template_passes_and_reports_the_rewrite(tok, gpt_oss_dir, capsys):
     report = check_template(tok, model_dir=gpt_oss_dir)
