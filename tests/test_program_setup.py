@@ -115,3 +115,21 @@ def test_a_rollout_whose_every_episode_ended_program_error_fails(dist_path, tiny
     # one episode that ends of its own: the program failed on what the model wrote, not on everything
     mixed = summarize_finishes(run_programs(tiny_tokenizer, [*rows, ("r9", Row.model_validate(program_row("gsm8k_calculator", 9)))]))
     assert (mixed.counts, mixed.verdict(0.5)) == ({"program_error": 2, "stop": 1}, None)
+
+
+def test_agentrl_rollout_where_every_episode_ended_program_error_exits_1(dist_path, tiny_model_dir, tmp_path, capsys):
+    """The issue's run: 16 episodes, each the program's error; the command said failed_fraction 0.0 and exited 0."""
+    import json
+
+    from agentrl.agent.rollout_cli import cli_main
+
+    rows = write_rows([program_row("gives_up", i) for i in range(2)], tmp_path / "rows.parquet")
+    script = tmp_path / "script.jsonl"
+    script.write_text("".join(json.dumps({"row": f"x:{i}", "answers": ["#### 1"]}) + "\n" for i in range(2)))
+    assert cli_main(["engine=scripted", f"engine.script={script}", f"model.path={tiny_model_dir}", f"data.train_files=[{rows}]",
+                     "rollout.n=2", f"trainer.runs_root={tmp_path}", "trainer.run_name=r", "logging.progress=false"]) == 1
+    out, err = capsys.readouterr()
+    summary = json.loads(out[: out.rindex("}") + 1])
+    assert (summary["finish_reasons"], summary["failed_fraction"], summary["program_error_fraction"]) == ({"program_error": 4}, 0.0, 1.0)
+    assert err.splitlines()[-1] == ("agentrl rollout: every one of the 4 trajectories ended program_error: the agent program "
+                                    "raised whatever the model wrote (its first error is above)")
