@@ -3,8 +3,10 @@
 One self-contained page, no network resources and no plotting library. It opens with what the
 run was for (held-out success and tool use before and after, the command, its wall time); each
 plot is an inline SVG drawn here, with labelled ticks along both axes and its legend below the
-axes; the raw summary follows the plots. Trajectories are shown token by token; a sampled token (trained on, mask 1)
-sits on white, an observed one (prompt, tool results, user turns, template glue: mask 0) on
+axes, in a grid whose columns fill the window's width (text never under 12 px); counts of events
+per step (tool errors by kind, dropped groups, interrupted requests) are bars, not lines joining
+steps. The start-up phases follow the plots as a table of seconds, then the raw summary.
+Trajectories are shown token by token; a sampled token (trained on, mask 1) sits on white, an observed one (prompt, tool results, user turns, template glue: mask 0) on
 grey, and hovering a token shows its id and logprob. An asynchronous run (``rollout.max_staleness``
 > 0) adds the staleness of the trained samples, per step as stacked bars (trajectories at each
 staleness 0..eta) and as mean and max, the trainer's idle and the engine's busy share of each
@@ -30,11 +32,14 @@ Decode = Callable[[list[int]], str]
 
 @dataclass(frozen=True, slots=True)
 class Plot:
-    """One plot: the metric keys drawn together, and key prefixes whose every key is drawn."""
+    """One plot: the metric keys drawn together, and key prefixes whose every key is drawn.
+    ``events``: the values count events of a step (errors, dropped groups), drawn as bars, not
+    as lines joining the steps."""
 
     title: str
     keys: tuple[str, ...] = ()
     prefixes: tuple[str, ...] = ()
+    events: bool = False
 
     def series_keys(self, available: Sequence[str]) -> list[str]:
         found = [k for k in self.keys if k in available]
@@ -50,10 +55,7 @@ PLOTS: tuple[Plot, ...] = (
     Plot("tool-use rate (share of trajectories with a call)", ("tool_use_rate", "val/tool_use_rate")),
     Plot("success after a first answer judged wrong (interaction tasks)",
          ("retry/second_attempt_success", "val/retry/second_attempt_success", "val/source/agentrl/arith_retry_after_wrong/success_rate")),
-    Plot("tool errors by kind (per step)", prefixes=("tool_errors/",)),
-    # agentrl.agent.call_stats: calls malformed among all calls, turns with the format's call marker and no call
-    Plot("tool-call parse rate", ("tool_calls/malformed_rate", "tool_calls/unparsed_turn_rate",
-                                  "val/tool_calls/malformed_rate", "val/tool_calls/unparsed_turn_rate")),
+    Plot("tool errors by kind (per step)", prefixes=("tool_errors/",), events=True),
     # agentrl.agent.call_stats: calls malformed among all calls, turns with the format's call marker and no call
     Plot("tool-call parse rate", ("tool_calls/malformed_rate", "tool_calls/unparsed_turn_rate",
                                   "val/tool_calls/malformed_rate", "val/tool_calls/unparsed_turn_rate")),
@@ -66,8 +68,9 @@ PLOTS: tuple[Plot, ...] = (
     Plot("staleness of the trained samples (policy versions)", ("async/staleness_mean", "async/staleness_max")),
     Plot("time shares of the step: trainer idle, engine busy", ("async/trainer_idle_fraction", "engine/busy_fraction")),
     Plot("weight sync (s)", ("timing/weight_sync_s",)),
-    Plot("groups dropped as stale and in flight (per step)", ("async/dropped_groups", "async/in_flight_groups")),
-    Plot("partial rollouts: requests interrupted and resumed (per step)", ("engine/interrupted_requests", "engine/resumed_requests")),
+    Plot("groups dropped as stale and in flight (per step)", ("async/dropped_groups", "async/in_flight_groups"), events=True),
+    Plot("partial rollouts: requests interrupted and resumed (per step)", ("engine/interrupted_requests", "engine/resumed_requests"),
+         events=True),
 )
 STALENESS = "staleness of the trained samples (policy versions)"
 WHOLE_RUN = " (whole run, unfiltered)"  # the legend's mark of a filtered report's metrics.jsonl series
@@ -101,12 +104,20 @@ def _nice_ticks(lo: float, hi: float, *, integers: bool = False, count: int = 6)
     return [round(k * step, 12) for k in range(first, last + 1)]
 
 
+# The plots' geometry, in SVG user units. A plot is drawn WIDTH wide and scaled to its grid cell,
+# which is never narrower (the page's grid: columns of at least PLOT_MIN_PX), so text drawn at
+# TICK_FONT or more is never shown smaller than that many pixels; a wide window gets more columns.
+WIDTH, LEFT, RIGHT, TOP, PLOT_H = 560, 62, 16, 28, 190
+TICK_FONT, LABEL_FONT, LEGEND_FONT, TITLE_FONT, LEGEND_ROW = 12, 13, 13, 15, 18
+PLOT_MIN_PX = WIDTH + 12  # the plot box's border and padding
+
+
 def _frame(title: str, xs: list[float], ys: list[float], legend: int, x_label: str, *, pad: float = 0.0):
     """A plot's frame: title, axes with labelled ticks (``pad``: the x axis runs that far past the
     first and last x, for bars) and
     room for ``legend`` entries below the axes. Returns the SVG parts so far, the x and y scales,
     where the legend starts and the left edge."""
-    w, left, right, top, plot_h = 480, 52, 14, 24, 170
+    w, left, right, top, plot_h = WIDTH, LEFT, RIGHT, TOP, PLOT_H
     x_ticks = _nice_ticks(min(xs), max(xs), integers=all(x == int(x) for x in xs))
     y_ticks = _nice_ticks(min(ys + [0.0]), max(ys + [0.0]))
     x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
@@ -114,8 +125,8 @@ def _frame(title: str, xs: list[float], ys: list[float], legend: int, x_label: s
         x0, x1 = min(xs) - pad, max(xs) + pad
         x_ticks = [x for x in x_ticks if x0 <= x <= x1]
     bottom_axis = top + plot_h
-    legend_top = bottom_axis + 40
-    h = legend_top + 14 * legend + 4
+    legend_top = bottom_axis + 48
+    h = legend_top + LEGEND_ROW * legend
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * (w - left - right)
@@ -123,20 +134,30 @@ def _frame(title: str, xs: list[float], ys: list[float], legend: int, x_label: s
     def sy(y: float) -> float:
         return bottom_axis - (y - y0) / (y1 - y0) * plot_h
 
-    out = [f'<svg class="plot" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="{html.escape(title)}">',
-           f'<text x="{left}" y="15" font-size="13" font-weight="bold">{html.escape(title)}</text>',
+    out = [f'<svg class="plot" viewBox="0 0 {w} {h}" role="img" aria-label="{html.escape(title)}">',
+           f'<text x="{left}" y="18" font-size="{TITLE_FONT}" font-weight="bold">{html.escape(title)}</text>',
            f'<rect class="area" x="{left}" y="{top}" width="{w - left - right}" height="{plot_h}" fill="none"/>']
     for y in y_ticks:
         out.append(f'<line x1="{left}" y1="{sy(y):.1f}" x2="{w - right}" y2="{sy(y):.1f}" stroke="#eee"/>')
-        out.append(f'<text class="tick y" x="{left - 5}" y="{sy(y) + 3:.1f}" font-size="10" text-anchor="end">{y:g}</text>')
+        out.append(f'<text class="tick y" x="{left - 6}" y="{sy(y) + 4:.1f}" font-size="{TICK_FONT}" text-anchor="end">{y:g}</text>')
     for x in x_ticks:
         out.append(f'<line x1="{sx(x):.1f}" y1="{bottom_axis}" x2="{sx(x):.1f}" y2="{bottom_axis + 4}" stroke="#999"/>')
-        out.append(f'<text class="tick x" x="{sx(x):.1f}" y="{bottom_axis + 15}" font-size="10" text-anchor="middle">{x:g}</text>')
+        out.append(f'<text class="tick x" x="{sx(x):.1f}" y="{bottom_axis + 17}" font-size="{TICK_FONT}" text-anchor="middle">{x:g}</text>')
     out.append(f'<line x1="{left}" y1="{bottom_axis}" x2="{w - right}" y2="{bottom_axis}" stroke="#999"/>')
     out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom_axis}" stroke="#999"/>')
-    out.append(f'<text class="axis-label" x="{(left + w - right) / 2:.1f}" y="{bottom_axis + 29}" font-size="11" '
+    out.append(f'<text class="axis-label" x="{(left + w - right) / 2:.1f}" y="{bottom_axis + 34}" font-size="{LABEL_FONT}" '
                f'text-anchor="middle">{html.escape(x_label)}</text>')
     return out, sx, sy, legend_top, left
+
+
+def _legend(out: list[str], entries: list[tuple[str, str]], legend_top: float, left: float, *, swatch: str) -> None:
+    """One legend entry a series, below the axes: (label, colour), marked with a line or a box."""
+    for i, (label, color) in enumerate(entries):
+        row = legend_top + LEGEND_ROW * i
+        mark = (f'<line x1="{left}" y1="{row - 5}" x2="{left + 18}" y2="{row - 5}" stroke="{color}" stroke-width="2"/>'
+                if swatch == "line" else f'<rect x="{left + 4}" y="{row - 11}" width="11" height="11" fill="{color}"/>')
+        out.append(f'<g class="legend-entry">{mark}<text x="{left + 24}" y="{row}" font-size="{LEGEND_FONT}" '
+                   f'fill="{color}">{html.escape(label)}</text></g>')
 
 
 def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step", whole_run: Collection[str] = ()) -> str:
@@ -150,10 +171,39 @@ def _svg(title: str, series: dict[str, list[tuple[float, float]]], x_label: str 
         out.append(f'<polyline class="series" data-key="{html.escape(name)}" fill="none" stroke="{color}" stroke-width="2" points="{coords}"/>')
         out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"><title>{html.escape(name)} {html.escape(x_label)} {x:g}: {y:.4g}</title></circle>'
                    for x, y in values)
-        row = legend_top + 14 * i
-        out.append(f'<g class="legend-entry"><line x1="{left}" y1="{row - 4}" x2="{left + 18}" y2="{row - 4}" stroke="{color}" stroke-width="2"/>'
-                   f'<text x="{left + 24}" y="{row}" font-size="11" fill="{color}">{html.escape(name)}'
-                   f'{WHOLE_RUN if name in whole_run else ""}</text></g>')
+    _legend(out, [(name + (WHOLE_RUN if name in whole_run else ""), COLORS[i % len(COLORS)]) for i, name in enumerate(series)],
+            legend_top, left, swatch="line")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _bar_width(sx: Callable[[float], float], xs: list[float]) -> float:
+    """The room of one step's column of bars: most of the smallest gap between steps, at most 24."""
+    gap = min((b - a for a, b in zip(xs, xs[1:])), default=1.0)
+    return min(0.7 * (sx(xs[0] + gap) - sx(xs[0])), 24.0)
+
+
+def _event_bars(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step",
+                whole_run: Collection[str] = ()) -> str:
+    """Counts of events per step (errors, dropped groups, interrupted requests): one bar a key
+    and step, the keys of a step side by side, nothing where nothing happened, so steps are
+    never joined as if the count ran on between them."""
+    xs = sorted({x for values in series.values() for x, _ in values})
+    ys = [y for values in series.values() for _, y in values]
+    out, sx, sy, legend_top, left = _frame(title, xs, ys, len(series), x_label, pad=0.5)
+    column = _bar_width(sx, xs)
+    width = column / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        color = COLORS[i % len(COLORS)]
+        for x, y in values:
+            if y == 0:
+                continue
+            top, bottom = sorted((sy(y), sy(0.0)))
+            out.append(f'<rect class="bar" data-key="{html.escape(name)}" x="{sx(x) - column / 2 + i * width:.1f}" y="{top:.1f}" '
+                       f'width="{width:.1f}" height="{bottom - top:.1f}" fill="{color}">'
+                       f'<title>{html.escape(x_label)} {x:g} · {html.escape(name)}: {y:g}</title></rect>')
+    _legend(out, [(name + (WHOLE_RUN if name in whole_run else ""), COLORS[i % len(COLORS)]) for i, name in enumerate(series)],
+            legend_top, left, swatch="box")
     out.append("</svg>")
     return "".join(out)
 
@@ -165,8 +215,7 @@ def _stacked_bars(title: str, columns: dict[float, list[tuple[str, str, float]]]
     totals = [sum(v for _, _, v in columns[x]) for x in xs]
     keys = list(dict.fromkeys((key, label) for x in xs for key, label, _ in columns[x]))
     out, sx, sy, legend_top, left = _frame(title, xs, totals, len(keys), x_label, pad=0.5)
-    gap = min((b - a for a, b in zip(xs, xs[1:])), default=1.0)
-    width = min(0.7 * (sx(xs[0] + gap) - sx(xs[0])), 24.0)
+    width = _bar_width(sx, xs)
     color = {key: COLORS[i % len(COLORS)] for i, (key, _) in enumerate(keys)}
     for x in xs:
         base = 0.0
@@ -176,10 +225,7 @@ def _stacked_bars(title: str, columns: dict[float, list[tuple[str, str, float]]]
                        f'width="{width:.1f}" height="{y_bottom - y_top:.1f}" fill="{color[key]}">'
                        f'<title>{html.escape(x_label)} {x:g} · {html.escape(label)}: {value:g}</title></rect>')
             base += value
-    for i, (key, label) in enumerate(keys):
-        row = legend_top + 14 * i
-        out.append(f'<g class="legend-entry"><rect x="{left + 4}" y="{row - 9}" width="10" height="10" fill="{color[key]}"/>'
-                   f'<text x="{left + 24}" y="{row}" font-size="11" fill="{color[key]}">{html.escape(label)}</text></g>')
+    _legend(out, [(label, color[key]) for key, label in keys], legend_top, left, swatch="box")
     out.append("</svg>")
     return "".join(out)
 
@@ -210,7 +256,7 @@ def _plots(rows: Sequence[dict[str, Any]], whole_run: Collection[str] = ()) -> l
             svgs.append(histogram)  # an asynchronous run's staleness: the histogram per step, then mean and max
         series = {key: values for key in plot.series_keys(available) if (values := _series(rows, key))}
         if series:
-            svgs.append(_svg(plot.title, series, whole_run=whole_run))
+            svgs.append((_event_bars if plot.events else _svg)(plot.title, series, whole_run=whole_run))
     return svgs
 
 
@@ -337,9 +383,25 @@ def _filtered(filters: str | None, whole_run: Collection[str]) -> str:
             f"stored trajectories that pass these filters{rest}.</p>")
 
 
+STARTUP = "startup/"  # trainer/startup.py: startup/<phase>_s, then startup/total_s
+
+
+def _startup_table(summary: dict[str, Any]) -> str:
+    """Where the start-up went: each phase before the first step by name, in seconds, and the total."""
+    phases = [(k[len(STARTUP):].removesuffix("_s").replace("_", " "), v) for k, v in summary.items()
+              if k.startswith(STARTUP) and k != f"{STARTUP}total_s" and isinstance(v, (int, float))]
+    total = summary.get(f"{STARTUP}total_s")
+    if not phases and not isinstance(total, (int, float)):
+        return ""
+    rows = "".join(f'<tr><th scope="row">{html.escape(name)}</th><td>{seconds:.1f} s</td></tr>' for name, seconds in phases)
+    if isinstance(total, (int, float)):
+        rows += f'<tr class="total"><th scope="row">total</th><td>{total:.1f} s</td></tr>'
+    return f'<h2>Start-up (before the first step)</h2><table class="startup">{rows}</table>'
+
+
 def _summary_table(summary: dict[str, Any]) -> str:
     cells = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v) if isinstance(v, (dict, list)) else str(v))}</td></tr>"
-                    for k, v in summary.items())
+                    for k, v in summary.items() if not k.startswith(STARTUP))
     return f'<h2>Run summary (summary.json)</h2><table class="summary">{cells}</table>'
 
 
@@ -362,14 +424,17 @@ def render_report(
     ``whole_run_keys`` (the trainer's figures, which no filter reaches) are labelled as the whole run's."""
     plots = _plots(metrics_rows, whole_run_keys)
     headline = _headline(summary or {})
-    summary_html = _summary_table(summary) if summary else ""
+    summary_html = _startup_table(summary) + _summary_table(summary) if summary else ""
     plots_html = "".join(f'<div class="plotbox">{svg}</div>' for svg in plots) or "<p>No metrics over steps.</p>"
     samples = "".join(_trajectory_html(t, decode) for t in trajectories) or "<p>No trajectories.</p>"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 24px; color: #222; }}
-.plots {{ display: flex; flex-wrap: wrap; gap: 12px; }} .plotbox {{ border: 1px solid #ddd; padding: 4px; }}
+.plots {{ display: grid; grid-template-columns: repeat(auto-fill, minmax({PLOT_MIN_PX}px, 1fr)); gap: 12px; }}
+.plotbox {{ border: 1px solid #ddd; padding: 4px; }} svg.plot {{ display: block; width: 100%; height: auto; }}
+.startup th {{ text-align: left; font-weight: normal; padding: 2px 14px 2px 0; }} .startup td {{ text-align: right; }}
+.startup tr.total th, .startup tr.total td {{ font-weight: bold; border-top: 1px solid #999; }}
 .traj {{ border-top: 2px solid #ccc; margin-top: 18px; }} .meta {{ color: #555; font-size: 13px; }}
 .turn {{ border-left: 4px solid #1f77b4; padding: 2px 8px; margin: 6px 0; }} .turn.observed {{ border-color: #999; }}
 .role {{ font-size: 12px; font-weight: bold; color: #444; }} .toks {{ font-family: monospace; white-space: pre-wrap; }}

@@ -26,8 +26,13 @@ def test_report_plots_every_metric_family_over_steps_without_network_resources(s
                       "success after a first answer judged wrong (interaction tasks)", "tool errors by kind (per step)", "per tool: calls and mean ToolResult.metrics (per step)",
                       "response length (tokens)", "finish reasons (fraction)"]
     keys = re.findall(r'<polyline class="series" data-key="([^"]*)"', page)
-    assert {"reward/mean", "val/reward/mean", "tool_errors/bad_json", "tool_errors/timeout", "finish/stop", "finish/length",
+    assert {"reward/mean", "val/reward/mean", "finish/stop", "finish/length",
             "tool/python/calls", "tool/python/exit_code", "tool_use_rate", "val/retry/second_attempt_success"} <= set(keys)
+    # counts of events are bars, none where the count is 0 (bad_json: 3, 2, 1, 0), never a line joining the steps
+    assert not {"tool_errors/bad_json", "tool_errors/timeout"} & set(keys)
+    bars = re.findall(r'<rect class="bar" data-key="(tool_errors/[^"]*)"[^>]*><title>step (\d) · [^:]*: ([^<]*)</title>', page)
+    assert bars == [("tool_errors/bad_json", "0", "3"), ("tool_errors/bad_json", "1", "2"), ("tool_errors/bad_json", "2", "1")] + [
+        ("tool_errors/timeout", str(s), "1") for s in range(4)]
     # reward/mean rises from the bottom left to the top right of its plot (y grows downwards in SVG)
     points = re.search(r'data-key="reward/mean"[^>]*points="([^"]*)"', page)[1].split()
     ys = [float(p.split(",")[1]) for p in points]
@@ -93,7 +98,8 @@ def test_report_shows_each_calls_tool_metrics(scripted_store):
 
 def test_the_headline_comes_first_with_held_out_success_and_tool_use_before_and_after_and_the_raw_summary_after_the_plots():
     summary = {"algorithm": "grpo", "run_dir": "runs/x", "command": "agentrl train data=arith_retry", "heldout_success_before": 0.125,
-               "heldout_tool_use_before": 0.0, "startup/tokenizer_s": 0.4, "heldout_success_after": 0.6875, "heldout_tool_use_after": None,
+               "heldout_tool_use_before": 0.0, "startup/imports_and_config_s": 2.96, "startup/tokenizer_s": 0.4,
+               "startup/total_s": 3.36, "heldout_success_after": 0.6875, "heldout_tool_use_after": None,
                "heldout_by_source_before": {"agentrl/arith": 0.25}, "heldout_by_source_after": {"agentrl/arith": 0.75},
                "steps": 20, "wall_s": 187.3}
     page = render_report(metric_rows(), [], "run", summary=summary)
@@ -105,7 +111,11 @@ def test_the_headline_comes_first_with_held_out_success_and_tool_use_before_and_
                     ("held-out success · agentrl/arith", "25.0%", "75.0%", "+50.0 points")]
     assert '<p class="run"><code>agentrl train data=arith_retry</code> · wall time 3 min 7 s · 20 steps · grpo advantages</p>' in body
     raw = body[body.index("<h2>Run summary"):]
-    assert "<td>startup/tokenizer_s</td><td>0.4</td>" in raw and '<td>{&quot;agentrl/arith&quot;: 0.25}</td>' in raw
+    assert '<td>{&quot;agentrl/arith&quot;: 0.25}</td>' in raw and "startup/" not in body
+    # the start-up phases by name, in seconds, before the raw summary
+    startup = body[body.index("<h2>Start-up (before the first step)</h2>"):body.index("<h2>Run summary")]
+    assert re.findall(r'<tr[^>]*><th scope="row">([^<]*)</th><td>([^<]*)</td></tr>', startup) == [
+        ("imports and config", "3.0 s"), ("tokenizer", "0.4 s"), ("total", "3.4 s")]
     # a report without a run's summary (agentrl replay report) has no headline
     assert 'class="result"' not in render_report(metric_rows(), [], "run")
 
@@ -145,8 +155,14 @@ def test_an_async_runs_report_stacks_each_steps_staleness_histogram_and_plots_it
                       "partial rollouts: requests interrupted and resumed (per step)"]
     keys = set(re.findall(r'<polyline class="series" data-key="([^"]*)"', page))
     assert {"async/staleness_mean", "async/staleness_max", "async/trainer_idle_fraction", "engine/busy_fraction",
-            "timing/weight_sync_s", "async/dropped_groups", "async/in_flight_groups", "engine/interrupted_requests",
-            "engine/resumed_requests"} <= keys
+            "timing/weight_sync_s"} <= keys
+    # counts per step are bars side by side: one group dropped at step 3 alone, 4 in flight at each step
+    events = set(re.findall(r'<rect class="bar" data-key="((?:async/(?:dropped|in_flight)_groups|engine/\w+_requests))"[^>]*>'
+                            r'<title>step (\d) · [^:]*: ([^<]*)</title>', page))
+    assert {(k, s, v) for k, s, v in events if k == "async/dropped_groups"} == {("async/dropped_groups", "3", "1")}
+    assert {(s, v) for k, s, v in events if k == "async/in_flight_groups"} == {("1", "4"), ("2", "4"), ("3", "4")}
+    assert {(s, v) for k, s, v in events if k == "engine/interrupted_requests"} == {("2", "2"), ("3", "4")}
+    assert not keys & {k for k, _, _ in events}
     svg = page[page.index('aria-label="staleness histogram per step'):]
     svg = svg[:svg.index("</svg>")]
     area = [float(v) for v in re.search(r'<rect class="area" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)"', svg).groups()]

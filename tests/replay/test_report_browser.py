@@ -30,6 +30,8 @@ PROBE = """<script>
 const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
 const plots = [...document.querySelectorAll("svg.plot")].map(svg => ({
   title: svg.getAttribute("aria-label"),
+  scale: svg.getBoundingClientRect().width / svg.viewBox.baseVal.width,  // rendered pixels per SVG unit
+  tickFont: Math.min(...[...svg.querySelectorAll("text.tick")].map(t => parseFloat(t.getAttribute("font-size")))),
   frame: box(svg), heading: box(svg.querySelector("text")),
   area: box(svg.querySelector("rect.area")),
   lines: [...svg.querySelectorAll("polyline.series")].map(p => [p.dataset.key, p.getTotalLength(), box(p)]),
@@ -41,7 +43,9 @@ const plots = [...document.querySelectorAll("svg.plot")].map(svg => ({
 const first = document.querySelector("h1").nextElementSibling;
 const out = document.createElement("pre");
 out.id = "probe";
-out.textContent = JSON.stringify({errors: window.__errors, plots, first: first.className,
+out.textContent = JSON.stringify({errors: window.__errors, plots, first: first.className, firstBox: box(first),
+                                  grid: box(document.querySelector(".plots")), window: innerWidth,
+                                  startup: [...document.querySelectorAll("table.startup tr")].map(r => r.innerText),
                                   headline: [...document.querySelectorAll("table.headline tr")].map(r => r.innerText)});
 document.body.appendChild(out);
 </script>"""
@@ -59,7 +63,8 @@ def metric_rows():
 
 
 SUMMARY = {"algorithm": "grpo", "run_dir": "runs/x", "command": "agentrl train trainer.total_steps=20",
-           "heldout_success_before": 0.125, "heldout_tool_use_before": 0.0, "startup/tokenizer_s": 0.4,
+           "heldout_success_before": 0.125, "heldout_tool_use_before": 0.0, "startup/tokenizer_s": 0.4, "startup/model_load_s": 1.3,
+           "startup/total_s": 1.7,
            "heldout_success_after": 0.6875, "heldout_tool_use_after": 0.9375, "steps": 20, "restarts": 0, "wall_s": 187.3}
 
 
@@ -67,12 +72,31 @@ def open_in_chromium(page: str, tmp_path) -> tuple[dict, str]:
     probed = page.replace("<head>", "<head>" + ERRORS, 1).replace("</body>", PROBE + "</body>", 1)
     path = tmp_path / "report.html"
     path.write_text(probed)
-    done = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()],
+    done = subprocess.run([CHROMIUM, *FLAGS, f"--window-size={WINDOW[0]},{WINDOW[1]}", f"--user-data-dir={tmp_path / 'profile'}",
+                           "--dump-dom", path.as_uri()],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     found = re.search(r'<pre id="probe">(.*?)</pre>', done.stdout, re.S)
     assert found, f"the probe did not run; Chromium said:\n{done.stderr[-3000:]}"
     return json.loads(html.unescape(found[1])), done.stderr
+
+
+WINDOW = (1920, 1080)  # a wide window: the plots must fill its width
+
+
+def fills_the_width_readably(probe: dict) -> None:
+    """The plots fill the page's width, a row at a time, and no text of theirs is drawn under 12 px."""
+    grid = probe["grid"]
+    assert grid[2] - grid[0] > 0.9 * probe["window"]
+    rows: dict[float, list] = {}
+    for plot in probe["plots"]:
+        rows.setdefault(round(plot["frame"][1]), []).append(plot["frame"])
+    full = [frames for frames in rows.values() if len(frames) == len(next(iter(rows.values())))]
+    for frames in full:  # every full row spans the grid, within the boxes' padding
+        assert min(f[0] for f in frames) - grid[0] < 12 and grid[2] - max(f[2] for f in frames) < 12, frames
+    assert len(next(iter(rows.values()))) >= 2  # a wide window gets several columns
+    for plot in probe["plots"]:
+        assert plot["scale"] >= 1 and plot["tickFont"] * plot["scale"] >= 12, (plot["title"], plot["scale"])
 
 
 def overlaps(a, b) -> bool:
@@ -92,14 +116,21 @@ def test_the_report_opens_in_chromium_without_errors_headline_first_and_its_plot
                                      "held-out tool use\t0.0%\t93.8%\t+93.8 points"]
     assert [p["title"] for p in probe["plots"]] == ["reward (mean)", "success rate", "tool-use rate (share of trajectories with a call)",
                                                      "tool errors by kind (per step)", "finish reasons (fraction)"]
+    fills_the_width_readably(probe)
+    assert probe["startup"] == ["tokenizer\t0.4 s", "model load\t1.3 s", "total\t1.7 s"]
+    # tool errors are events: a bar at each step with errors (bad_json: steps 0-14), no line joining them
+    [errors] = [p for p in probe["plots"] if p["title"] == "tool errors by kind (per step)"]
+    assert errors["lines"] == [] and len(errors["bars"]) == 15 and {key for key, _ in errors["bars"]} == {"tool_errors/bad_json"}
+    assert all(errors["area"][0] < bar[0] and bar[2] < errors["area"][2] and bar[3] <= errors["area"][3] + 1 for _, bar in errors["bars"])
     for plot in probe["plots"]:
         area = plot["area"]
         assert area[2] - area[0] > 300 and area[3] - area[1] > 100, plot["title"]
         for key, length, line in plot["lines"]:  # drawn, inside the axes
             assert length > 100, (plot["title"], key)
             assert area[0] - 1 <= line[0] and line[2] <= area[2] + 1 and area[1] - 1 <= line[1] and line[3] <= area[3] + 1, key
-        # one legend entry per line, none over the plotting area
-        assert [text for text, _ in plot["legend"]] == [key for key, _, _ in plot["lines"]]
+        # one legend entry per line (or per key of bars), none over the plotting area
+        keys = [key for key, _, _ in plot["lines"]] or list(dict.fromkeys(key for key, _ in plot["bars"]))
+        assert [text for text, _ in plot["legend"]] == keys
         assert not [text for text, legend in plot["legend"] if overlaps(legend, area)], plot["title"]
         # the x axis labelled along its length, left to right, below the axis, labels apart
         labels = [float(text) for text, _ in plot["xticks"]]
@@ -116,10 +147,13 @@ def test_an_async_runs_staleness_histogram_draws_its_bars_inside_the_axes_with_t
              "async/staleness_mean": (s % 5) / 8, "async/staleness_max": float(s % 5 > 0), "async/trainer_idle_fraction": 0.2,
              "engine/busy_fraction": 0.7, "timing/weight_sync_s": 0.01, "async/dropped_groups": 0.0, "async/in_flight_groups": 4.0,
              "engine/interrupted_requests": 1.0, "engine/resumed_requests": 1.0} for s in range(1, 21)]
-    probe, _ = open_in_chromium(render_report(rows, [], "async"), tmp_path)
+    page = render_report(rows, [], "async", filtered="--split train", whole_run_keys={"async/staleness_mean", "async/staleness_max"})
+    probe, _ = open_in_chromium(page, tmp_path)
     assert probe["errors"] == []
-    [histogram] = [p for p in probe["plots"] if p["bars"]]
-    assert histogram["title"] == "staleness histogram per step (trajectories)"
+    # a filtered report says so first, in view at the top of the page
+    assert probe["first"] == "filtered" and probe["firstBox"][3] < 200
+    fills_the_width_readably(probe)
+    [histogram] = [p for p in probe["plots"] if p["title"] == "staleness histogram per step (trajectories)"]
     area = histogram["area"]
     assert len(histogram["bars"]) == 40 and {key for key, _ in histogram["bars"]} == {"async/staleness_hist/0", "async/staleness_hist/1"}
     for key, bar in histogram["bars"]:

@@ -95,7 +95,8 @@ def test_the_run_reports_where_its_start_up_went(short_run):
     rows = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
     [logged] = [r for r in rows if "startup/total_s" in r]
     assert logged["step"] == 0 and {k: v for k, v in logged.items() if k != "step"} == startup
-    assert "startup/actor_workers_s" in (short_run / "report.html").read_text()
+    # the report's start-up table: each phase by name, in seconds
+    assert f'<th scope="row">actor workers</th><td>{startup["startup/actor_workers_s"]:.1f} s</td>' in (short_run / "report.html").read_text()
 
 
 def test_the_runs_rollout_store_holds_every_step_with_its_rows(short_run):
