@@ -6,8 +6,8 @@ plot is an inline SVG drawn here, with labelled ticks along both axes and its le
 axes, in a grid whose columns fill the window's width (text never under 12 px); counts of events
 per step (tool errors by kind, dropped groups, interrupted requests) are bars, not lines joining
 steps. The start-up phases follow the plots as a table of seconds, then the raw summary.
-Trajectories are shown token by token; a sampled token (trained on, mask 1) sits on white, an observed one (prompt, tool results, user turns, template glue: mask 0) on
-grey, and hovering a token shows its id and logprob. An asynchronous run (``rollout.max_staleness``
+Trajectories are shown token by token; a sampled token (trained on, mask 1) sits on white, an
+observed one (prompt, tool results, user turns, template glue: mask 0) on grey, and hovering a token shows its id and logprob. An asynchronous run (``rollout.max_staleness``
 > 0) adds the staleness of the trained samples, per step as stacked bars (trajectories at each
 staleness 0..eta) and as mean and max, the trainer's idle and the engine's busy share of each
 step, the weight sync's seconds, the groups dropped as stale and in flight, and the requests that
