@@ -18,9 +18,10 @@ import json
 import re
 from typing import Any
 
-import openai
+# the SDK first: where neither is installed, the missing module named is the SDK's, whose extra brings both
 from agents import Agent, AgentOutputSchemaBase, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
+import openai  # noqa: I001
 
 from agentrl_agent_programs.gsm8k_calculator import CALCULATOR, calculate
 

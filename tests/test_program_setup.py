@@ -66,8 +66,9 @@ def test_a_shipped_program_without_its_package_names_the_extra_that_installs_it(
         "agentrl_agent_programs.gsm8k_calculator:solve, distribution agentrl) failed to load: ModuleNotFoundError: "
         "import of openai halted; None in sys.modules (the module 'openai' is not installed: pip install \"agentrl[openai]\")"
     )
+    monkeypatch.setitem(sys.modules, "agents", None)  # neither: the SDK's extra, which brings both
     problem = PluginRegistry().import_problem("agents", "gsm8k_calculator_agents_sdk")
-    assert problem is not None and problem.endswith("(the module 'openai' is not installed: pip install \"agentrl[openai]\")")
+    assert problem is not None and problem.endswith("(the module 'agents' is not installed: pip install \"agentrl[agents]\")")
     monkeypatch.delitem(sys.modules, "openai")  # openai installed, the Agents SDK not
     monkeypatch.setitem(sys.modules, "agents", None)
     problem = PluginRegistry().import_problem("agents", "gsm8k_calculator_agents_sdk")
