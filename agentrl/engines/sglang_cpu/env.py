@@ -175,7 +175,10 @@ def _python_runs(venv: Path) -> bool:
     python = venv_python(venv)
     if not python.exists():
         return False
-    return subprocess.run([str(python), "-c", "pass"], capture_output=True).returncode == 0
+    try:  # a broken interpreter may hang at start-up rather than fail: bounded
+        return subprocess.run([str(python), "-c", "pass"], capture_output=True, timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _remaining(deadline: float | None) -> float | None:
