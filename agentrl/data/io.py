@@ -267,20 +267,22 @@ class JsonRows:
 
     def decode(self, index: int, text: bytes) -> dict[str, Any]:
         """Row ``index`` from its JSON text, its JSON-text fields decoded (``decode_row``)."""
-        where = {"file": self.path, "row": index, "line": self.line(index)}
+
+        def error(message: str, field: str | None = None) -> DataError:
+            return DataError(message, file=self.path, row=index, field=field, line=self.line(index))
+
         try:
             row = json.loads(text.rstrip(b"\r\n"))
         except json.JSONDecodeError as exc:  # its own line and column would count within the row's text
-            raise DataError(f"not valid JSON ({exc.msg} at column {exc.colno}); a JSON Lines file holds one row object a line",
-                            **where) from None
+            raise error(f"not valid JSON ({exc.msg} at column {exc.colno}); a JSON Lines file holds one row object a line") from None
         except (ValueError, RecursionError) as exc:
-            raise DataError(f"not valid JSON ({str(exc)[:120]}); a JSON Lines file holds one row object a line", **where) from None
+            raise error(f"not valid JSON ({str(exc)[:120]}); a JSON Lines file holds one row object a line") from None
         if not isinstance(row, dict):
-            raise DataError(f"a row must be a JSON object, got {type(row).__name__}", **where)
+            raise error(f"a row must be a JSON object, got {type(row).__name__}")
         try:
             return decode_row(row)
         except _UndecodableField as exc:
-            raise DataError(str(exc), field=exc.field, **where) from None
+            raise error(str(exc), exc.field) from None
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """(row index, decoded row) in file order, a group of rows read at a time."""
