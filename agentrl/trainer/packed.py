@@ -24,9 +24,11 @@ row joins the current segment while that costs less than a segment of its own: j
 tokens it does not share and attention over a longer segment (the mask is computed densely, so
 ``pair_cost`` per query-key pair, ``attention_pair_cost``); a segment of its own computes all
 its tokens again. Long responses after a short shared prompt (SFT) so get a segment each, GRPO
-groups and a trajectory's segments share theirs. No segment grows past ``MAX_SEGMENT_TOKENS``:
-a tree bigger than that is cut between rows (the next segment computes its rows' shared tokens
-again: exact, less shared), and a single longer row gets a segment of its own.
+groups and a trajectory's segments share theirs. A segment grows past ``MAX_SEGMENT_TOKENS``
+only while its mask is no bigger than its rows' masks would be apart (the sum of their squared
+lengths: a single longer row gets a segment of its own, and rows longer than the cap share in
+the memory they would take anyway). A tree bigger than that is cut between rows: the next
+segment computes its rows' shared tokens again (exact, less shared).
 
 Used when the module is the plain model (one unwrapped rank, the CPU default): FSDP2 gathers its
 sharded parameters in the module forward's hooks, which a functional call would skip, and
@@ -128,6 +130,7 @@ class Segment:
     tokens: int = 0
     rows: list[int] = field(default_factory=list)
     shared: list[int] = field(default_factory=list)
+    apart: int = field(default=0, compare=False)  # the sum of its rows' squared lengths: their masks, one segment each
 
 
 def pack_segments(tokens: RowTokens, *, share: bool = True, pair_cost: float = 0.0,
@@ -136,8 +139,9 @@ def pack_segments(tokens: RowTokens, *, share: bool = True, pair_cost: float = 0
     before it, with which it shares the most) when it shares a token with it and that costs less
     than a segment of its own, in token-equivalents: joining adds its unshared tokens and attention
     over a longer segment (``pair_cost`` per query-key pair), a segment of its own computes all
-    its tokens. No segment grows past ``max_tokens`` (a single longer row gets a segment of its
-    own). ``share=False``: a segment per row."""
+    its tokens. A segment grows past ``max_tokens`` only while its mask (its length squared) is
+    no bigger than its rows' masks would be apart (a segment each, as a single longer row gets):
+    long rows share, in the memory they would take alone. ``share=False``: a segment per row."""
     max_tokens = MAX_SEGMENT_TOKENS if max_tokens is None else max_tokens
     segments: list[Segment] = []
     current = Segment()
@@ -145,7 +149,8 @@ def pack_segments(tokens: RowTokens, *, share: bool = True, pair_cost: float = 0
         length = tokens.length[b]
         shared = common if share and current.rows else 0
         added, size = length - shared, current.tokens
-        joins = shared > 0 and size + added <= max_tokens and (
+        fits = size + added <= max_tokens or (size + added) ** 2 <= current.apart + length**2
+        joins = shared > 0 and fits and (
             added + pair_cost * ((size + added) ** 2 - size**2) <= length + pair_cost * length**2
         )
         if not joins:
@@ -154,6 +159,7 @@ def pack_segments(tokens: RowTokens, *, share: bool = True, pair_cost: float = 0
         current.rows.append(b)
         current.shared.append(shared)
         current.tokens += added
+        current.apart += length**2
     return segments
 
 

@@ -141,13 +141,14 @@ def test_critic_values_and_gradients_through_a_tree_equal_one_forward_per_row(ti
 
 
 def test_a_tree_longer_than_a_segment_is_cut_between_rows_and_stays_exact(model, monkeypatch):
-    monkeypatch.setattr(packed, "MAX_SEGMENT_TOKENS", 26)  # the caterpillar's tree is 38 tokens, its longest row 26
+    monkeypatch.setattr(packed, "MAX_SEGMENT_TOKENS", 20)  # the caterpillar's tree is 38 tokens, its longest row 26
     batch = make_batch(*caterpillar(3))
     tokens = packed.row_tokens(batch, packed.response_lengths(batch))
     # the history (a kept answer) sorts before a think block: its ids are lower
     assert tokens.length == [14, 20, 26] and tokens.order == [2, 1, 0] and tokens.common == [0, 14, 8]
-    # row 1 shares 14 tokens with row 2 and would add 6 past the cap; row 0 joins it (8 shared, 6 its own)
-    assert packed.pack_segments(tokens) == [packed.Segment(26, [2], [0]), packed.Segment(26, [1, 0], [0, 8])]
+    # row 1 shares 14 tokens with row 2 and adds 6: 32 tokens, past the cap, but a mask no bigger
+    # than the two rows' apart (32^2 <= 26^2 + 20^2); row 0 would add 6 more: 38^2 > 26^2 + 20^2 + 14^2
+    assert packed.pack_segments(tokens) == [packed.Segment(32, [2, 1], [0, 14]), packed.Segment(14, [0], [0])]
     want, want_grads = loss_and_grads(model, lambda: (*one_forward_per_row(model, batch), batch.response_mask))
     got, grads = loss_and_grads(model, lambda: (*response_logprobs(model, batch, with_entropy=True), batch.response_mask))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -167,11 +167,14 @@ def test_the_packed_path_feeds_each_prompt_once_then_its_responses_without_paddi
 
 def test_a_group_longer_than_a_segment_is_cut_and_each_part_gets_its_prompt(model, monkeypatch):
     monkeypatch.setattr(packed, "MAX_SEGMENT_TOKENS", 10)
-    batch = make_batch([GROUP_A] * 3 + [GROUP_B], [[30, 31, 32], [40, 41, 42], [50, 51], [60, 61, 62, 63, 64, 65, 66, 67, 68]])
-    tokens = packed.row_tokens(batch, torch.tensor([3, 3, 2, 9]))
-    # Group A: 7 + 2 + 2 > 10, so row 1 starts a second segment; row 3 alone is longer than 10.
+    batch = make_batch([GROUP_A] * 3 + [GROUP_B], [[30, 31, 32, 33, 34, 35], [40, 41, 42, 43, 44, 45], [50, 51, 52],
+                                                   [60, 61, 62, 63, 64, 65, 66, 67, 68]])
+    tokens = packed.row_tokens(batch, torch.tensor([6, 6, 3, 9]))
+    # Group A's rows feed 12, 12 and 9 tokens. Row 1 would make row 0's segment 17 > 10, and its
+    # mask bigger than theirs apart (17^2 > 12^2 + 12^2): a second segment. Row 2 joins that one
+    # (14^2 <= 12^2 + 9^2: past the cap, in the memory the two would take apart); row 3 is alone.
     Segment = packed.Segment
-    assert packed.pack_segments(tokens) == [Segment(9, [0], [0]), Segment(10, [1, 2], [0, 7]), Segment(12, [3], [0])]
+    assert packed.pack_segments(tokens) == [Segment(12, [0], [0]), Segment(14, [1, 2], [0, 7]), Segment(12, [3], [0])]
     got, _ = logprobs_and_grads(model, batch, share=True)
     with torch.no_grad():
         expected = padded_forward(model, batch)[0] * batch.response_mask
