@@ -280,7 +280,7 @@ class RowDataset:
                 group = meta.row_group(g)
                 if group.total_byte_size > cache_bytes:
                     raise DataError(
-                        f"row group {g} holds {group.num_rows} rows ({group.total_byte_size / 2**20:.0f} MiB decoded), more than "
+                        f"row group {g} holds {counted(group.num_rows, 'row')} ({group.total_byte_size / 2**20:.0f} MiB decoded), more than "
                         f"the row cache's {cache_bytes / 2**20:.0f} MiB; rows are read a row group at a time, so rewrite the file "
                         "with smaller row groups (agentrl.write_rows or pyarrow.parquet.write_table(..., row_group_size=1024))",
                         file=path,
@@ -292,7 +292,7 @@ class RowDataset:
         if self.num_rows == 0:
             raise DataError("the data files hold no rows", file=", ".join(self.files))
         if drop_last and self.num_rows < batch_size:
-            raise DataError(f"{self.num_rows} rows cannot fill one batch of {batch_size}", file=", ".join(self.files))
+            raise DataError(f"{counted(self.num_rows, 'row')} cannot fill one batch of {batch_size}", file=", ".join(self.files))
         self._parquet: dict[int, pq.ParquetFile] = {}
         # decoded row groups: an Arrow table (parquet) or the rows' JSON texts (JSON rows)
         self._cache: OrderedDict[tuple[int, int], pa.Table | list[bytes]] = OrderedDict()
@@ -404,8 +404,8 @@ class RowDataset:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
             raise DataError(
-                f"cannot resume: the saved position is for {state['num_rows']} rows with seed {state['seed']}, "
-                f"these files hold {self.num_rows} rows with seed {self.seed}"
+                f"cannot resume: the saved position is for {counted(state['num_rows'], 'row')} with seed {state['seed']}, "
+                f"these files hold {counted(self.num_rows, 'row')} with seed {self.seed}"
             )
         self.epoch, self.offset = state["epoch"], state["offset"]
 

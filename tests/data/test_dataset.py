@@ -177,6 +177,8 @@ def test_counts_of_one_are_singular_in_every_message(tmp_path):
     del rows[1]["agent_name"]
     [unknown] = validate_files([write_rows(rows[1:2], tmp_path / "one.parquet")], known_agent_names=LOOPS, default_agent="planner")
     assert unknown.message.endswith("; 1 row has no agent_name")
+    with pytest.raises(DataError, match=r": 1 row cannot fill one batch of 2$"):
+        RowDataset([tmp_path / "one.parquet"], batch_size=2)
     with pytest.raises(DataError) as caught:
         prepare_data(TrainConfig(data=DataConfig(train_files=[str(write_rows(rows[2:], tmp_path / "two.parquet"))])), tmp_path)
     assert str(caught.value).startswith("invalid data (1 problem):\n  file ")
