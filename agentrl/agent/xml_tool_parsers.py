@@ -102,15 +102,21 @@ def _call(raw: str, name: str, params: list[tuple[str, str]], tools: Sequence[di
     return ParsedCall(raw=raw, name=name, arguments=arguments)
 
 
-def _turn(text: str, tools: Sequence[dict[str, Any]] | None, read: Any) -> ParsedTurn:
-    """The turn's calls (each ``<tool_call>`` block read by ``read``; one left open is malformed)
-    and its content: the text before the first call."""
-    calls = [read(m.group(0), m.group(1), tools) for m in _CALL.finditer(text)]
-    rest = _CALL.sub("", text)
-    if "<tool_call>" in rest:  # opened but never closed: a call the model did not finish
-        calls.append(ParsedCall(raw=rest[rest.index("<tool_call>") :], error="bad_json", detail="the tool call was not closed with </tool_call>"))
-    first = text.find("<tool_call>")
-    return ParsedTurn(content=(text[:first] if first >= 0 else text).strip(), calls=calls)
+class _TaggedCalls:
+    """Calls in ``<tool_call>`` blocks, each read by the format's ``_read``; one left open is
+    malformed; the content is the text before the first call."""
+
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
+        calls = [self._read(m.group(0), m.group(1), tools) for m in _CALL.finditer(text)]
+        rest = _CALL.sub("", text)
+        if "<tool_call>" in rest:  # opened but never closed: a call the model did not finish
+            calls.append(ParsedCall(raw=rest[rest.index("<tool_call>") :], error="bad_json",
+                                    detail="the tool call was not closed with </tool_call>"))
+        first = text.find("<tool_call>")
+        return ParsedTurn(content=(text[:first] if first >= 0 else text).strip(), calls=calls)
+
+    def _read(self, raw: str, body: str, tools: Sequence[dict[str, Any]] | None) -> ParsedCall:
+        raise NotImplementedError
 
 
 def _only_whitespace_between(body: str, matches: list[re.Match[str]]) -> bool:
@@ -122,7 +128,7 @@ def _only_whitespace_between(body: str, matches: list[re.Match[str]]) -> bool:
     return not body[at:].strip()
 
 
-class Qwen3CoderToolParser:
+class Qwen3CoderToolParser(_TaggedCalls):
     """Qwen3-Coder, Qwen3.5, Qwen3.6: ``<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>``,
     several per turn; one newline each side of a value is the format's, not the value's."""
 
@@ -143,9 +149,6 @@ class Qwen3CoderToolParser:
             for name, args in calls
         )
 
-    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
-        return _turn(text, tools, self._read)
-
     def _read(self, raw: str, body: str, tools: Sequence[dict[str, Any]] | None) -> ParsedCall:
         function = self._FUNCTION.fullmatch(body)
         if function is None:
@@ -163,7 +166,7 @@ def _strip_one_newline(value: str) -> str:
     return value[:-1] if value.endswith("\n") else value
 
 
-class Glm45ToolParser:
+class Glm45ToolParser(_TaggedCalls):
     """GLM-4.5, GLM-4.6: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...</tool_call>``,
     several per turn (the template writes a newline after the name and after each tag pair)."""
 
@@ -181,9 +184,6 @@ class Glm45ToolParser:
             + "</tool_call>"
             for name, args in calls
         )
-
-    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
-        return _turn(text, tools, self._read)
 
     def _read(self, raw: str, body: str, tools: Sequence[dict[str, Any]] | None) -> ParsedCall:
         at = body.find("<arg_key>")

@@ -243,11 +243,11 @@ def _show(args: argparse.Namespace) -> int:
             program_errors[str(stored.trajectory.reward_info.get("exception_type", "?"))] += 1
         if stored.dropped:
             dropped[stored.dropped] += 1
+    if (parse_rate := describe_parse_rate(parse_counts)) is not None:
+        print("all shown: " + parse_rate)
     print(f"{shown} {'trajectory' if shown == 1 else 'trajectories'} shown"
           + (f", of which {sum(dropped.values())} of groups dropped untrained ("
              + ", ".join(f"{reason} {n}" for reason, n in dropped.most_common()) + ")" if dropped else ""))
-    if (parse_rate := describe_parse_rate(parse_counts)) is not None:
-        print("all shown: " + parse_rate)
     if program_errors:
         print("program errors by exception type: " + ", ".join(f"{name} {n}" for name, n in program_errors.most_common()))
     return 0

@@ -126,8 +126,9 @@ def test_qwen3_coder_two_calls_in_one_turn_then_an_interaction_retry_are_exact(f
     assert [x.role for x in t.turns] == ["assistant", "tool", "assistant", "user", "assistant"]
     assert t.response_mask == ([1] * len(sampled[0]) + [0] * len(observed[0]) + [1] * len(sampled[1]) + [0] * len(observed[1])
                                + [1] * len(sampled[2]) + [0] * len(ctx.renderer.separator_ids))
-    # append-only: the stream is also the template's rendering of the final messages
-    final = tok.apply_chat_template(t.messages, tools=ctx.toolbox.schemas(["calculator"]), tokenize=False)
+    # append-only: the stream is also the template's rendering of the messages through the last answer
+    last = max(i for i, m in enumerate(t.messages) if m["role"] == "assistant")
+    final = tok.apply_chat_template(t.messages[: last + 1], tools=ctx.toolbox.schemas(["calculator"]), tokenize=False)
     assert t.prompt_ids + t.response_ids == tok.encode(final, add_special_tokens=False)
     assert (t.metrics["tool_calls/parsed"], t.metrics.get("tool_calls/unparsed_turns", 0.0)) == (2.0, 0.0)
 
@@ -235,3 +236,35 @@ def test_replay_show_and_the_report_show_the_parse_rate(family_tokenizers, make_
     rows = [{"step": s, **trajectory_metrics([t])} for s in (1, 2)]
     [plot] = [svg for svg in _plots(rows) if 'aria-label="tool-call parse rate"' in svg]
     assert "tool_calls/malformed_rate" in plot and "tool_calls/unparsed_turn_rate" in plot
+
+
+@pytest.mark.parametrize("history,segments", [("as_template", 1), ("as_sampled", 0)])
+def test_qwen3_5_two_calls_then_an_interaction_retry(history, segments, family_tokenizers, make_ctx):
+    """Qwen3.5 keeps reasoning only after the last user message: the retry's user turn drops the
+    earlier blocks. as_template: every request is the template's rendering (one new segment at the
+    retry); as_sampled: one stream, sampled tokens plus the template's rendering of each observation."""
+    from agentrl_interactions.gsm8k import INCORRECT
+    from test_history import assert_each_sampled_turn_once_verbatim, requests_as_rendered
+
+    tok = family_tokenizers["qwen3.5"]
+    calls = Qwen3CoderToolParser.format_calls([("calculator", {"expression": "12 * 34"}), ("calculator", {"expression": "5 * 7"})])
+    script = ["two products\n</think>\n\n" + calls, "guess\n</think>\n\n#### 400", "again\n</think>\n\n#### 408"]
+    engine = ScriptedEngine(tok, {"r0": script})
+    ctx = make_ctx(engine, tokenizer=tok, agent={"history": history})
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run(
+        [("r0", make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"}))]))
+
+    assert t.finish_reason == "interaction_done", t.reward_info
+    assert [c.result for c in t.tool_calls] == ["408", "35"] and t.metrics["tool_calls/parsed"] == 2.0
+    assert len(t.earlier_segments) == segments
+    assert_each_sampled_turn_once_verbatim(t, tok, script)
+    if history == "as_template":
+        assert [r.input_ids for r in engine.requests] == requests_as_rendered(t, engine, tok, ctx.toolbox.schemas(["calculator"]), {})
+        return
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    results = ("\n<|im_start|>user\n<tool_response>\n408\n</tool_response>\n<tool_response>\n35\n</tool_response><|im_end|>\n"
+               "<|im_start|>assistant\n<think>\n")
+    retry = f"\n<|im_start|>user\n{INCORRECT}<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    sampled = [tok.encode(s, add_special_tokens=False) + [eot] for s in script]
+    assert t.response_ids == (sampled[0] + tok.encode(results, add_special_tokens=False) + sampled[1]
+                              + tok.encode(retry, add_special_tokens=False) + sampled[2] + ctx.renderer.separator_ids)

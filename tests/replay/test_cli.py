@@ -20,19 +20,21 @@ def test_show_prints_turns_tool_calls_rewards_and_marks_masked_tokens(scripted_s
     assert out[1] == "  group train1/1:r1 · other/src · loop tool_agent · policy version 0 · ground truth '12'"
     assert out[2] == "  tokens: prompt 162, response 77 (33 sampled, 44 observed)"
     assert out[3] == "  sampled at weight version: v0 ×33"
-    assert out[4:9] == [
+    assert out[4] == "  tool calls: 1 parsed, 0 malformed; 0 of 3 assistant turns with a call marker and no call read"
+    assert out[5:10] == [
         "  ── assistant [0, 23) 23 sampled tokens",
         "    │ <tool_call>↵",
         '    │ {"name": "calculator", "arguments": {"expression": "7 + 5"}}↵',
         "    │ </tool_call><|im_end|>",
         """    ⮑ call calculator({"expression": "7 + 5"}) → '12'""",
     ]
-    assert out[9] == "  ── tool [23, 38) 15 observed tokens (masked)"
+    assert out[10] == "  ── tool [23, 38) 15 observed tokens (masked)"
     assert "    ┆ 12↵" in out
     assert "  ── assistant [38, 43) 5 sampled tokens · turn reward 0" in out
     assert "    ┆ Your response is incorrect! You need to reflect on your answer and try again.<|im_end|>↵" in out
     assert "  ── assistant [71, 76) 5 sampled tokens · turn reward 1" in out
-    assert out[-5:] == ["  ── template [76, 77) observed (masked)", "    ┆ ↵", '  reward info: {"interaction_score": 1.0}', "",
+    assert out[-6:] == ["  ── template [76, 77) observed (masked)", "    ┆ ↵", '  reward info: {"interaction_score": 1.0}', "",
+                        "all shown: tool calls: 1 parsed, 0 malformed; 0 of 3 assistant turns with a call marker and no call read",
                         "1 trajectory shown"]
 
 
@@ -40,7 +42,8 @@ def test_show_without_a_tokenizer_shows_token_ids(scripted_store, capsys):
     assert cli_main(["show", str(scripted_store.root), "--split", "val", "--min-reward", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("(no tokenizer: showing token ids; pass --tokenizer PATH for text)\n═ val step 2 · r0 #0")
-    assert out.rstrip().endswith("1 trajectory shown")
+    assert out.rstrip().endswith("all shown: tool calls: 1 parsed, 0 malformed; 0 of 2 assistant turns with a call marker "
+                                 "and no call read\n1 trajectory shown")
 
 
 def test_step_ranges_parse_like_slices():
