@@ -38,7 +38,7 @@ from agentrl.agent.openai_endpoint import MODEL_NAME, EndpointSession, endpoint
 from agentrl.agent.openai_wire import is_transport_error
 from agentrl.config.schema import VerifiersEnvironmentConfig
 from agentrl.data.row import Row
-from agentrl.environments.verifiers import load, rollout_input
+from agentrl.environments.verifiers import final_messages, load, rollout_input
 from agentrl.errors import PluginError
 from agentrl.trajectory import Trajectory, TrajectoryFinish
 
@@ -97,6 +97,9 @@ class VerifiersEnvLoop(AgentLoop):
         step_rewards = [step.get("reward") for step in state["trajectory"]] if state is not None else []
         trajectory = _trajectory(row, ctx, session, finish, error, kind, step_rewards, self.name,
                                  row_id=row_id, group_id=group_id, sample_index=sample_index)
+        # the environment's final reply ends the messages (how the episode ended); the token
+        # stream ends with the last answer: nothing after it is trained on
+        trajectory.messages = [*trajectory.messages, *final_messages(state)]
         if state is None:
             return trajectory
         if finish in (TrajectoryFinish.ENVIRONMENT_ERROR, TrajectoryFinish.LOOP_ERROR):  # not scored; released

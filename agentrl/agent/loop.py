@@ -574,6 +574,8 @@ async def ask_interaction(ep: Episode, turn: Turn) -> bool:
     for key, value in response.metrics.items():
         ep.counts[f"interaction/{key}"] += value  # type: ignore[assignment]
     if response.done:
+        if response.text:  # how the episode ended ("correct"): in the messages, a record; never in the tokens
+            ep.messages.append({"role": "user", "content": response.text})
         raise EpisodeEnd(TrajectoryFinish.INTERACTION_DONE)
     ep.check_turn("user", 0)  # before rendering: the turn limits end the episode first
     ep.observe([{"role": "user", "content": response.text}], "user")

@@ -27,7 +27,8 @@ from agentrl.data.row import EnvironmentRef, Row
 from agentrl.environments.spec import cached, resolve
 from agentrl.errors import DataError, PluginError
 
-__all__ = ["SUPPORTED", "INPUT_KEY", "load", "rows", "dataset_rows", "write_rows", "rollout_input", "data_source"]
+__all__ = ["SUPPORTED", "INPUT_KEY", "load", "rows", "dataset_rows", "write_rows", "rollout_input", "data_source",
+           "final_messages"]
 
 SUPPORTED = "0.3.1"  # the verifiers version this adapter is tested against (agentrl[verifiers] pins it)
 INPUT_KEY = "verifiers_input"  # extra_info key: the environment's own row (JSON text), handed back to its rollout
@@ -175,6 +176,16 @@ def rollout_input(row: Row, *, example_id: int) -> dict[str, Any]:
         return record
     return {"prompt": row.messages(), "answer": row.ground_truth or "", "info": extra.get("verifiers_info") or {},
             "example_id": example_id}
+
+
+def final_messages(state: Any) -> list[dict[str, Any]]:
+    """The environment's final reply, as agentrl messages: what its ``env_response`` set as
+    ``state["final_env_response"]`` when it ended the episode ("correct"), which verifiers' own
+    completion ends with and no model call ever read; [] when it set none."""
+    found = state.get("final_env_response") if state is not None else None
+    if not found:
+        return []
+    return [_message(m, f"final_env_response[{i}]") for i, m in enumerate(found if isinstance(found, list) else [found])]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

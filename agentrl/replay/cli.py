@@ -216,6 +216,11 @@ def format_trajectory(s: StoredTrajectory, decode: Decode | None, *, color: bool
     if position < len(t.response_ids):
         block(style(f"  ── template [{position}, {len(t.response_ids)}) observed (masked)", "2"), t.response_ids[position:],
               t.response_mask[position:])
+    last = t.messages[-1] if t.messages else None
+    if last is not None and last.get("role") != "assistant" and t.turns and t.turns[-1].role == "assistant":
+        # how the episode ended (an interaction's or environment's final reply): never in the token stream
+        lines.append(style(f"  ── {last.get('role')}: the episode's last message, after its last turn (not in the tokens)", "2"))
+        lines.append("    ┆ " + style(str(last.get("content") or "").replace("\n", "↵"), "2"))
     if t.finish_reason is TrajectoryFinish.PROGRAM_ERROR:  # the agent program gave up: a scored outcome
         lines.append(style(f"  program error ({t.reward_info.get('exception_type', '?')}): {t.reward_info.get('error', '')}", "31"))
     if t.reward_info:

@@ -75,22 +75,28 @@ def test_interaction_tells_the_model_it_is_wrong_and_lets_it_retry(run_rows, tin
     row = make_row(interaction_kwargs={"name": "gsm8k", "query": "q", "ground_truth": "408"})
     [t], ctx, _, _ = run_rows({"r0": ["#### 400", "#### 408"]}, [("r0", row)])
     assert t.finish_reason == "interaction_done"
-    assert [m["content"] for m in t.messages if m["role"] == "user"][-1] == INCORRECT
+    assert [m["content"] for m in t.messages if m["role"] == "user"][-2:] == [INCORRECT, CORRECT]
     assert [x.role for x in t.turns] == ["assistant", "user", "assistant"]
     assert [x.reward for x in t.turns if x.role == "assistant"] == [0.0, 1.0]
     assert t.reward == 1.0
     assert t.reward_info["interaction_score"] == 1.0  # calculate_score, recorded beside the reward
     user_text = tiny_tokenizer.decode(t.response_ids[t.turns[1].start : t.turns[1].end])
     assert user_text == f"\n<|im_start|>user\n{INCORRECT}<|im_end|>\n<|im_start|>assistant\n"
-    assert t.prompt_ids + t.response_ids == ctx.renderer.render_ids(t.messages, ctx.toolbox.schemas(["calculator"]))
+    # the final reply is a record of how the episode ended, never in the token stream
+    assert t.prompt_ids + t.response_ids == ctx.renderer.render_ids(t.messages[:-1], ctx.toolbox.schemas(["calculator"]))
 
 
-def test_interaction_correct_first_time_ends_with_reward_one(run_rows):
+def test_interaction_correct_first_time_ends_with_reward_one(run_rows, tiny_tokenizer):
     row = make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"})
-    [t], *_ = run_rows({"r0": ["#### 408"]}, [("r0", row)])
+    [t], ctx, *_ = run_rows({"r0": ["#### 408"]}, [("r0", row)])
     assert t.finish_reason == "interaction_done"
     assert t.turns[0].reward == 1.0
-    assert CORRECT not in [m["content"] for m in t.messages]  # done: the reply is not appended
+    answer = tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [ctx.renderer.eos_id]
+    sep = ctx.renderer.separator_ids
+    assert (t.response_ids, t.response_mask) == (answer + sep, [1] * len(answer) + [0] * len(sep))
+    # done: the reply ends the messages (how the episode ended), and the token stream ends with the answer
+    assert t.messages[-2:] == [{"role": "assistant", "content": "#### 408"}, {"role": "user", "content": CORRECT}]
+    assert CORRECT not in tiny_tokenizer.decode(t.response_ids) and t.turns[-1].role == "assistant"
 
 
 def test_tool_step_reward_lands_on_the_calling_turn(run_rows):

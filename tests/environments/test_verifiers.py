@@ -164,6 +164,26 @@ def opened(completion) -> float:
     return 1.0 if any(m.role == "tool" and m.content == "open" for m in completion) else 0.0
 
 
+class Verdict(vf.MultiTurnEnv):
+    """Guess the number; the environment ends the episode with its verdict (final_env_response)."""
+
+    async def env_response(self, messages, state, **kwargs):
+        guess = (messages[-1].content or "").strip()
+        if guess == state["answer"]:
+            state["final_env_response"] = [vf.UserMessage(content="Correct!")]
+            return state["final_env_response"]
+        return [vf.UserMessage(content="Higher." if guess.isdigit() and int(guess) < int(state["answer"]) else "Lower.")]
+
+
+def told_correct(completion) -> float:  # verifiers' own completion ends with the verdict
+    return 1.0 if completion[-1].content == "Correct!" else 0.0
+
+
+def load_verdict():
+    data = Dataset.from_list([{"question": "Guess my number (1-9).", "answer": "7"}])
+    return Verdict(dataset=data, max_turns=4, rubric=vf.Rubric(funcs=[told_correct], weights=[1.0]))
+
+
 not_an_env = object()
 '''
 
@@ -491,3 +511,32 @@ def test_an_end_of_turn_id_sampled_as_the_last_allowed_token_ends_the_turn_and_a
     [again] = asyncio.run(rerun_trajectories(list(store.iter_stored()), context(None, tiny_tokenizer, env_ref, max_new_tokens=limit),
                                              LoopTable("tool_agent")))
     assert again.differences == [] and again.rerun.response_ids == t.response_ids
+
+
+def test_the_environments_final_reply_ends_the_messages_and_the_token_stream_ends_with_the_answer(envs, tiny_tokenizer,
+                                                                                                  tmp_path, capsys):
+    """final_env_response ("Correct!", what verifiers' own completion ends with) is kept as the
+    trajectory's last message; the tokens, masks and logprobs are what they were without it (the
+    last answer, then the template's separator), so nothing trained changes; replay show prints it."""
+    from agentrl.data.rollout_store import RolloutStore
+    from agentrl.replay.cli import cli_main
+
+    env_ref = ref("load_verdict")
+    ctx = context(ScriptedEngine(tiny_tokenizer, {"r0": ["5", "7"]}), tiny_tokenizer, env_ref)
+    (t,) = rollout(ctx, env_ref)
+    r = ctx.renderer
+    s1, s2 = (tiny_tokenizer.encode(x, add_special_tokens=False) + [r.eos_id] for x in ("5", "7"))
+    observed = r.observation_ids([{"role": "user", "content": "Higher."}])
+    assert t.response_ids == s1 + observed + s2 + r.separator_ids
+    assert t.response_mask == [1] * len(s1) + [0] * len(observed) + [1] * len(s2) + [0] * len(r.separator_ids)
+    assert t.logprobs == [-0.5] * len(s1) + [0.0] * len(observed) + [-0.5] * len(s2) + [0.0] * len(r.separator_ids)
+    assert t.messages[-3:] == [{"role": "user", "content": "Higher."}, {"role": "assistant", "content": "7"},
+                               {"role": "user", "content": "Correct!"}]
+    assert t.prompt_ids + t.response_ids == r.render_ids(t.messages[:-1])  # the stream: through the last answer
+    assert t.finish_reason == "stop" and t.reward == 1.0  # the rubric judged verifiers' completion, verdict included
+    store = RolloutStore(tmp_path / "rollouts")
+    store.write_step(1, [t])
+    assert cli_main(["show", str(store.root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("  ── user: the episode's last message, after its last turn (not in the tokens)")
+    assert out[at + 1] == "    ┆ Correct!"

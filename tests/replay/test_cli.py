@@ -33,8 +33,11 @@ def test_show_prints_turns_tool_calls_rewards_and_marks_masked_tokens(scripted_s
     assert "  ── assistant [38, 43) 5 sampled tokens · turn reward 0" in out
     assert "    ┆ Your response is incorrect! You need to reflect on your answer and try again.<|im_end|>↵" in out
     assert "  ── assistant [71, 76) 5 sampled tokens · turn reward 1" in out
-    assert out[-6:] == ["  ── template [76, 77) observed (masked)", "    ┆ ↵", '  reward info: {"interaction_score": 1.0}', "",
-                        "all shown: tool calls: 1 parsed, 0 malformed; 0 of 3 assistant turns with a call marker and no call read",
+    at = out.index("  ── template [76, 77) observed (masked)")  # then the interaction's final reply, not in the tokens
+    assert out[at:at + 6] == ["  ── template [76, 77) observed (masked)", "    ┆ ↵",
+                              "  ── user: the episode's last message, after its last turn (not in the tokens)",
+                              "    ┆ Your response is correct!", '  reward info: {"interaction_score": 1.0}', ""]
+    assert out[-2:] == ["all shown: tool calls: 1 parsed, 0 malformed; 0 of 3 assistant turns with a call marker and no call read",
                         "1 trajectory shown"]
 
 
