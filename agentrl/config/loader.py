@@ -269,7 +269,8 @@ def _check_plugins(cfg: TrainConfig) -> list[tuple[str, str]]:
 def _check_environment(cfg: TrainConfig) -> list[tuple[str, str]]:
     """The config's environment (the one of rows that name none) is found and its library's
     loop installed, before any data or model is loaded; rows' own refs are checked with the data."""
-    from agentrl.config.schema import ENVIRONMENT_LOOPS, environment_import_hint, environment_problem
+    from agentrl.config.environment_names import environment_problem
+    from agentrl.config.schema import ENVIRONMENT_LOOPS, environment_import_hint
     from agentrl.plugins import PluginRegistry
 
     env = cfg.environment

@@ -11,7 +11,7 @@ reads the whole config.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -44,8 +44,6 @@ __all__ = [
     "ENVIRONMENT_LOOPS",
     "ENVIRONMENT_EXTRAS",
     "environment_import_hint",
-    "library_module",
-    "environment_problem",
     "EnvironmentConfig",
     "OpenEnvEnvironmentConfig",
     "VerifiersEnvironmentConfig",
@@ -481,29 +479,6 @@ def environment_import_hint(library: str, name: str) -> str:
     if attr and module in sys.modules:  # it imported: the name after ':' is what is wrong (a typo)
         return f"the module {module!r} imports: is {attr!r} the name it defines?"
     return f"{library} is installed: is the package that defines {name!r} installed or on PYTHONPATH?"
-
-
-def library_module(library: str | None, name: str) -> str | None:
-    """The module a library's own environment id names, where that is not the name itself:
-    verifiers' ``load_environment(env_id)`` (the id ``vf-eval`` and ``vf.load_environment`` take)
-    imports what follows the id's last ``/`` with each ``-`` read as ``_`` (``vf-calc-tool`` and
-    ``owner/vf-calc-tool``: ``vf_calc_tool``). None for other libraries and ``pkg.mod:attr``."""
-    if library != "verifiers" or ":" in name:
-        return None
-    module = name.replace("-", "_").split("/")[-1]
-    return None if module == name else module
-
-
-def environment_problem(import_problem: Callable[[str, str], str | None], library: str | None, name: str) -> str | None:
-    """Why ``name`` does not load as an environment of ``library`` (None: it does), asked through
-    ``import_problem(group, name)`` (``PluginRegistry.import_problem``): as an entry point or
-    module, else as the module its library's own id names (``library_module``)."""
-    problem = import_problem("environments", name)
-    module = library_module(library, name) if problem is not None else None
-    if module is None:
-        return problem
-    other = import_problem("environments", module)
-    return None if other is None else f"{library} reads the id {name!r} as the module {module!r}: {other}"
 
 
 class TrlEnvironmentConfig(Section):

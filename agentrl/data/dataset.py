@@ -31,7 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
-from agentrl.config.schema import environment_import_hint, environment_problem
+from agentrl.config.environment_names import environment_problem
+from agentrl.config.schema import environment_import_hint
 from agentrl.data.ground_truth import GroundTruthRule
 from agentrl.data.io import JsonRows, decode_row, is_json_rows, iter_raw_rows, open_parquet
 from agentrl.data.row import EnvironmentRef, Row

@@ -17,8 +17,8 @@ import json
 import threading
 from typing import Any, Callable, TypeVar
 
-from agentrl.config.schema import (ENVIRONMENT_EXTRAS, ENVIRONMENT_LOOPS, EnvironmentConfig, environment_import_hint,
-                                   library_module)
+from agentrl.config.environment_names import library_module
+from agentrl.config.schema import ENVIRONMENT_EXTRAS, ENVIRONMENT_LOOPS, EnvironmentConfig, environment_import_hint
 from agentrl.data.row import EnvironmentRef
 from agentrl.errors import PluginError
 from agentrl.plugins import PluginRegistry
