@@ -31,6 +31,7 @@ from typing import Any
 
 from agentrl.agent.loop import AgentLoop, LoopContext
 from agentrl.agent.openai_endpoint import MODEL_NAME, EndpointSession, endpoint
+from agentrl.agent.openai_roles import RoleSessions
 from agentrl.agent.openai_wire import is_transport_error
 from agentrl.agent.program import AgentResult, AgentTask
 from agentrl.data.row import Row
@@ -94,7 +95,9 @@ class OpenAIAgentLoop(AgentLoop):
         self, row: Row, ctx: LoopContext, *, row_id: str, group_id: str, sample_index: int = 0, seed: int | None = None
     ) -> Trajectory:
         program = self.program or find_program(row, PluginRegistry())
-        session = EndpointSession.for_trajectory(ctx, self.name, row_id=row_id, sample_index=sample_index, seed=seed)
+        # agent.roles: a session per role, named by each request's model field (agentrl.agent.openai_roles)
+        session: Any = (RoleSessions if ctx.roles else EndpointSession).for_trajectory(
+            ctx, self.name, row_id=row_id, sample_index=sample_index, seed=seed)
         server = endpoint()
         base_url, api_key = server.open_session(session)
         task = AgentTask(row=row, base_url=base_url, api_key=api_key, model=MODEL_NAME)
@@ -112,6 +115,9 @@ class OpenAIAgentLoop(AgentLoop):
             server.close_session(base_url)
         if finish is TrajectoryFinish.STOP and session.calls and session.calls[-1].finish_reason == "length":
             finish = TrajectoryFinish.LENGTH
+        if isinstance(session, RoleSessions):
+            return session.trajectories(self, row, ctx, result, finish, error, row_id=row_id, group_id=group_id,  # type: ignore[return-value]
+                                        sample_index=sample_index)
         return self._trajectory(row, ctx, session, result, finish, error, row_id=row_id, group_id=group_id,
                                 sample_index=sample_index)
 

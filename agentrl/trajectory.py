@@ -165,6 +165,9 @@ class Trajectory:
     # the engine weight version that sampled each response token (NO_VERSION for tokens the model
     # did not sample); empty when unknown (stores written before schema version 5)
     token_versions: list[int] = field(default_factory=list)
+    # the episode role whose turns these are (agentrl.agent.roles: its own tokens, its own group
+    # ``<group>@<role>``); None for a single-agent episode (and stores before schema version 7)
+    role: str | None = None
 
     def __post_init__(self) -> None:
         self.finish_reason = TrajectoryFinish.parse(self.finish_reason, where=f"trajectory {self.row_id}: finish_reason")

@@ -77,6 +77,7 @@ class LoopContext:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     history: HistoryPolicy = "as_template"  # agent.history (agentrl.agent.history) of every loop not in history_by_loop
     history_by_loop: Mapping[str, HistoryPolicy] = field(default_factory=dict)
+    roles: Mapping[str, str] = field(default_factory=dict)  # agent.roles: role -> policy (agentrl.agent.roles)
 
     def parser_for(self, loop_name: str) -> ToolParser:
         return self.parser_by_loop.get(loop_name, self.parser)

@@ -42,4 +42,5 @@ class AgentResult:
 
     final_answer: str
     reward: float | None = None  # set: used as the trajectory reward instead of the reward function
+    # (with agent.roles: a mapping role -> reward gives each role its own, docs/roles.md)
     metrics: dict[str, float] = field(default_factory=dict)  # added to the trajectory's metrics as program/<name>

@@ -147,6 +147,7 @@ def build_context(
         limits=setup.limits,
         sampling=sampling,
         reward_fn=RewardTable(setup.reward, registry.prefer),
+        roles=dict(setup.roles),
         reward_components=setup.reward.components,
         environment=setup.environment,
     )
@@ -177,7 +178,7 @@ class RolloutRunner:
         """
         total = len(rows) * n
         bar = _progress_bar(total, progress)
-        results: list[Trajectory | None] = [None] * total
+        results: list[list[Trajectory] | None] = [None] * total  # a loop with roles gives one per role
         left = [n] * len(rows)  # per row: samples still running (a loop with finish_group waits for them)
         jobs = iter(range(total))
 
@@ -191,11 +192,11 @@ class RolloutRunner:
                     results[slot] = await self._run_one(row_id, row, f"{group_prefix}{i}:{row_id}", sample, seed)
                 finally:
                     self.inflight -= 1
-                done = [results[slot]]
+                done = list(results[slot] or [])
                 loop = self.loops.get(row.loop_name(self.ctx.default_environment))
                 if judges_groups(loop):  # the group is handed on whole
                     left[i] -= 1
-                    done = [results[i * n + k] for k in range(n)] if left[i] == 0 else []
+                    done = [t for k in range(n) for t in results[i * n + k] or []] if left[i] == 0 else []
                     if done:
                         await finish_group(loop, done)  # type: ignore[arg-type]
                 for t in done:
@@ -209,21 +210,22 @@ class RolloutRunner:
         finally:
             if bar is not None:
                 bar.close()
-        return [t for t in results if t is not None]
+        return [t for ts in results for t in ts or []]
 
-    async def _run_one(self, row_id: str, row: Row, group_id: str, sample: int, seed: int | None) -> Trajectory:
+    async def _run_one(self, row_id: str, row: Row, group_id: str, sample: int, seed: int | None) -> list[Trajectory]:
         loop = self.loops.get(row.loop_name(self.ctx.default_environment))
         traj_seed = None if seed is None else zlib.crc32(f"{seed}|{group_id}|{sample}".encode()) & 0x7FFFFFFF
         try:
-            return await loop.run(row, self.ctx, row_id=row_id, group_id=group_id, sample_index=sample, seed=traj_seed)
+            done = await loop.run(row, self.ctx, row_id=row_id, group_id=group_id, sample_index=sample, seed=traj_seed)
+            return done if isinstance(done, list) else [done]  # a RolesLoop (agentrl.agent.roles): one per role
         except Exception as exc:  # recorded, never silently missing
-            return Trajectory(
+            return [Trajectory(
                 row_id=row_id, group_id=group_id, sample_index=sample, data_source=row.data_source,
                 agent_name=loop.name, prompt_ids=[], response_ids=[], response_mask=[], logprobs=[], turns=[],
                 messages=row.messages(), finish_reason=TrajectoryFinish.LOOP_ERROR, reward=0.0,
                 reward_info={"error": f"{type(exc).__name__}: {exc}"}, policy_version=self.ctx.policy_version,
                 ground_truth=row.ground_truth,
-            )
+            )]
 
 
 def judges_groups(loop: AgentLoop) -> bool:

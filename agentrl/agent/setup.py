@@ -66,6 +66,7 @@ class RolloutSetup:
     chat_template_kwargs: dict[str, Any]  # extra chat-template variables (e.g. enable_thinking)
     history: Literal["as_sampled", "as_template"]  # agent.history: what each request shows the model
     history_by_loop: dict[str, Literal["as_sampled", "as_template"]]
+    roles: dict[str, str]  # agent.roles: role -> policy, over a RolesLoop's own (agentrl.agent.roles)
     tool_names: tuple[str, ...]  # the tools constructed once per context (offered to rows that name none)
     tool_config: dict[str, dict[str, Any]]  # constructor kwargs by tool name
     tool_specs: tuple[ToolSpec, ...]  # the tools of agent.tool_config_path (verl's YAML)
@@ -122,6 +123,7 @@ class RolloutSetup:
             chat_template_kwargs=dict(agent.chat_template_kwargs),
             history=agent.history,
             history_by_loop=dict(agent.history_by_loop),
+            roles=dict(agent.roles),
             # offered to rows whose tools_kwargs name none: the configured tools only (verl offers
             # none unless its tool YAML names some); rows that name tools get those
             tool_names=tuple(dict.fromkeys([s.name for s in tool_specs] + list(agent.tool_config))),

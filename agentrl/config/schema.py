@@ -184,6 +184,9 @@ class AgentConfig(Section):
     history: Literal["as_sampled", "as_template"] = "as_template"
     # Loops that keep another history policy: loop name -> as_sampled | as_template.
     history_by_loop: dict[str, Literal["as_sampled", "as_template"]] = Field(default_factory=dict)
+    # Roles of a multi-agent episode (docs/roles.md): role -> shared (trained by the one policy, credited
+    # per role) | frozen (the loop or program speaks for it, untrained) | trained (own policy: not yet)
+    roles: dict[str, Literal["shared", "trained", "frozen"]] = Field(default_factory=dict)
     max_assistant_turns: int = Field(8, ge=1)
     max_user_turns: int = Field(4, ge=0)
     max_tool_response_tokens: int = Field(256, ge=1)

@@ -13,7 +13,8 @@ The schema version sits in each file's metadata (``agentrl_schema_version``). Ve
 files agentrl 0.1 wrote, one per step: no ``writer_id`` and no ``row``) is read too, and files
 before version 4 read with no ``earlier_segments``, before version 5 with no ``token_versions`` (the
 weight version of each response token: an empty list, unknown), before version 6 with no
-``dropped`` (every trajectory of a training step read as trained).
+``dropped`` (every trajectory of a training step read as trained), before version 7 with no
+``role`` (a single-agent trajectory).
 
 ``dropped`` says why a stored trajectory's group was not trained (null: it was, or its split does
 not train): ``stale``, a group an asynchronous run finished and dropped as older than
@@ -60,8 +61,8 @@ if TYPE_CHECKING:  # pyarrow.dataset (and the pandas it imports, ~0.5 s) loads w
 __all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "DROPPED_REASONS", "RolloutStore", "StoredTrajectory", "TrajectoryFilter",
            "trajectories_to_table", "shard_name"]
 
-SCHEMA_VERSION = "6"  # 3: each tool call's metrics; 4: earlier segments; 5: token versions; 6: dropped groups
-READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6")
+SCHEMA_VERSION = "7"  # 3: each tool call's metrics; 4: earlier segments; 5: token versions; 6: dropped groups; 7: roles
+READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6", "7")
 DROPPED_REASONS = ("stale",)  # why a stored group was not trained (the ``dropped`` column)
 VERSION_KEY = b"agentrl_schema_version"
 
@@ -86,6 +87,7 @@ SCHEMA = pa.schema(
         ("earlier_segments", pa.list_(_SEGMENT)),  # Trajectory.earlier_segments (none before version 4)
         ("token_versions", pa.list_(pa.int64())),  # Trajectory.token_versions (none before version 5)
         ("dropped", pa.string()),  # why its group was not trained (null: trained; none before version 6)
+        ("role", pa.string()),  # Trajectory.role (null: a single agent; none before version 7)
     ],
     metadata={VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -191,6 +193,7 @@ def _encode(t: Trajectory, step: int, split: str, writer_id: int, row: Row | Non
         ],
         "token_versions": t.token_versions,
         "dropped": dropped,
+        "role": t.role,
     }
 
 
@@ -223,6 +226,7 @@ def _decode(r: dict[str, Any]) -> Trajectory:
             for g in r.get("earlier_segments") or []  # none before schema version 4
         ],
         token_versions=r.get("token_versions") or [],  # none before schema version 5
+        role=r.get("role"),  # none before schema version 7
     )
 
 

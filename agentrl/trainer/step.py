@@ -31,6 +31,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from agentrl.agent.call_stats import step_metrics as parse_rate_metrics
+from agentrl.agent.roles import role_metrics, roles_per_sample
 from agentrl.config.schema import TrainConfig
 from agentrl.errors import AgentrlError, DataError
 from agentrl.trainer.algorithms.advantages import estimate_advantages
@@ -316,6 +317,7 @@ def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> 
             if key.startswith(("tool_errors/", "program_errors/", "env_errors/")):
                 m[f"{prefix}{key}"] = m.get(f"{prefix}{key}", 0.0) + value
     m.update(tool_call_metrics(trajectories, prefix))
+    m.update(role_metrics(trajectories, prefix))  # role/<name>/reward, tokens, tool_calls (agentrl.agent.roles)
     m.update(parse_rate_metrics(trajectories, prefix))  # tool_calls/parsed, malformed_rate, unparsed_turn_rate, ...
     # what interactions (interaction/<key>, summed over the trajectory's turns), custom loops
     # (loop/<key>) and environments (env/<reward function>, agentrl.environments) emit: the mean
@@ -420,7 +422,8 @@ class TrainingStep:
         cfg = self.cfg
         where = f"step {step + 1}"
         failure_metrics(trajectories, max_rate=cfg.trainer.max_failure_rate, where=where)  # before any compute
-        return self(trajectories, group_size=cfg.rollout.n, on_policy=is_on_policy(cfg),
+        # a loop with roles makes a trajectory per role of each sample, each role a group of its own
+        return self(trajectories, group_size=cfg.rollout.n * roles_per_sample(trajectories), on_policy=is_on_policy(cfg),
                     update_actor=step >= cfg.trainer.critic_warmup, where=where)
 
     def replay(self, trajectories: Sequence[Trajectory], *, max_ratio: float, update_actor: bool = True,

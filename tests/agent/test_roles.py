@@ -1,0 +1,134 @@
+"""Several roles in one episode (agentrl.agent.roles, agent_loops/solver_verifier.py): a token
+stream per role, exact as a single agent's; groups, rewards and metrics per role; frozen roles."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pyarrow.parquet as pq
+import pytest
+
+from agentrl.agent.roles import role_metrics, role_policies
+from agentrl.agent.runner import LoopTable, RolloutRunner
+from agentrl.agent.scripted import ScriptedEngine
+from agentrl.data.rollout_store import RolloutStore
+from agentrl.errors import ConfigError
+from agentrl_agent_loops.solver_verifier import VERIFIER_PROMPT, verdict_of
+from tests.agent.agent_helpers import CALL_12x34, make_row
+
+ROW = make_row(agent="solver_verifier")
+
+
+def script_by_role(answers: dict[str, list[str]]):
+    """A scripted engine script: each role's session (``<row>#<sample>@<role>``) walks its own list,
+    the list of ``"<role>/<sample>"`` when there is one."""
+
+    def script(row_id, index, request):
+        sample_role = request.session_id.rsplit("#", 1)[1]
+        sample, role = sample_role.split("@")
+        return answers.get(f"{role}/{sample}", answers.get(role))[index]
+
+    return script
+
+
+def roll(tiny_tokenizer, make_ctx, answers, *, n=1, agent=None, reward=None):
+    engine = ScriptedEngine(tiny_tokenizer, script_by_role(answers))
+    ctx = make_ctx(engine, agent=agent, reward=reward)
+    runner = RolloutRunner(ctx, LoopTable("tool_agent"))
+    return asyncio.run(runner.run([("r0", ROW)], n=n)), ctx, engine
+
+
+def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenizer, make_ctx):
+    trajectories, ctx, engine = roll(tiny_tokenizer, make_ctx, {"solver": [CALL_12x34, "#### 408"], "verifier": ["#### correct"]})
+    solver, verifier = trajectories
+    r = ctx.renderer
+    tools = ctx.toolbox.session("x", ROW.extra_info.tools_kwargs).schemas()
+    assert (solver.role, solver.group_id, solver.reward) == ("solver", "0:r0@solver", 1.0)
+    assert (verifier.role, verifier.group_id, verifier.reward) == ("verifier", "0:r0@verifier", 1.0)
+    # the solver: its own conversation, exactly as the template renders it, tool result masked
+    assert solver.prompt_ids + solver.response_ids == r.template_ids(solver.messages, tools, add_generation_prompt=False)
+    assert [x.role for x in solver.turns] == ["assistant", "tool", "assistant"]
+    assert solver.messages[-1] == {"role": "assistant", "content": "#### 408"}
+    # the verifier: the solver's answer in its prompt as a user message, then its own verdict only
+    seen = [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": "Question: What is 12 * 34?"},
+            {"role": "user", "content": "Answer: #### 408"}]
+    assert verifier.messages == seen + [{"role": "assistant", "content": "#### correct"}]
+    verdict = tiny_tokenizer.encode("#### correct", add_special_tokens=False) + [r.eos_id]
+    assert verifier.prompt_ids == r.prompt_ids(seen, tools)
+    assert verifier.response_ids == verdict + r.separator_ids
+    assert verifier.response_mask == [1] * len(verdict) + [0] * len(r.separator_ids)
+    assert verifier.logprobs == [-0.5] * len(verdict) + [0.0] * len(r.separator_ids)
+    assert [x.role for x in verifier.turns] == ["assistant"]
+    # the engine saw each role's own context, in its own session, with its own seed
+    by_session = [(q.session_id, q.input_ids) for q in engine.requests]
+    assert [s for s, _ in by_session] == ["r0#0@solver", "r0#0@solver", "r0#0@verifier"]
+    assert by_session[2][1] == verifier.prompt_ids
+    assert engine.requests[0].sampling.seed != engine.requests[2].sampling.seed
+    assert verifier.reward_info["role_rewards"] == {"solver": 1.0, "verifier": 1.0}
+
+
+def test_a_wrong_answer_and_the_verdicts_on_it_are_rewarded_by_role(tiny_tokenizer, make_ctx):
+    answers = {"solver/0": ["#### 407"], "solver/1": ["#### 407"], "verifier/0": ["#### correct"], "verifier/1": ["#### wrong"]}
+    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, answers, n=2)
+    assert [(t.role, t.sample_index, t.reward) for t in trajectories] == [
+        ("solver", 0, 0.0), ("verifier", 0, 0.0), ("solver", 1, 0.0), ("verifier", 1, 1.0)]
+    sampled = {text: len(tiny_tokenizer.encode(text, add_special_tokens=False)) + 1 for text in ["#### 407", "#### correct", "#### wrong"]}
+    assert role_metrics(trajectories) == {
+        "role/solver/reward": 0.0, "role/solver/tokens": sampled["#### 407"], "role/solver/tool_calls": 0.0,
+        "role/verifier/reward": 0.5, "role/verifier/tokens": (sampled["#### correct"] + sampled["#### wrong"]) / 2,
+        "role/verifier/tool_calls": 0.0}
+
+
+def test_a_frozen_verifier_is_scripted_and_has_no_trajectory(tiny_tokenizer, make_ctx):
+    trajectories, _, engine = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 407"]}, agent={"roles": {"verifier": "frozen"}})
+    [solver] = trajectories
+    assert (solver.role, solver.reward, solver.reward_info["role_rewards"]) == ("solver", 0.0, {"solver": 0.0, "verifier": 1.0})
+    assert {q.session_id for q in engine.requests} == {"r0#0@solver"}  # the policy never spoke for the verifier
+
+
+def test_role_policies_name_the_config_key():
+    declared = {"solver": "shared", "verifier": "shared"}
+    with pytest.raises(ConfigError, match=r"agent\.roles\.judge.*loop 'solver_verifier' has no role 'judge'"):
+        role_policies(declared, {"judge": "frozen"}, loop="solver_verifier")
+    with pytest.raises(ConfigError, match=r"agent\.roles\.verifier.*not available yet"):
+        role_policies(declared, {"verifier": "trained"}, loop="solver_verifier")
+    with pytest.raises(ConfigError, match=r"agent\.roles.*every role is frozen"):
+        role_policies(declared, {"verifier": "frozen", "solver": "frozen"}, loop="solver_verifier")
+    assert role_policies(declared, {"verifier": "frozen"}, loop="x") == {"solver": "shared", "verifier": "frozen"}
+
+
+def test_a_reward_function_may_answer_by_role(tiny_tokenizer, make_ctx, monkeypatch):
+    from agentrl_agent_loops import solver_verifier
+
+    async def no_own_rewards(self, game):  # the loop leaves the rewards to the reward function
+        await game.turn("solver")
+        await game.turn("verifier")
+        return "stop"
+
+    monkeypatch.setattr(solver_verifier.SolverVerifierLoop, "play_roles", no_own_rewards)
+    seen = []
+
+    def by_role(data_source, solution, ground_truth, extra_info):
+        seen.append((solution, extra_info["transcript"]))
+        return {"solver": 0.25, "verifier": {"score": 0.75}}
+
+    monkeypatch.setattr("agentrl.agent.runner.RewardTable.__call__", lambda self, source: by_role)
+    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 408"], "verifier": ["#### wrong"]})
+    assert [(t.role, t.reward) for t in trajectories] == [("solver", 0.25), ("verifier", 0.75)]
+    assert seen == [("#### wrong", [{"role": "solver", "content": "#### 408"}, {"role": "verifier", "content": "#### wrong"}])]
+
+
+def test_verdicts_are_read_from_the_end():
+    assert [verdict_of(t) for t in ["#### correct", "so #### Wrong \n", "#### correct then", "correct"]] == [
+        "correct", "wrong", None, None]
+
+
+def test_the_store_keeps_the_role_and_reads_older_shards_without_one(tiny_tokenizer, make_ctx, tmp_path):
+    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 408"], "verifier": ["#### correct"]})
+    store = RolloutStore(tmp_path)
+    path = store.write_step(1, trajectories)
+    assert list(store.iter_trajectories()) == trajectories
+    older = pq.read_table(path).drop_columns(["role"]).replace_schema_metadata({"agentrl_schema_version": "6"})
+    pq.write_table(older, path)
+    assert list(store.iter_trajectories()) == [dataclasses.replace(t, role=None) for t in trajectories]

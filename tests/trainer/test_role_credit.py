@@ -1,0 +1,93 @@
+"""What each role's loss contains, pinned by hand: a scripted two-role episode (solver and
+verifier of one shared policy, agent_loops/solver_verifier.py) through the runner and the
+training step, two samples of one row. Both roles' tokens reach one update, each row with its
+own role's tokens, mask and GRPO advantage, grouped per role and prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import torch
+from torch.testing import assert_close
+
+from agentrl.agent.runner import LoopTable, RolloutRunner, build_context
+from agentrl.agent.scripted import ScriptedEngine
+from agentrl.agent.setup import RolloutSetup
+from agentrl.config.schema import TrainConfig
+from agentrl.trainer.step import Groups, LocalGroup, TrainingStep
+from tests.agent.agent_helpers import make_row
+
+# sample 0: a right answer judged correct; sample 1: a wrong answer judged wrong. Solver rewards
+# [1, 0], verifier rewards [1, 1]: one pooled group of four would give the verifier's samples
+# advantages too, per-role groups give the verifier none (a group all alike).
+ANSWERS = {("solver", "0"): "#### 408", ("solver", "1"): "#### 407",
+           ("verifier", "0"): "#### correct", ("verifier", "1"): "#### wrong"}
+
+
+def script(row_id, index, request):
+    sample, role = request.session_id.rsplit("#", 1)[1].split("@")
+    return ANSWERS[(role, sample)]
+
+
+class RecordingActor:
+    """A worker that records the mini-batches the update gets (the loss's rows) and returns the
+    batch's own logprobs as the policy's."""
+
+    def __init__(self):
+        self.updates = []
+
+    def compute_logprobs(self, batch, micro):
+        return batch.engine_logprobs.clone(), torch.zeros_like(batch.engine_logprobs)
+
+    def update(self, minis, denominators, **kwargs):
+        self.updates.extend(minis)
+        return {"actor/loss": 0.0}
+
+
+def test_both_roles_train_in_one_loss_each_with_its_own_role_group_advantage(tiny_tokenizer):
+    cfg = TrainConfig.model_validate({"data": {"train_batch_size": 2, "max_response_length": 64},
+                                      "actor": {"ppo_mini_batch_size": 1}, "rollout": {"n": 2},
+                                      "algorithm": {"adv_estimator": "grpo"}})
+    engine = ScriptedEngine(tiny_tokenizer, script)
+    ctx = build_context(engine, tiny_tokenizer, RolloutSetup.from_config(cfg), tool_names=["calculator"])
+    runner = RolloutRunner(ctx, LoopTable("tool_agent"))
+    trajectories = asyncio.run(runner.run([("r0", make_row(agent="solver_verifier"))], n=2))
+    assert [(t.role, t.sample_index, t.reward) for t in trajectories] == [
+        ("solver", 0, 1.0), ("verifier", 0, 1.0), ("solver", 1, 0.0), ("verifier", 1, 1.0)]
+
+    actor = RecordingActor()
+    result = TrainingStep(cfg, Groups(actor=LocalGroup(actor)), pad_token_id=0).online(trajectories, step=0)
+    # group size n × roles = 4 rows: the row's whole episode set is one mini-batch, one loss
+    [mini] = actor.updates
+    assert len(mini) == 4
+    eot = ctx.renderer.eos_id
+    sep = ctx.renderer.separator_ids
+    grpo = 0.5 / (math.sqrt(0.5) + 1e-6)  # (r - mean) / (std + eps), std unbiased over [1, 0]
+    expected = {  # role, sample -> (sampled ids, advantage on each of them)
+        ("solver", 0): (tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [eot], grpo),
+        ("solver", 1): (tiny_tokenizer.encode("#### 407", add_special_tokens=False) + [eot], -grpo),
+        ("verifier", 0): (tiny_tokenizer.encode("#### correct", add_special_tokens=False) + [eot], 0.0),
+        ("verifier", 1): (tiny_tokenizer.encode("#### wrong", add_special_tokens=False) + [eot], 0.0),
+    }
+    prompts = {(t.role, t.sample_index): t.prompt_ids for t in trajectories}
+    rows = {}
+    for i in range(len(mini)):
+        width = mini.response_mask.shape[1]
+        mask = mini.response_mask[i]
+        n_resp = int(mini.attention_mask[i, -width:].sum())
+        response = mini.input_ids[i, -width:][:n_resp].tolist()
+        prompt = mini.input_ids[i, :-width][mini.attention_mask[i, :-width].bool()].tolist()
+        key = next(k for k, p in prompts.items() if p == prompt and response[: len(expected[k][0])] == expected[k][0])
+        rows[key] = i
+        ids, adv = expected[key]
+        assert response == ids + sep  # the role's own tokens: its sampled answer, then the template's separator
+        assert mask[:n_resp].tolist() == [1] * len(ids) + [0] * len(sep)
+        assert_close(mini.advantages[i, : len(ids)], torch.full((len(ids),), adv), atol=1e-5, rtol=0)
+        assert (mini.advantages[i, len(ids):] == 0).all()
+    assert sorted(rows) == sorted(expected)
+    # the verifier's prompt holds the solver's answer of the same sample, as a user message
+    verifier_prompt = {t.sample_index: ctx.renderer.decode(t.prompt_ids) for t in trajectories if t.role == "verifier"}
+    assert "Answer: #### 408" in verifier_prompt[0] and "Answer: #### 407" in verifier_prompt[1]
+    assert result.metrics["role/solver/reward"] == 0.5 and result.metrics["role/verifier/reward"] == 1.0
+    assert result.metrics["role/solver/tokens"] == (len(expected[("solver", 0)][0]) + len(expected[("solver", 1)][0])) / 2
