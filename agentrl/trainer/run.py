@@ -36,6 +36,7 @@ import torch
 
 from agentrl.agent.families import require_exact_template
 from agentrl.config import TrainConfig, load_config
+from agentrl.config.inert import inert_overrides
 from agentrl.config.schema import TrainerConfig
 from agentrl.data.prepare import environment_dataset, prepare_data
 from agentrl.data.rollout_store import RolloutStore
@@ -506,6 +507,8 @@ def _by_source(validation: dict[str, float], when: str) -> dict[str, dict[str, f
 def cli_main(argv: list[str]) -> int:
     say("reading the config")
     cfg = load_config("train", argv)
+    for override, why in inert_overrides(cfg, argv):  # before any work: a key this run would not read
+        print(f"agentrl train: warning: {override} has no effect: {why}", file=sys.stderr)
     result = train(cfg, command=shlex.join(["agentrl", "train", *argv]))
     print(json.dumps(result.summary, indent=2))
     print(f"run directory: {result.run_dir}")
