@@ -49,6 +49,11 @@ def test_a_skipped_sync_stops_the_run_when_the_engine_reports_the_old_version(tm
     assert stopped["measure"] == "engine_version"
     assert stopped["reason"].startswith("step 1: after the weight sync to version 1 the engine reports weight version 0:")
     assert sorted(steps) == [1]
+    # the sync fixed, the same command with trainer.resume=auto goes on from the stop's checkpoint
+    monkeypatch.undo()
+    resumed, steps = _train(tmp_path, "trainer.total_steps=3", "trainer.resume=auto")
+    assert "stopped" not in resumed.summary and sorted(steps) == [1, 2, 3]
+    assert steps[2]["health/engine_version"] == steps[2]["health/synced_version"] == 2.0
 
 
 def test_a_stale_copy_on_disk_stops_the_run_at_the_first_step_that_trains_on_it(tmp_path, monkeypatch):
