@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.agent.glm import GlmRenderer, is_glm_template
 from agentrl.agent.harmony import HISTORY_NOTE, HarmonyRenderer, is_harmony_template
 from agentrl.agent.history import history_rewrite
 from agentrl.agent.render import ChatRenderer
@@ -60,7 +61,7 @@ def family_renderer(
     """The renderer of the family's chat template: ``ChatRenderer``, or ``HarmonyRenderer`` for
     gpt-oss's harmony template (its turns end with <|call|> or <|return|>, its tool results name the call)."""
     template = chat_template or getattr(tokenizer, "chat_template", None) or ""
-    kind = HarmonyRenderer if is_harmony_template(template) else ChatRenderer
+    kind = HarmonyRenderer if is_harmony_template(template) else GlmRenderer if is_glm_template(template) else ChatRenderer
     return kind(tokenizer, chat_template=chat_template, template_kwargs=template_kwargs)
 
 
@@ -178,7 +179,9 @@ def _reference_delta(tokenizer: Any, renderer: ChatRenderer, before: list[dict],
     head = tokenizer.apply_chat_template(before, add_generation_prompt=True, **kwargs)
     full = tokenizer.apply_chat_template(before + new, add_generation_prompt=True, **kwargs)
     ends = re.compile("|".join(re.escape(t) for t in (renderer.eos_token, *renderer.message_end_tokens)))
-    return full[[m.end() for m in ends.finditer(full)][len(ends.findall(head)) - 1] :]
+    # GLM: the token that ends the last turn opens the next message, one past those in the head
+    last = len(ends.findall(head)) - (0 if getattr(renderer, "ends_with_next_role", False) else 1)
+    return full[[m.end() for m in ends.finditer(full)][last] :]
 
 
 def check_template(
@@ -277,7 +280,8 @@ def check_template(
             history.extend(observations)
     ours += renderer.separator_ids
     final_head = tokenizer.apply_chat_template(history, tools=schemas, tokenize=False, chat_template=renderer.chat_template, **renderer.template_kwargs)
-    reference += tokenizer.encode(final_head[final_head.rindex(renderer.eos_token) + len(renderer.eos_token) :], add_special_tokens=False)
+    if not getattr(renderer, "ends_with_next_role", False):  # GLM writes nothing after the last turn's sampled end
+        reference += tokenizer.encode(final_head[final_head.rindex(renderer.eos_token) + len(renderer.eos_token) :], add_special_tokens=False)
     if ours != reference:
         at = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
         report.ok = False

@@ -78,11 +78,9 @@ REFUSED = {
     "phi3.5": "drops messages with role 'tool'",
     "deepseek-r1-distill-qwen": "after an earlier round of tool results",
 }
-# families whose templates write no end-of-turn token after an assistant message (GLM-4.5/4.6: the
-# model stops at the next message's role token): the renderer refuses them; their parsers are tested
-# against the template's own rendering of calls (test_xml_tool_calls.py)
-UNRENDERABLE = {"glm-4.6": "does not start with an added token: generation needs an end-of-turn token to stop at"}
-RENDERABLE = [f for f in FAMILIES if f not in UNRENDERABLE]
+# GLM-4.5/4.6: a turn ends with the role token of the message that follows (<|observation|> before
+# tool results, <|user|> otherwise), tested in test_xml_tool_calls.py
+GLM = {"glm-4.6"}
 
 
 # gpt-oss: harmony turns (a call ends with <|call|>, an answer with <|return|>), tested in test_harmony.py
@@ -154,7 +152,7 @@ def tokenizers(family_dirs):
 
 
 def test_every_family_in_the_fixtures_is_covered():
-    assert {_family(c) for c in TOOL_FAMILIES} | set(REFUSED) | set(UNRENDERABLE) | HARMONY == set(FAMILIES)
+    assert {_family(c) for c in TOOL_FAMILIES} | set(REFUSED) | GLM | HARMONY == set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", REAL_VOCAB_FAMILIES)
@@ -277,9 +275,10 @@ def test_stop_tokens_are_end_of_turn_then_every_eos(tokenizers):
         "gemma3": ["<end_of_turn>", "<eos>"],
         "deepseek-r1-distill-qwen": ["<｜end▁of▁sentence｜>"],
         "gpt-oss": ["<|return|>", "<|call|>", "<|endoftext|>"],  # an answer ends with <|return|>, a call with <|call|>
+        "glm-4.6": ["<|user|>", "<|observation|>", "<|endoftext|>"],  # the next message's role token ends a turn
         **{_family(c): v[4] for c, v in TOOL_FAMILIES.items()},
     }
-    for family, tok in ((f, t) for f, t in tokenizers.items() if f not in UNRENDERABLE):
+    for family, tok in tokenizers.items():
         stops = stop_tokens(tok)
         assert stops.ids == tuple(tok.convert_tokens_to_ids(s) for s in expected[_family(family)]), family
         assert stops.end_of_turn == expected[_family(family)][0]
@@ -369,7 +368,8 @@ def test_a_malformed_mistral_call_goes_through_the_policy(tokenizers, make_ctx):
 
 # ---------------------------------------------------------------------- check-template
 CHECK_OK = [("qwen3", {}), ("qwen3", {"enable_thinking": False}), ("qwen2.5", {}), ("llama3.1", {}), ("llama3.2", {}),
-            ("qwen3-coder", {}), ("qwen3.5", {}), ("qwen3.5", {"enable_thinking": False}),
+            ("qwen3-coder", {}), ("qwen3.5", {}), ("qwen3.5", {"enable_thinking": False}), ("glm-4.6", {}),
+            ("glm-4.6", {"enable_thinking": False}),
             ("mistral-nemo", {}), ("phi4-mini", {}), ("smollm2", {}), ("smollm3", {}), ("smollm3", {"enable_thinking": False})]
 CHECK_OK += [(f + REAL, kw) for f, kw in CHECK_OK if f in REAL_VOCAB_FAMILIES]
 
@@ -493,10 +493,11 @@ USER_TURN = {  # the template's rendering of an appended user turn (an interacti
     "qwen3-coder": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
     "qwen3.5": "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n",
     "gpt-oss": "<|start|>user<|message|>{}<|end|><|start|>assistant",
+    "glm-4.6": "\n{}<|assistant|>",  # after the <|user|> that ended the answer
 }
 
 
-@pytest.mark.parametrize("family", RENDERABLE)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_an_interaction_reply_is_the_templates_user_turn_with_no_placeholder(family, tokenizers, make_ctx):
     from agentrl_interactions.gsm8k import INCORRECT
 

@@ -89,14 +89,52 @@ def test_malformed_xml_calls_are_kept_with_their_error(parser, text, detail):
     assert call.error == "bad_json" and detail in call.detail
 
 
-def test_glm_is_refused_by_check_template_with_the_reason(family_tokenizers, tmp_path, capsys):
-    """GLM-4.5/4.6 templates write no end-of-turn token after an assistant message (the model stops
-    at the next message's role token): the renderer cannot append observations, and says so."""
+def test_glm_check_template_passes_with_its_role_tokens_as_turn_ends(family_tokenizers, tmp_path, capsys):
+    """GLM-4.5/4.6 templates write nothing after an assistant message: the model ends its turn with
+    the next message's role token, <|observation|> after calls, <|user|> after an answer."""
     family_tokenizers["glm-4.6"].save_pretrained(tmp_path)
-    assert cli_main([str(tmp_path)]) == 2
-    out = capsys.readouterr().out
-    assert out == ("check-template: REFUSED\n  refused: the chat template ends an assistant message with '', which does not "
-                   "start with an added token: generation needs an end-of-turn token to stop at\n")
+    for kwargs in ("{}", '{"enable_thinking": false}'):
+        assert cli_main([str(tmp_path), "--kwargs", kwargs]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[:2] == ["check-template: OK", "  end-of-turn token: '<|user|>'"]
+        assert "  tool parser: glm45" in out and "  token drift: none" in out
+
+
+GLM_TWO_RESULTS = "\n<tool_response>\n408\n</tool_response>\n<tool_response>\n35\n</tool_response><|assistant|>"
+
+
+@pytest.mark.parametrize("history,segments", [("as_template", 1), ("as_sampled", 0)])
+def test_glm_two_calls_in_one_turn_then_an_interaction_retry(history, segments, family_tokenizers, make_ctx):
+    """The call turn ends with <|observation|> and the answers with <|user|>, sampled; each observation
+    is the template's rendering after that token. The retry's user turn drops the earlier reasoning:
+    as_template starts a new segment there, as_sampled keeps one stream."""
+    from agentrl_interactions.gsm8k import INCORRECT
+    from test_history import requests_as_rendered
+
+    tok = family_tokenizers["glm-4.6"]
+    calls = Glm45ToolParser.format_calls([("calculator", {"expression": "12 * 34"}), ("calculator", {"expression": "5 * 7"})])
+    script = ["\n<think>two products</think>\n" + calls + "<|observation|>", "\n<think>guess</think>\n#### 400",
+              "\n<think>again</think>\n#### 408"]
+    engine = ScriptedEngine(tok, {"r0": script})
+    ctx = make_ctx(engine, tokenizer=tok, agent={"history": history})
+    [t] = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run(
+        [("r0", make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"}))]))
+
+    assert t.finish_reason == "interaction_done", t.reward_info
+    assert [(c.arguments, c.result) for c in t.tool_calls] == [({"expression": "12 * 34"}, "408"), ({"expression": "5 * 7"}, "35")]
+    assert len(t.earlier_segments) == segments and ctx.renderer.separator_ids == []
+    observation, user = tok.convert_tokens_to_ids("<|observation|>"), tok.convert_tokens_to_ids("<|user|>")
+    sampled = [tok.encode(script[0].removesuffix("<|observation|>"), add_special_tokens=False) + [observation],
+               *(tok.encode(s, add_special_tokens=False) + [user] for s in script[1:])]
+    segments_ = [*t.earlier_segments, t]
+    assert [s.response_ids[x.start : x.end] for s in segments_ for x in s.turns if x.role == "assistant"] == sampled
+    if history == "as_template":
+        assert [r.input_ids for r in engine.requests] == requests_as_rendered(t, engine, tok, ctx.toolbox.schemas(["calculator"]), {})
+        return
+    retry = tok.encode(f"\n{INCORRECT}<|assistant|>", add_special_tokens=False)
+    assert t.response_ids == sampled[0] + tok.encode(GLM_TWO_RESULTS, add_special_tokens=False) + sampled[1] + retry + sampled[2]
+    assert t.prompt_ids == tok.encode(tok.apply_chat_template(t.messages[:2], tools=ctx.toolbox.schemas(["calculator"]),
+                                                              add_generation_prompt=True, tokenize=False), add_special_tokens=False)
 
 
 # ---------------------------------------------------------------------- exact streams: two calls, then an interaction's retry
