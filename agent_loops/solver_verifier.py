@@ -2,7 +2,8 @@
 
 The solver answers the row's question as ``tool_agent`` does (calculator calls, then an answer
 ending ``#### <number>``). The verifier sees the question and the solver's answer and gives a
-verdict, ``#### correct`` or ``#### wrong`` (it may call the calculator too). Rewards by role:
+verdict as a number, ``#### 1`` (right) or ``#### 0`` (wrong): the tiny model writes
+``#### <number>`` best (it may call the calculator too). Rewards by role:
 the solver 1.0 for a right answer (the GSM8K rule against the row's ground truth), the verifier
 1.0 for a right verdict on that answer; 0.0 otherwise.
 
@@ -24,14 +25,15 @@ from agentrl.trajectory import TrajectoryFinish
 __all__ = ["SolverVerifierLoop", "VERIFIER_PROMPT", "verdict_of"]
 
 VERIFIER_PROMPT = ("Check the answer to the question. Use the calculator tool for arithmetic. "
-                   "End with #### correct or #### wrong.")
-_VERDICT = re.compile(r"####\s*(correct|wrong)\s*$", re.IGNORECASE)
+                   "End with #### 1 if the answer is right, #### 0 if it is wrong.")
+_VERDICT = re.compile(r"####\s*([01])\s*$")
 
 
-def verdict_of(text: str) -> str | None:
-    """``correct`` or ``wrong`` from a verifier's answer ending ``#### <verdict>`` (None: no verdict)."""
+def verdict_of(text: str) -> bool | None:
+    """The verdict of a verifier's answer ending ``#### 1`` (True: right) or ``#### 0`` (False:
+    wrong); None: no verdict."""
     found = _VERDICT.search(text.strip())
-    return found.group(1).lower() if found else None
+    return None if found is None else found.group(1) == "1"
 
 
 class SolverVerifierLoop(RolesLoop):
@@ -57,9 +59,9 @@ class SolverVerifierLoop(RolesLoop):
         if game.is_sampled("verifier"):
             verdict = verdict_of(await self._answer(game, "verifier"))
         else:  # the scripted judge
-            verdict = "correct" if right else "wrong"
-            game.say("verifier", f"#### {verdict}")
-        game.rewards["verifier"] = 1.0 if verdict == ("correct" if right else "wrong") else 0.0
+            verdict = right
+            game.say("verifier", f"#### {int(right)}")
+        game.rewards["verifier"] = 1.0 if verdict == right else 0.0
         return TrajectoryFinish.STOP
 
     async def _answer(self, game: RolesEpisode, role: str) -> str:

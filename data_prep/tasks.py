@@ -6,6 +6,8 @@
 * ``arith_retry``: ``arith`` with the GSM8K-style interaction (told it is wrong, it may retry).
 * ``word_steps``: the ``word`` problems with every calculator call checked on its own: a call
   reaching one of the problem's intermediate values earns ``STEP_REWARD`` on its turn.
+* ``solver_verifier``: the ``arith`` problems played by a solver and a verifier of one policy
+  (``data_prep/solver_verifier.py``, docs/roles.md).
 
 Rows follow the standard schema (``agentrl.data.row.Row``), answers end with ``#### <number>``.
 A problem belongs to the test split when a hash of its text says so (one in eight), so the
@@ -74,9 +76,10 @@ TASKS: dict[str, tuple[Callable[[random.Random], Problem], str]] = {
     "word": (_word, "agentrl/word"),
     "arith_retry": (_arith, "agentrl/arith_retry"),
     "word_steps": (_word, "agentrl/word"),
+    "solver_verifier": (_arith, "agentrl/solver_verifier"),
 }
 # tasks drawing the same problems as another (a variant that differs in its rows only)
-SAME_PROBLEMS = {"word_steps": "word"}
+SAME_PROBLEMS = {"word_steps": "word", "solver_verifier": "arith"}
 STEP_REWARD = 0.5  # word_steps: the reward of a calculator call that reaches one of the problem's intermediate values
 
 
@@ -124,7 +127,7 @@ def _row(task: str, problem: Problem, index: int, split: str) -> dict[str, Any]:
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
         "extra_info": extra,
-        "agent_name": "tool_agent",
+        "agent_name": "solver_verifier" if task == "solver_verifier" else "tool_agent",
     }
 
 
@@ -197,6 +200,10 @@ def sft_conversations(
         raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
     from agentrl_interactions.gsm8k import INCORRECT
 
+    if task == "solver_verifier":  # the two roles' demonstrations in turn
+        from agentrl_data_prep.solver_verifier import demonstrations
+
+        return demonstrations(n, seed, split, tool_rate=tool_rate, informal_rate=informal_rate)
     style = random.Random(f"demonstrator:{SAME_PROBLEMS.get(task, task)}:{seed}:{split}")
     conversations = []
     for problem in problems(task, n, seed, split):

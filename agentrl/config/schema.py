@@ -82,7 +82,7 @@ class DataConfig(Section):
     train_files: list[str] = Field(default_factory=list)
     val_files: list[str] = Field(default_factory=list)
     # With no train_files, rows are generated from a built-in task (data_prep.tasks).
-    task: Literal["arith", "word", "arith_retry", "word_steps"] | None = "arith"
+    task: Literal["arith", "word", "arith_retry", "word_steps", "solver_verifier"] | None = "arith"
     task_train_size: int = Field(2000, ge=1)
     task_val_size: int = Field(64, ge=1)
     train_batch_size: int = Field(16, ge=1)  # prompts per step

@@ -40,7 +40,7 @@ def roll(tiny_tokenizer, make_ctx, answers, *, n=1, agent=None, reward=None):
 
 
 def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenizer, make_ctx):
-    trajectories, ctx, engine = roll(tiny_tokenizer, make_ctx, {"solver": [CALL_12x34, "#### 408"], "verifier": ["#### correct"]})
+    trajectories, ctx, engine = roll(tiny_tokenizer, make_ctx, {"solver": [CALL_12x34, "#### 408"], "verifier": ["#### 1"]})
     solver, verifier = trajectories
     r = ctx.renderer
     tools = ctx.toolbox.session("x", ROW.extra_info.tools_kwargs).schemas()
@@ -53,8 +53,8 @@ def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenize
     # the verifier: the solver's answer in its prompt as a user message, then its own verdict only
     seen = [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": "Question: What is 12 * 34?"},
             {"role": "user", "content": "Answer: #### 408"}]
-    assert verifier.messages == seen + [{"role": "assistant", "content": "#### correct"}]
-    verdict = tiny_tokenizer.encode("#### correct", add_special_tokens=False) + [r.eos_id]
+    assert verifier.messages == seen + [{"role": "assistant", "content": "#### 1"}]
+    verdict = tiny_tokenizer.encode("#### 1", add_special_tokens=False) + [r.eos_id]
     assert verifier.prompt_ids == r.prompt_ids(seen, tools)
     assert verifier.response_ids == verdict + r.separator_ids
     assert verifier.response_mask == [1] * len(verdict) + [0] * len(r.separator_ids)
@@ -69,14 +69,14 @@ def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenize
 
 
 def test_a_wrong_answer_and_the_verdicts_on_it_are_rewarded_by_role(tiny_tokenizer, make_ctx):
-    answers = {"solver/0": ["#### 407"], "solver/1": ["#### 407"], "verifier/0": ["#### correct"], "verifier/1": ["#### wrong"]}
+    answers = {"solver/0": ["#### 407"], "solver/1": ["#### 407"], "verifier/0": ["#### 1"], "verifier/1": ["#### 0"]}
     trajectories, _, _ = roll(tiny_tokenizer, make_ctx, answers, n=2)
     assert [(t.role, t.sample_index, t.reward) for t in trajectories] == [
         ("solver", 0, 0.0), ("verifier", 0, 0.0), ("solver", 1, 0.0), ("verifier", 1, 1.0)]
-    sampled = {text: len(tiny_tokenizer.encode(text, add_special_tokens=False)) + 1 for text in ["#### 407", "#### correct", "#### wrong"]}
+    sampled = {text: len(tiny_tokenizer.encode(text, add_special_tokens=False)) + 1 for text in ["#### 407", "#### 1", "#### 0"]}
     assert role_metrics(trajectories) == {
         "role/solver/reward": 0.0, "role/solver/tokens": sampled["#### 407"], "role/solver/tool_calls": 0.0,
-        "role/verifier/reward": 0.5, "role/verifier/tokens": (sampled["#### correct"] + sampled["#### wrong"]) / 2,
+        "role/verifier/reward": 0.5, "role/verifier/tokens": (sampled["#### 1"] + sampled["#### 0"]) / 2,
         "role/verifier/tool_calls": 0.0}
 
 
@@ -114,18 +114,17 @@ def test_a_reward_function_may_answer_by_role(tiny_tokenizer, make_ctx, monkeypa
         return {"solver": 0.25, "verifier": {"score": 0.75}}
 
     monkeypatch.setattr("agentrl.agent.runner.RewardTable.__call__", lambda self, source: by_role)
-    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 408"], "verifier": ["#### wrong"]})
+    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 408"], "verifier": ["#### 0"]})
     assert [(t.role, t.reward) for t in trajectories] == [("solver", 0.25), ("verifier", 0.75)]
-    assert seen == [("#### wrong", [{"role": "solver", "content": "#### 408"}, {"role": "verifier", "content": "#### wrong"}])]
+    assert seen == [("#### 0", [{"role": "solver", "content": "#### 408"}, {"role": "verifier", "content": "#### 0"}])]
 
 
 def test_verdicts_are_read_from_the_end():
-    assert [verdict_of(t) for t in ["#### correct", "so #### Wrong \n", "#### correct then", "correct"]] == [
-        "correct", "wrong", None, None]
+    assert [verdict_of(t) for t in ["#### 1", "so #### 0 \n", "#### 1 then", "#### 10", "1"]] == [True, False, None, None, None]
 
 
 def test_the_store_keeps_the_role_and_reads_older_shards_without_one(tiny_tokenizer, make_ctx, tmp_path):
-    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 408"], "verifier": ["#### correct"]})
+    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 408"], "verifier": ["#### 1"]})
     store = RolloutStore(tmp_path)
     path = store.write_step(1, trajectories)
     assert list(store.iter_trajectories()) == trajectories

@@ -22,7 +22,7 @@ from tests.agent.agent_helpers import make_row
 # [1, 0], verifier rewards [1, 1]: one pooled group of four would give the verifier's samples
 # advantages too, per-role groups give the verifier none (a group all alike).
 ANSWERS = {("solver", "0"): "#### 408", ("solver", "1"): "#### 407",
-           ("verifier", "0"): "#### correct", ("verifier", "1"): "#### wrong"}
+           ("verifier", "0"): "#### 1", ("verifier", "1"): "#### 0"}
 
 
 def script(row_id, index, request):
@@ -67,8 +67,8 @@ def test_both_roles_train_in_one_loss_each_with_its_own_role_group_advantage(tin
     expected = {  # role, sample -> (sampled ids, advantage on each of them)
         ("solver", 0): (tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [eot], grpo),
         ("solver", 1): (tiny_tokenizer.encode("#### 407", add_special_tokens=False) + [eot], -grpo),
-        ("verifier", 0): (tiny_tokenizer.encode("#### correct", add_special_tokens=False) + [eot], 0.0),
-        ("verifier", 1): (tiny_tokenizer.encode("#### wrong", add_special_tokens=False) + [eot], 0.0),
+        ("verifier", 0): (tiny_tokenizer.encode("#### 1", add_special_tokens=False) + [eot], 0.0),
+        ("verifier", 1): (tiny_tokenizer.encode("#### 0", add_special_tokens=False) + [eot], 0.0),
     }
     prompts = {(t.role, t.sample_index): t.prompt_ids for t in trajectories}
     rows = {}
