@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from agentrl.agent.render import _ANSWER, ChatRenderer
+from agentrl.agent.render import _ANSWER, ChatRenderer, second_round_problem
 
 __all__ = ["GlmRenderer", "is_glm_template", "OBSERVATION", "USER"]
 
@@ -62,9 +62,4 @@ class GlmRenderer(ChatRenderer):
                                  {"role": "assistant", "content": "b", "tool_calls": [call]}, second], add_generation_prompt=True)
         except Exception as exc:
             return f"rendering a tool message raised {type(exc).__name__}: {exc}"
-        if second["content"] not in alone:
-            return "the template drops messages with role 'tool' (their content is not rendered)"
-        later = full[full.rindex(OBSERVATION) + len(OBSERVATION) :]
-        if later != alone:
-            return f"the template renders a second round of tool results as {later!r} but a first one as {alone!r}"
-        return None
+        return second_round_problem(alone, full, OBSERVATION, second["content"])

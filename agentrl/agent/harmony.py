@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from agentrl.agent.render import ChatRenderer, TemplateUnsupported
+from agentrl.agent.render import ChatRenderer, TemplateUnsupported, second_round_problem
 from agentrl.agent.tool_parsers import ParsedCall, ParsedTurn
 
 __all__ = ["HarmonyToolParser", "HarmonyCall", "HarmonyRenderer", "is_harmony_template", "name_tool_results", "HISTORY_NOTE"]
@@ -217,12 +217,7 @@ class HarmonyRenderer(ChatRenderer):
             full = self._render([question, _call_turn("probe"), first, _call_turn("probe_two"), second], add_generation_prompt=True)
         except Exception as exc:
             return f"rendering a tool message raised {type(exc).__name__}: {exc}"
-        if second["content"] not in alone:
-            return "the template drops messages with role 'tool' (their content is not rendered)"
-        later = full[full.rindex(CALL) + len(CALL) :]
-        if later != alone:
-            return f"the template renders a second round of tool results as {later!r} but a first one as {alone!r}"
-        return None
+        return second_round_problem(alone, full, CALL, second["content"])
 
 
 def name_tool_results(renderer: ChatRenderer, before: Sequence[dict[str, Any]], messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

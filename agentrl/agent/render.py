@@ -66,6 +66,18 @@ _MAX_CACHED_PIECE_LEN = 512
 _MAX_CACHED_PROMPTS = 4096
 
 
+def second_round_problem(alone: str, full: str, turn_end: str, content: str) -> str | None:
+    """Why tool results cannot be rendered one round at a time (None: they can): ``alone`` is the
+    delta of a second round rendered on its own, ``full`` a rendering of two rounds in which
+    ``turn_end`` ends the call turn before the second, ``content`` the second result's text."""
+    if content not in alone:
+        return "the template drops messages with role 'tool' (their content is not rendered)"
+    later = full[full.rindex(turn_end) + len(turn_end) :]
+    if later != alone:
+        return f"the template renders a second round of tool results as {later!r} but a first one as {alone!r}"
+    return None
+
+
 class ChatRenderer:
     """Renders prompts and observation deltas through a tokenizer's chat template.
 
