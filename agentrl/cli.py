@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("agentrl.agent.rollout_cli:cli_main", "run agent loops over a dataset and store trajectories"),
     "replay": ("agentrl.replay.cli:cli_main", "show, report, re-score and re-train stored rollouts"),
     "serve": ("agentrl.engines.serve:cli_main", "serve a model over SGLang's native HTTP protocol"),
-    "bench": ("agentrl.cli:bench_main", "benchmarks: engine, agent-loop, trainer, forward, lora, export, async (JSON output)"),
+    "bench": ("agentrl.cli:bench_main", "benchmarks: engine, agent-loop, trainer, forward, lora, export, async, history (JSON output)"),
     "tools": ("agentrl.agent.tools_cli:cli_main", "call a tool once: tools call NAME --arguments JSON"),
     "plugins": ("agentrl.cli:plugins_main", "list installed plugins: plugins list [--json] [--check]"),
     "data": ("agentrl.data.cli:cli_main", "prepare and validate datasets (gsm8k, tasks, validate)"),
@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "scaling": "agentrl_benchmarks.scaling:main",
     "export": "agentrl_benchmarks.export:main",
     "async": "agentrl_benchmarks.async_training:main",
+    "history": "agentrl_benchmarks.history:main",
 }
 
 

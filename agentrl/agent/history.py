@@ -98,7 +98,9 @@ def history_rewrite(renderer: ChatRenderer) -> str | None:
             turn = renderer.render_text(_PROBE[: a + 1])
             if _PROBE[a].get("tool_calls") and "probe" not in turn:  # the probe offers no tools block: only the call names it
                 return "the template does not render an assistant turn's tool calls in later requests"
-            head = turn[: turn.rindex(renderer.eos_token) + len(renderer.eos_token)]  # through its end-of-turn token
+            ends = (renderer.eos_token, *renderer.message_end_tokens, *([renderer.call_token] if renderer.call_token else []))
+            end = max(turn.rfind(token) + len(token) for token in ends if token in turn)
+            head = turn[:end]  # through its end-of-turn token (harmony: or the token that ends its last message)
             for end in (e for e in requests if e > a + 1):
                 later = renderer.render_prompt_text(_PROBE[:end], None)
                 if not later.startswith(head):

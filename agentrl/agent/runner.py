@@ -198,10 +198,10 @@ class RolloutRunner:
                     left[i] -= 1
                     done = [t for k in range(n) for t in results[i * n + k] or []] if left[i] == 0 else []
                     if done:
-                        await finish_group(loop, done)  # type: ignore[arg-type]
+                        await finish_group(loop, done)
                 for t in done:
                     if on_done is not None:
-                        on_done(t)  # type: ignore[arg-type]
+                        on_done(t)
                 if bar is not None:
                     bar.update(1)
 

@@ -112,7 +112,9 @@ def test_template_that_drops_earlier_thinking_is_detected_and_the_stream_keeps_w
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.chat_template = DROPS_THINKING
     row = make_row(interaction_kwargs=RETRY)
-    t, ctx, engine = rollout(make_ctx, tok, ["<think>guess</think>#### 400", "<think>compute</think>#### 408"], row)
+    # agent.history=as_sampled: one stream (as_template starts a segment at the retry: tests/agent/test_history.py)
+    t, ctx, engine = rollout(make_ctx, tok, ["<think>guess</think>#### 400", "<think>compute</think>#### 408"], row,
+                             agent={"history": "as_sampled"})
     assert not ctx.renderer.append_only
     assert t.finish_reason == "interaction_done"
     first, user, second = (t.response_ids[x.start : x.end] for x in t.turns)
