@@ -25,6 +25,7 @@ What ended an episode is a ``agentrl.trajectory.TrajectoryFinish`` (documented t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -169,7 +170,9 @@ async def sample_turn(
     versions = result.token_versions()
     books.weight_versions.extend(versions or [result.weight_version])
     ids = result.output_ids
-    stopped = result.finish_reason is FinishReason.STOP and bool(ids) and ids[-1] in turn_ends
+    stopped = result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and bool(ids) and ids[-1] in turn_ends
+    if stopped and result.finish_reason is FinishReason.LENGTH:  # the end-of-turn id was the last one allowed (engines
+        result = dataclasses.replace(result, finish_reason=FinishReason.STOP, matched_stop=ids[-1])  # check length first)
     return SampledTurn(result, versions, stopped, renderer.decode(ids[:-1] if stopped else ids))
 
 

@@ -80,3 +80,25 @@ def test_an_engine_error_or_abort_ends_a_loop_and_an_endpoint_session_alike(tiny
     assert own.metrics["generate_calls"] == 2.0 and served.metrics["generate_calls"] == 1.0
     assert own.metrics.get("engine_errors") == (1.0 if how == "error" else None)
     assert "engine_errors" not in served.metrics
+
+
+class EndOfTurnAtTheLimit(ScriptedEngine):
+    """Reports ``length`` for a turn whose end-of-turn id was the last token allowed, as SGLang and
+    the built-in engine do (they check the length before the stop tokens)."""
+
+    async def generate(self, request):
+        result = await super().generate(request)
+        return dataclasses.replace(result, finish_reason=FinishReason.LENGTH, matched_stop=None)
+
+
+def test_a_turn_whose_end_of_turn_token_is_the_last_allowed_one_ends_as_a_stop(tiny_tokenizer, make_ctx):
+    engine = EndOfTurnAtTheLimit(tiny_tokenizer, {"r0": [CALL_12x34, "#### 408"]})
+    ctx = make_ctx(engine)
+    (t,) = run(PluginRegistry().load("agent_loops", "tool_agent")(), ctx, [("r0", make_row())])
+    assert t.finish_reason == "stop" and t.reward == 1.0  # not ended as length after the call
+    assert [c.result for c in t.tool_calls] == ["408"]
+    first = t.response_ids[t.turns[0].start : t.turns[0].end]
+    tool = t.response_ids[t.turns[1].start : t.turns[1].end]
+    assert first[-1] == ctx.renderer.eos_id and "<|im_end|>" not in t.messages[2]["content"]
+    assert tool == ctx.renderer.observation_ids([{"role": "tool", "content": "408"}])  # the template's separator first
+    assert t.response_ids[t.turns[-1].end :] == ctx.renderer.separator_ids
