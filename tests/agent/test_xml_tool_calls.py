@@ -306,3 +306,32 @@ def test_qwen3_5_two_calls_then_an_interaction_retry(history, segments, family_t
     sampled = [tok.encode(s, add_special_tokens=False) + [eot] for s in script]
     assert t.response_ids == (sampled[0] + tok.encode(results, add_special_tokens=False) + sampled[1]
                               + tok.encode(retry, add_special_tokens=False) + sampled[2] + ctx.renderer.separator_ids)
+
+
+def test_glm_through_the_openai_endpoint_is_exact(family_tokenizers, make_ctx):
+    """A program's GLM conversation: the call turn ends with <|observation|>, the tool result is the
+    template's rendering after it, the answer ends with <|user|>; the calls come back typed."""
+    from agentrl_agent_programs.gsm8k_calculator import CALCULATOR
+
+    tok = family_tokenizers["glm-4.6"]
+    call = "\n<think>use it</think>\n" + Glm45ToolParser.format_calls([("calculator", {"expression": "12 * 34"})]) + "<|observation|>"
+    engine = ScriptedEngine(tok, {"r0": [call, "\n<think>done</think>\n#### 408"]})
+    ctx = make_ctx(engine, tokenizer=tok)
+
+    def program(task):
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        messages = list(task.messages)
+        first = client.chat.completions.create(model=task.model, messages=messages, tools=[CALCULATOR]).choices[0].message
+        [tool_call] = first.tool_calls
+        messages += [first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": tool_call.id, "content": "408"}]
+        return client.chat.completions.create(model=task.model, messages=messages, tools=[CALCULATOR]).choices[0].message.content
+
+    (t,) = run(loop_with(program), ctx, [("r0", make_row(agent="openai_agent"))])
+    assert t.finish_reason == "stop" and t.reward == 1.0, t.reward_info
+    observation, user = tok.convert_tokens_to_ids("<|observation|>"), tok.convert_tokens_to_ids("<|user|>")
+    sampled = [tok.encode(call.removesuffix("<|observation|>"), add_special_tokens=False) + [observation],
+               tok.encode("\n<think>done</think>\n#### 408", add_special_tokens=False) + [user]]
+    result = tok.encode("\n<tool_response>\n408\n</tool_response><|assistant|>", add_special_tokens=False)
+    assert t.response_ids == sampled[0] + result + sampled[1]
+    assert t.response_mask == [1] * len(sampled[0]) + [0] * len(result) + [1] * len(sampled[1])
+    assert t.metrics["tool_calls/parsed"] == 1.0 and t.metrics["segment_splits"] == 0
