@@ -19,7 +19,8 @@ weight version of each response token: an empty list, unknown), before version 6
 ``dropped`` says why a stored trajectory's group was not trained (null: it was, or its split does
 not train): ``stale``, a group an asynchronous run finished and dropped as older than
 ``rollout.max_staleness`` (stored in the shard of the step that dropped it, beside the groups that
-step trained). ``TrajectoryFilter(dropped=False)`` reads what was trained.
+step trained), or ``filtered``, a group dynamic sampling (``algorithm.filter_groups``) drew and did
+not train. ``TrajectoryFilter(dropped=False)`` reads what was trained.
 
 A shard is written to a hidden temporary file in the same directory in row groups, fsynced,
 then renamed over its final name (and the directory fsynced), so a reader sees a whole shard
@@ -63,7 +64,9 @@ __all__ = ["SCHEMA_VERSION", "SCHEMA", "READABLE_VERSIONS", "DROPPED_REASONS", "
 
 SCHEMA_VERSION = "7"  # 3: each tool call's metrics; 4: earlier segments; 5: token versions; 6: dropped groups; 7: roles
 READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6", "7")
-DROPPED_REASONS = ("stale",)  # why a stored group was not trained (the ``dropped`` column)
+# why a stored group was not trained (the ``dropped`` column): stale (an asynchronous run's, older
+# than rollout.max_staleness), filtered (dynamic sampling's: its rewards all equal, or beyond the batch)
+DROPPED_REASONS = ("stale", "filtered")
 VERSION_KEY = b"agentrl_schema_version"
 
 _TURN = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64()), ("reward", pa.float64())])

@@ -254,7 +254,9 @@ class Trainer:
             else:
                 trajectories = drawn = self.rollout(rows, step=step, validation=False)
         if self.store is not None:  # numbered as the console and metrics.jsonl number it (from 1)
-            self.store.write_step(step + 1, drawn, rows=rows)
+            trained = {t.group_id for t in trajectories}  # dynamic sampling's filtered groups are stored marked
+            dropped = {t.group_id: "filtered" for t in drawn if t.group_id not in trained}
+            self.store.write_step(step + 1, drawn, rows=rows, dropped=dropped)
         try:
             check_weight_versions(trajectories, self.weight_version, where=f"step {step + 1}")
             result = self.step.online(trajectories, step=step)

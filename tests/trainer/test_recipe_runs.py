@@ -43,5 +43,9 @@ def test_dapo_run_draws_again_when_groups_are_uniform_and_stores_every_draw(tmp_
     for step, m in steps.items():
         n = sum(1 for s, split in zip(stored["step"], stored["split"]) if s == step and split == "train")
         assert n == 2 * 2 * m["dynamic_sampling/gen_batches"]  # every draw's trajectories, kept or not
+        marks = [d for s, split, d in zip(stored["step"], stored["split"], stored["dropped"]) if s == step and split == "train"]
+        assert set(marks) <= {None, "filtered"}  # the groups not trained are marked, the trained ones not
+        trained = marks.count(None)
+        assert trained == 2 * m["dynamic_sampling/groups_kept"] or (m["dynamic_sampling/groups_kept"] == 0 and trained == 2 * 2)
     config = (run / "config.yaml").read_text()
     assert "clip_ratio_high: 0.28" in config and "loss_agg_mode: token-mean" in config
