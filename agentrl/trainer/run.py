@@ -425,7 +425,8 @@ def train(cfg: TrainConfig, *, command: str | None = None) -> RunResult:
                 cfg.trainer.resume = str(run.path)
     finally:
         log.close()
-    summary.update(steps=cfg.trainer.total_steps, restarts=restarts, wall_s=round(time.perf_counter() - started, 1))
+    steps = summary["stopped"]["step"] if "stopped" in summary else cfg.trainer.total_steps  # a health stop ends it early
+    summary.update(steps=steps, restarts=restarts, wall_s=round(time.perf_counter() - started, 1))
     run.write_summary(summary)
     run.write_report(trainer.last_validation[:6], summary, decode=trainer.tokenizer.decode)
     return RunResult(run_dir=run.path, summary=summary)

@@ -35,7 +35,7 @@ def _train(tmp_path, *extra: str):
 
 def _assert_stopped(result, step: int) -> dict:
     stopped = result.summary["stopped"]
-    assert stopped["step"] == step
+    assert stopped["step"] == step == result.summary["steps"]
     assert json.loads((result.run_dir / "summary.json").read_text())["stopped"] == stopped
     assert (result.run_dir / "checkpoints" / f"step_{step}").is_dir()  # trainer.resume=auto goes on from here
     assert f"Stopped at step {step} by a health check" in (result.run_dir / "report.html").read_text()
