@@ -205,7 +205,9 @@ class ToolSession:
             for name in self.enabled:
                 # counted before the call: a create that fails half-way is released too
                 self._created.append(name)
-                await self.box.tools[name].create(self.instance_id, **self._kw(name, "create_kwargs"))
+                # bounded as a call is (agent.tool_timeout_s): create runs before the trajectory's own timeout
+                await _tool_step(self.box.tools[name].create(self.instance_id, **self._kw(name, "create_kwargs")),
+                                 name, "create", self.box.tool_timeout_s)
         except BaseException:
             await self._release()
             raise
@@ -219,7 +221,9 @@ class ToolSession:
         ``calc_reward_errors`` (the trajectory survives it)."""
         for name in self._created:
             try:
-                reward = await self.box.tools[name].calc_reward(self.instance_id, **self._kw(name, "calc_reward_kwargs"))
+                reward = await _tool_step(  # after the trajectory's timeout: bounded as a call is
+                    self.box.tools[name].calc_reward(self.instance_id, **self._kw(name, "calc_reward_kwargs")),
+                    name, "calc_reward", self.box.tool_timeout_s)
             except Exception as exc:
                 self.calc_reward_errors[name] = f"{type(exc).__name__}: {exc}"
                 continue
@@ -285,6 +289,14 @@ class ToolSession:
             )
         call.arguments = arguments
         return CallOutcome(call, result.text, reward=result.reward, duration_s=time.perf_counter() - start, metrics=result.metrics)
+
+
+async def _tool_step(awaitable: Any, name: str, step: str, seconds: float) -> Any:
+    """A tool's ``create`` or ``calc_reward`` within ``agent.tool_timeout_s``, past it an error saying so."""
+    try:
+        return await _with_timeout(awaitable, seconds)
+    except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11 on
+        raise TimeoutError(f"tool {name!r}: {step} did not finish within agent.tool_timeout_s={seconds:g} s") from None
 
 
 async def _with_timeout(awaitable: Any, seconds: float) -> Any:

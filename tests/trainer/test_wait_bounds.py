@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from agentrl.config.schema import TrainConfig
 from wait_scan import unbounded_calls
 
@@ -64,10 +66,6 @@ BOUNDS: dict[str, str] = {
 
 # waits with no bound found (each a defect: the wait can last forever)
 KNOWN_GAPS: dict[str, str] = {
-    "agentrl/agent/tools_runtime.py::__aenter__::self.box.tools[name].create":
-        "tool create() runs before play(), outside agent.trajectory_timeout_s, and without agent.tool_timeout_s",
-    "agentrl/agent/tools_runtime.py::collect_rewards::self.box.tools[name].calc_reward":
-        "tool calc_reward() runs after play(), outside agent.trajectory_timeout_s",
     "agentrl/agent/tools_runtime.py::score::self.interaction.calculate_score":
         "the interaction's score runs after play(), outside agent.trajectory_timeout_s",
     "agentrl/agent/tools_cli.py::call_tool::tool.create": "agentrl tool call (by hand): no timeout",
@@ -117,3 +115,34 @@ def test_the_scan_finds_a_wait_without_a_timeout_and_passes_one_with_it(tmp_path
     monkeypatch.setattr(wait_scan, "REPO", tmp_path)
     assert set(wait_scan.unbounded_calls()) == {"agentrl/m.py::a::ray.get", "agentrl/m.py::a::q.get", "agentrl/m.py::a::t.join",
                                                 "agentrl/m.py::a::subprocess.run", "agentrl/m.py::c::engine.generate"}
+
+
+def test_a_tool_whose_create_or_calc_reward_hangs_is_cut_at_the_tool_timeout():
+    import asyncio
+
+    from agentrl.agent.tool import Tool
+    from agentrl.agent.tools_runtime import ToolBox
+
+    class Hangs(Tool):
+        name, description, parameters = "hangs", "never answers", {"type": "object", "properties": {}}
+
+        def __init__(self, where: str):
+            self.where = where
+
+        async def create(self, instance_id, **kwargs):
+            if self.where == "create":
+                await asyncio.sleep(60)
+
+        async def calc_reward(self, instance_id, **kwargs):
+            await asyncio.sleep(60)
+
+    async def enter(where: str):
+        session = ToolBox({"hangs": Hangs(where)}, tool_timeout_s=0.05).session("t#0", {})
+        async with session:
+            await session.collect_rewards()
+            return session.calc_reward_errors
+
+    with pytest.raises(TimeoutError, match=r"^tool 'hangs': create did not finish within agent.tool_timeout_s=0.05 s$"):
+        asyncio.run(enter("create"))
+    assert asyncio.run(enter("calc_reward")) == {
+        "hangs": "TimeoutError: tool 'hangs': calc_reward did not finish within agent.tool_timeout_s=0.05 s"}
