@@ -32,6 +32,8 @@ def test_as_template_trains_segmented_trajectories_with_engine_and_trainer_logpr
     rows = [json.loads(line) for line in (tmp_path / "history" / "metrics.jsonl").read_text().splitlines()]
     [step] = [row for row in rows if "reward/mean" in row]  # the training step (validation rows hold val/ keys)
     assert step["trajectories/earlier_segments"] > 0  # segments were trained, as rows sharing the trajectory's advantage
+    # a trajectory's segments share its tokens up to the rewritten turn: the packed forward computes them once
+    assert step["tokens/sampled"] < step["perf/tokens_computed"] < step["perf/tokens_rows"]
     assert step["logprob_mismatch/mean"] < 1e-6 and step["logprob_mismatch/max"] < 1e-4
     # the run's policy renders with the template it was given (model.chat_template reaches every tokenizer)
     assert (tmp_path / "history" / "policy" / "chat_template.jinja").read_text() == QWEN3.read_text()
