@@ -2,7 +2,8 @@
 
 Rows are ``arith`` rows run by the ``solver_verifier`` loop (agent_loops/solver_verifier.py):
 the solver answers with the calculator, the verifier judges the solver's answer. The warm start's
-demonstrations (``demonstrations``) alternate the two roles: a solver as ``arith``'s demonstrator
+demonstrations (``demonstrations``) hold both roles, three solvers to one verifier (the solver's
+skills are the harder to keep): a solver as ``arith``'s demonstrator
 (the calculator at ``tool_rate``, else a "mental" answer one digit wrong) and a verifier that
 checks with the calculator at ``tool_rate`` and otherwise guesses its verdict, on answers right
 or one digit wrong in equal shares. RL then has, for each role, the tool to discover.
@@ -16,6 +17,7 @@ from typing import Any
 __all__ = ["DATA_SOURCE", "demonstrations", "verifier_messages"]
 
 DATA_SOURCE = "agentrl/solver_verifier"
+VERIFIER_EVERY = 4  # one demonstration in four is the verifier's
 
 
 def verifier_messages(question: str, answer_text: str) -> list[dict[str, Any]]:
@@ -27,14 +29,15 @@ def verifier_messages(question: str, answer_text: str) -> list[dict[str, Any]]:
 
 
 def demonstrations(n: int, seed: int, split: str, *, tool_rate: float, informal_rate: float) -> list[list[dict[str, Any]]]:
-    """``n`` conversations, solver and verifier in turn, over ``arith``'s problems."""
+    """``n`` conversations over ``arith``'s problems, every fourth a verifier's, the others a solver's."""
     from agentrl_data_prep.tasks import mental_slip, problems, sft_conversations
 
-    solver = iter(sft_conversations("arith", (n + 1) // 2, seed, split, informal_rate=informal_rate, tool_rate=tool_rate))
+    solver = iter(sft_conversations("arith", n - n // VERIFIER_EVERY, seed, split, informal_rate=informal_rate,
+                                    tool_rate=tool_rate))
     style = random.Random(f"verifier:{seed}:{split}")
     out: list[list[dict[str, Any]]] = []
     for k, problem in enumerate(problems("arith", n, seed, split)):
-        if k % 2 == 0:
+        if k % VERIFIER_EVERY != VERIFIER_EVERY - 1:
             out.append(next(solver))
             continue
         right = style.random() < 0.5

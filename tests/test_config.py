@@ -254,7 +254,7 @@ def test_a_misspelt_group_option_lists_the_options_and_the_closest_one(capsys):
     assert main(["train", "--cfg", "job", "data=gsm9k"]) == 1  # exits as every configuration error does
     assert capsys.readouterr().err == (
         "agentrl train: invalid configuration (1 problem):\n"
-        "  data: unknown option 'gsm9k' (known: arith, arith_retry, gsm8k, word, word_steps); did you mean data=gsm8k?\n"
+        "  data: unknown option 'gsm9k' (known: arith, arith_retry, gsm8k, solver_verifier, word, word_steps); did you mean data=gsm8k?\n"
     )
 
 

@@ -131,3 +131,20 @@ def test_the_store_keeps_the_role_and_reads_older_shards_without_one(tiny_tokeni
     older = pq.read_table(path).drop_columns(["role"]).replace_schema_metadata({"agentrl_schema_version": "6"})
     pq.write_table(older, path)
     assert list(store.iter_trajectories()) == [dataclasses.replace(t, role=None) for t in trajectories]
+
+
+def test_the_solver_verifier_task_rows_and_its_demonstrations_of_both_roles():
+    from agentrl_data_prep.tasks import SYSTEM_PROMPT, generate, sft_conversations
+
+    rows = generate("solver_verifier", 3, seed=0)
+    assert {(r["agent_name"], r["data_source"]) for r in rows} == {("solver_verifier", "agentrl/solver_verifier")}
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in generate("arith", 3, seed=0)]  # arith's problems
+    demos = sft_conversations("solver_verifier", 40, seed=0, tool_rate=1.0)
+    solvers, verifiers = [d for k, d in enumerate(demos) if k % 4 != 3], demos[3::4]
+    assert {d[0]["content"] for d in solvers} == {SYSTEM_PROMPT}
+    for d in verifiers:  # with the calculator, the verdict compares its result with the answer shown
+        assert [m["role"] for m in d] == ["system", "user", "user", "assistant", "tool", "assistant"]
+        assert d[0]["content"] == VERIFIER_PROMPT
+        shown, value = int(d[2]["content"].removeprefix("Answer: #### ")), int(d[4]["content"])
+        assert d[-1]["content"] == f"#### {int(shown == value)}"
+    assert {d[-1]["content"] for d in verifiers} == {"#### 0", "#### 1"}
