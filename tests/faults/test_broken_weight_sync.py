@@ -116,3 +116,23 @@ def test_a_healthy_run_passes_every_check(tmp_path, staleness):
     for row in steps.values():
         assert row["health/logprob_mismatch"] < 1e-6 and row["health/mismatch_tokens"] > 0
         assert row["health/engine_version"] == row["health/synced_version"] == row["step"]
+
+
+def test_a_stale_copy_on_an_sglang_server_stops_the_run_at_the_first_step_that_trains_on_it(tmp_path, monkeypatch):
+    # the managed server is `agentrl serve` (SGLang's protocol, in seconds on this CPU); the sync goes by disk
+    export = workers.ActorWorker.export_hf
+    exported: list[str] = []
+
+    def first_export_only(self, directory):  # the server reloads version 1's files at every later sync
+        if not exported:
+            exported.append(directory)
+            export(self, directory)
+
+    monkeypatch.setattr(workers.ActorWorker, "export_hf", first_export_only)
+    result, steps = _train(tmp_path, "trainer.total_steps=3", "engine=sglang", "engine.launcher=agentrl",
+                           "trainer.health.logprob_mismatch.stop_steps=1")
+    stopped = _assert_stopped(result, 3)
+    assert stopped["reason"].startswith("step 3: logprob_mismatch of the tokens sampled at weight version 2 = ")
+    # the versions the server itself reported (/get_model_info) after each sync
+    assert [steps[s]["health/engine_version"] for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
+    assert steps[2]["health/logprob_mismatch"] < 1e-5
