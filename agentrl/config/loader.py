@@ -236,6 +236,8 @@ def _check_files(cfg: TrainConfig, *, training: bool = True) -> list[tuple[str, 
         problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
     if not cfg.data.train_files and cfg.data.task is None:
         problems.append(("data.train_files", "empty, and data.task is null: give training files or a built-in task"))
+    problems += [(f"agent.roles.{role}", "a policy of its own per role is not available yet: use shared (trained with the "
+                  "other shared roles) or frozen (docs/roles.md)") for role, policy in cfg.agent.roles.items() if policy == "trained"]
     return problems
 
 

@@ -148,3 +148,14 @@ def test_the_solver_verifier_task_rows_and_its_demonstrations_of_both_roles():
         shown, value = int(d[2]["content"].removeprefix("Answer: #### ")), int(d[4]["content"])
         assert d[-1]["content"] == f"#### {int(shown == value)}"
     assert {d[-1]["content"] for d in verifiers} == {"#### 0", "#### 1"}
+
+
+def test_a_trained_role_is_refused_with_the_config_before_any_work():
+    from agentrl.config import compose, validate_config
+
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=trained"]))
+    assert info.value.problems == [("agent.roles.verifier", "a policy of its own per role is not available yet: use shared "
+                                    "(trained with the other shared roles) or frozen (docs/roles.md)")]
+    cfg = validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=frozen"]))
+    assert (cfg.data.task, cfg.agent.roles) == ("solver_verifier", {"verifier": "frozen"})
