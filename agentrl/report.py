@@ -63,7 +63,11 @@ PLOTS: tuple[Plot, ...] = (
     Plot("response length (tokens)", ("response_length/mean", "val/response_length/mean")),
     Plot("finish reasons (fraction)", prefixes=("finish/",)),
     Plot("SFT loss", ("sft/loss",)),
-    Plot("logprob mismatch |Δ| (engine vs trainer)", ("logprob_mismatch/mean", "replay/logprob_mismatch/mean")),
+    Plot("logprob mismatch |Δ| (engine vs trainer)", ("logprob_mismatch/mean", "replay/logprob_mismatch/mean",
+                                                      "health/logprob_mismatch")),
+    # the run's health measures (trainer/health.py): shares of groups alike, dropped as stale, tool calls failing
+    Plot("run health (shares per step)", ("health/uniform_groups", "health/stale_groups", "tool_calls/malformed_rate"),
+         prefixes=("health/tool_error_rate/",)),
     # asynchronous training (rollout.max_staleness > 0); the staleness histogram per step comes first
     Plot("staleness of the trained samples (policy versions)", ("async/staleness_mean", "async/staleness_max")),
     Plot("time shares of the step: trainer idle, engine busy", ("async/trainer_idle_fraction", "engine/busy_fraction")),

@@ -93,3 +93,14 @@ def test_agentrl_train_exits_1_with_the_reason_when_a_health_check_stopped_the_r
     assert capsys.readouterr().err.endswith(f"agentrl train: stopped at step 3: {stopped['reason']}\n")
     monkeypatch.setattr(run, "train", lambda cfg, command: run.RunResult(tmp_path, {}))
     assert run.cli_main(["trainer.total_steps=3"]) == 0
+
+
+def test_the_report_opens_with_the_stop_and_plots_the_health_measures():
+    from agentrl.report import render_report
+
+    rows = [{"step": s, "health/uniform_groups": 0.25 * s, "health/tool_error_rate/timeout": 0.5} for s in (1, 2)]
+    page = render_report(rows, [], "run", summary={"stopped": {"step": 2, "reason": "step 2: uniform_groups = 0.5 <x>"}})
+    assert '<h2>Stopped at step 2 by a health check</h2><p>step 2: uniform_groups = 0.5 &lt;x&gt;</p>' in page
+    assert page.index("Stopped at step 2") < page.index("Over steps")  # first, above the plots
+    assert "run health (shares per step)" in page and "health/tool_error_rate/timeout" in page
+    assert "by a health check" not in render_report(rows, [], "run", summary={"steps": 2})
