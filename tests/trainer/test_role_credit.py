@@ -91,3 +91,46 @@ def test_both_roles_train_in_one_loss_each_with_its_own_role_group_advantage(tin
     assert "Answer: #### 408" in verifier_prompt[0] and "Answer: #### 407" in verifier_prompt[1]
     assert result.metrics["role/solver/reward"] == 0.5 and result.metrics["role/verifier/reward"] == 1.0
     assert result.metrics["role/solver/tokens"] == (len(expected[("solver", 0)][0]) + len(expected[("solver", 1)][0])) / 2
+
+
+def test_an_agent_program_with_roles_trains_each_role_with_its_own_advantage(tiny_tokenizer):
+    """The same episode written as an agent program with the plain openai client: the request's
+    model field names the role; the step gets each role's own tokens with its role group's advantage."""
+    import openai
+
+    from agentrl.agent.program import AgentResult
+    from tests.agent.agent_helpers import loop_with
+
+    def program(task):
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        answer = client.chat.completions.create(model="solver", messages=task.messages).choices[0].message.content
+        verdict = client.chat.completions.create(model="verifier", messages=[
+            {"role": "user", "content": f"Check: {answer}"}]).choices[0].message.content
+        right = answer == "#### 408"
+        return AgentResult(final_answer=answer, reward={"solver": float(right), "verifier": float((verdict == "#### 1") == right)})
+
+    cfg = TrainConfig.model_validate({"data": {"train_batch_size": 2, "max_response_length": 64},
+                                      "actor": {"ppo_mini_batch_size": 1}, "rollout": {"n": 2},
+                                      "agent": {"roles": {"solver": "shared", "verifier": "shared"}}})
+    engine = ScriptedEngine(tiny_tokenizer, script)
+    ctx = build_context(engine, tiny_tokenizer, RolloutSetup.from_config(cfg), tool_names=[])
+    loops = LoopTable("openai_agent")
+    loops._loops["openai_agent"] = loop_with(program)  # the test's program for every row
+    trajectories = asyncio.run(RolloutRunner(ctx, loops).run([("r0", make_row(agent="openai_agent"))], n=2))
+    assert [(t.role, t.group_id, t.reward) for t in trajectories] == [
+        ("solver", "0:r0@solver", 1.0), ("verifier", "0:r0@verifier", 1.0),
+        ("solver", "0:r0@solver", 0.0), ("verifier", "0:r0@verifier", 1.0)]
+    assert {t.token_versions[0] for t in trajectories} == {0}  # each role's tokens carry the policy's weight version
+
+    actor = RecordingActor()
+    TrainingStep(cfg, Groups(actor=LocalGroup(actor)), pad_token_id=0).online(trajectories, step=0)
+    [mini] = actor.updates
+    grpo = 0.5 / (math.sqrt(0.5) + 1e-6)
+    width = mini.response_mask.shape[1]
+    got = {}
+    for i in range(len(mini)):
+        n_sampled = int(mini.response_mask[i].sum())
+        response = mini.input_ids[i, -width:][:n_sampled].tolist()
+        got[tiny_tokenizer.decode(response[:-1])] = round(float(mini.advantages[i, 0]), 5)
+        assert (mini.advantages[i, :n_sampled] == mini.advantages[i, 0]).all()
+    assert got == {"#### 408": round(grpo, 5), "#### 407": round(-grpo, 5), "#### 1": 0.0, "#### 0": 0.0}
