@@ -21,7 +21,11 @@ Rewards by role: the loop's own (``RolesEpisode.rewards``), else the reward func
 row's data source, called once per episode with the last message of the transcript as the
 solution and ``extra_info["transcript"]`` (every turn as ``{"role": <role>, "content": ...}``);
 a mapping keyed by role names gives each role its reward, any other result goes to every role.
-A turn reward is set on the role's own turn (``AssistantTurn.turn.reward``).
+A turn reward is set on the role's own turn (``AssistantTurn.turn.reward``). The row's
+interaction (``extra_info.interaction_kwargs``) answers a role's turn when the loop asks it
+(``RolesEpisode.ask``): its reply goes to that role as a user message, and its reward may be a
+mapping by role, each added to that role's latest assistant turn; a ``calculate_score`` mapping by
+role is each role's reward when the loop sets none.
 
 ``role_metrics`` reports ``role/<name>/reward``, ``role/<name>/tokens`` (sampled tokens) and
 ``role/<name>/tool_calls``, each a mean over the role's trajectories.
@@ -34,8 +38,8 @@ import dataclasses
 import zlib
 from typing import Any, Literal, Mapping, Sequence, get_args
 
-from agentrl.agent.loop import AgentLoop, AssistantTurn, Episode, EpisodeEnd, LoopContext, trajectory_instance_id
-from agentrl.agent.tools_runtime import ToolSession
+from agentrl.agent.loop import AgentLoop, AssistantTurn, Episode, EpisodeEnd, InteractionFailure, LoopContext, trajectory_instance_id
+from agentrl.agent.tools_runtime import InteractionSession, ToolSession
 from agentrl.data.row import Row
 from agentrl.errors import ConfigError
 from agentrl.rewards import score_to_float
@@ -85,6 +89,8 @@ class RolesEpisode:
         self.transcript: list[dict[str, Any]] = []  # every turn said: {"role": <role>, "content": <text>}
         self.rewards: dict[str, float] = {}  # a loop's own reward per role (else the reward function's)
         self.error: str | None = None
+        self.interaction: InteractionSession | None = None  # the row's (extra_info.interaction_kwargs)
+        self.interaction_score: Any = None  # its calculate_score: a number, or a mapping by role
         self._unseen: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
 
     def episode(self, role: str) -> Episode:
@@ -108,6 +114,28 @@ class RolesEpisode:
         if not step.parsed.calls:
             self._publish(role, step.parsed.content)
         return step
+
+    async def ask(self, role: str, step: AssistantTurn) -> None:
+        """Let the row's interaction answer the role's turn ``step``: its reward is the turn reward
+        (a mapping by role: each role's latest assistant turn gets its own); when it is done the
+        episode ends (``interaction_done``), else its reply is the role's next user message."""
+        if self.interaction is None:
+            raise ValueError("the row has no interaction (extra_info.interaction_kwargs)")
+        ep = self.episode(role)
+        try:
+            response = await self.interaction.respond(ep.messages)
+        except Exception as exc:
+            raise InteractionFailure(f"{type(exc).__name__}: {exc}") from exc
+        given = response.reward
+        for name, value in (given.items() if isinstance(given, Mapping) else [(role, given)]):
+            turns = [t for t in self.episode(name).builder.turns if t.role == "assistant"]
+            turn = step.turn if name == role else turns[-1] if turns else None
+            if turn is not None:
+                turn.reward = (turn.reward or 0.0) + float(value)
+        if response.done:
+            raise EpisodeEnd(TrajectoryFinish.INTERACTION_DONE)
+        ep.check_turn("user", 0)
+        ep.observe([{"role": "user", "content": response.text}], "user")
 
     def say(self, role: str, text: str) -> None:
         """A turn of a role the policy does not sample (a scripted responder): said to the others."""
@@ -162,21 +190,21 @@ class RolesLoop(AgentLoop):
     ) -> list[Trajectory]:
         policies = role_policies(self.roles, ctx.roles, loop=self.name)
         extra = row.extra_info
-        tools = ctx.toolbox.session(trajectory_instance_id(group_id, sample_index), extra.tools_kwargs)
+        instance_id = trajectory_instance_id(group_id, sample_index)
+        tools = ctx.toolbox.session(instance_id, extra.tools_kwargs)
+        interaction = (ctx.interactions.session(instance_id, extra.interaction_kwargs.model_dump())
+                       if extra.interaction_kwargs is not None else None)
         async with tools:
             episodes = {name: self._role_episode(name, row, ctx, tools, row_id=row_id, group_id=group_id,
                                                  sample_index=sample_index, seed=seed)
                         for name, policy in policies.items() if policy == "shared"}
             game = RolesEpisode(row, ctx, policies, episodes, self)
+            game.interaction = interaction
             try:
-                finish = TrajectoryFinish.parse(
-                    await asyncio.wait_for(self.play_roles(game), ctx.limits.trajectory_timeout_s),
-                    where=f"agent loop {self.name!r}: play_roles() returned")
-                error = None
-            except EpisodeEnd as end:
-                finish, error = end.reason, game.error or next((e.error for e in episodes.values() if e.error), None)
-            except asyncio.TimeoutError:
-                finish, error = TrajectoryFinish.TRAJECTORY_TIMEOUT, None
+                finish, error = await self._play(game, interaction)
+            finally:
+                if interaction is not None:
+                    await interaction.__aexit__(None, None, None)  # finalize, always
             sep = ctx.renderer.separator_ids
             for ep in episodes.values():  # the separator the template writes after a final end-of-turn token
                 b = ep.builder
@@ -191,6 +219,32 @@ class RolesLoop(AgentLoop):
             t.reward_info.update(info)
             out.append(dataclasses.replace(t, role=name, group_id=role_group_id(group_id, name)))
         return out
+
+    async def _play(self, game: RolesEpisode, interaction: InteractionSession | None) -> tuple[TrajectoryFinish, str | None]:
+        """Start the interaction, play under the trajectory timeout, read the interaction's score;
+        returns (finish reason, error)."""
+        try:
+            if interaction is not None:
+                try:
+                    await interaction.__aenter__()
+                except Exception as exc:
+                    raise InteractionFailure(f"start failed: {type(exc).__name__}: {exc}") from exc
+            finish = TrajectoryFinish.parse(
+                await asyncio.wait_for(self.play_roles(game), game.ctx.limits.trajectory_timeout_s),
+                where=f"agent loop {self.name!r}: play_roles() returned")
+            error = None
+        except EpisodeEnd as end:
+            finish, error = end.reason, game.error or next((e.error for e in game.episodes.values() if e.error), None)
+        except asyncio.TimeoutError:
+            return TrajectoryFinish.TRAJECTORY_TIMEOUT, None
+        except InteractionFailure as exc:
+            return TrajectoryFinish.INTERACTION_ERROR, str(exc)
+        if interaction is not None:
+            try:
+                game.interaction_score = await interaction.score()
+            except Exception as exc:
+                return TrajectoryFinish.INTERACTION_ERROR, f"calculate_score failed: {type(exc).__name__}: {exc}"
+        return finish, error
 
     def _role_episode(self, name: str, row: Row, ctx: LoopContext, tools: ToolSession, *, row_id: str, group_id: str,
                       sample_index: int, seed: int | None) -> Episode:
@@ -209,6 +263,10 @@ class RolesLoop(AgentLoop):
         """Each role's reward and what the reward function said (see the module's docstring)."""
         if game.rewards:
             return dict(game.rewards), {"role_rewards": dict(game.rewards)}
+        score = game.interaction_score
+        if isinstance(score, Mapping) and score and set(score) <= set(game.policies):
+            scores = {role: float(value) for role, value in score.items()}
+            return scores, {"role_rewards": scores, "interaction_score": scores}
         row = game.row
         fn = game.ctx.reward_fn(row.data_source)
         if fn is None:

@@ -159,3 +159,49 @@ def test_a_trained_role_is_refused_with_the_config_before_any_work():
                                     "(trained with the other shared roles) or frozen (docs/roles.md)")]
     cfg = validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=frozen"]))
     assert (cfg.data.task, cfg.agent.roles) == ("solver_verifier", {"verifier": "frozen"})
+
+
+def test_the_interaction_answers_a_role_and_rewards_turns_and_episodes_by_role(tiny_tokenizer, make_ctx):
+    from agentrl.agent.interaction import Interaction, InteractionResponse
+    from agentrl.agent.roles import RolesLoop
+
+    class Judge(Interaction):
+        calls: list = []
+
+        async def generate_response(self, instance_id, messages):
+            self.calls.append(messages[-1]["content"])
+            if len(self.calls) == 1:  # the solver's first answer: another try, half a point for it
+                return InteractionResponse(done=False, text="Try again.", reward={"solver": 0.5, "verifier": 2.0})
+            return InteractionResponse(done=True, text="", reward={"verifier": 1.0, "solver": 0.25})
+
+        async def calculate_score(self, instance_id):
+            return {"solver": 1.0, "verifier": 0.0}
+
+        async def finalize(self, instance_id):
+            self.calls.append("finalized")
+
+    class Play(RolesLoop):
+        name = "play"
+        roles = {"solver": "shared", "verifier": "shared"}
+
+        async def play_roles(self, game):
+            await game.ask("solver", await game.turn("solver"))
+            await game.turn("solver")
+            await game.ask("verifier", await game.turn("verifier"))
+
+    engine = ScriptedEngine(tiny_tokenizer, script_by_role({"solver": ["#### 407", "#### 408"], "verifier": ["#### 1"]}))
+    ctx = make_ctx(engine)
+    ctx.interactions._instances["judge"] = Judge()
+    row = make_row(agent="play", interaction_kwargs={"name": "judge"})
+    solver, verifier = asyncio.run(Play().run(row, ctx, row_id="r0", group_id="g"))
+    assert Judge.calls == ["#### 407", "#### 1", "finalized"]
+    # turn rewards by role: the verifier had no turn when the first reply came, so its 2.0 went nowhere
+    assert [(t.role, t.reward) for t in solver.turns] == [("assistant", 0.5), ("user", None), ("assistant", 0.25)]
+    assert [(t.role, t.reward) for t in verifier.turns] == [("assistant", 1.0)]
+    assert solver.messages[3:] == [{"role": "user", "content": "Try again."}, {"role": "assistant", "content": "#### 408"}]
+    # the verifier saw both of the solver's answers, in its prompt, as user messages
+    assert verifier.messages == row.messages() + [{"role": "user", "content": "#### 407"}, {"role": "user", "content": "#### 408"},
+                                                  {"role": "assistant", "content": "#### 1"}]
+    assert verifier.prompt_ids == ctx.renderer.prompt_ids(verifier.messages[:-1], ctx.toolbox.session("x", row.extra_info.tools_kwargs).schemas())
+    assert [(t.role, t.reward, t.finish_reason) for t in (solver, verifier)] == [
+        ("solver", 1.0, "interaction_done"), ("verifier", 0.0, "interaction_done")]
