@@ -50,7 +50,8 @@ CAUSES: dict[str, str] = {
         "restarted on other weights, or engine and trainer in different precisions (bf16 against fp32 differs by "
         "about 1e-2: raise the bound)"),
     "uniform_groups": (
-        "every sample of these groups got the same reward, so their advantage is 0 and they teach nothing. Likely "
+        "every sample of these groups got the same reward: nothing tells their samples apart (a group-relative "
+        "advantage is 0; GRPO, RLOO and DAPO learn nothing from them). Likely "
         "causes: a reward function that returns a constant (check reward.default and the data's reward_model), a task "
         "too hard (all 0) or already solved (all 1) for this policy, rollout.n too small, rollout.temperature 0"),
     "tool_errors": (
@@ -232,9 +233,9 @@ class HealthMonitor:
             if bound_name == "logprob_mismatch":  # the versions: the trainer's, which sampled the tokens compared
                 what = f"{name} of the tokens sampled at weight version {metrics.get('health/weight_version', 0):.0f}"
             if streak.stop >= bound.stop_steps:
+                steps = f" on {streak.stop} consecutive steps" if streak.stop > 1 else ""
                 raise HealthStop(
-                    f"step {step}: {what} = {value:.4g}, at or above {key}.stop={bound.stop} on {streak.stop} consecutive "
-                    f"steps: {CAUSES[bound_name]}. The run stops here with a checkpoint; once the cause is fixed (or "
+                    f"step {step}: {what} = {value:.4g}, at or above {key}.stop={bound.stop}{steps}: {CAUSES[bound_name]}. The run stops here with a checkpoint; once the cause is fixed (or "
                     f"the bound raised) trainer.resume=auto goes on from it", step=step, key=f"{key}.stop", measure=name,
                     value=value)
             if streak.warn == 0:

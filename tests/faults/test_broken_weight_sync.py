@@ -72,6 +72,7 @@ def test_a_stale_copy_on_disk_stops_the_run_at_the_first_step_that_trains_on_it(
     assert stopped["measure"] == "logprob_mismatch" and stopped["key"] == "trainer.health.logprob_mismatch.stop"
     assert stopped["reason"].startswith("step 3: logprob_mismatch of the tokens sampled at weight version 2 = ")
     assert "LoRA adapters not merged" in stopped["reason"] and "trainer.resume=auto" in stopped["reason"]
+    assert "stop=0.01: the engine that sampled" in stopped["reason"]  # one step is not "1 consecutive steps"
     assert steps[2]["health/logprob_mismatch"] < 1e-6 < 1e-2 < steps[3]["health/logprob_mismatch"]
     assert steps[3]["health/mismatch_tokens"] == steps[3]["tokens/sampled"]  # synchronous: every token counts
 
