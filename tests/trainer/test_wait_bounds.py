@@ -48,7 +48,8 @@ BOUNDS: dict[str, str] = {
     "agentrl/agent/tools_runtime.py::one::self.execute": "agent.tool_timeout_s: ToolSession.execute (_with_timeout)",
     "agentrl/agent/loop.py::ask_interaction::ep.interaction.respond": TRAJECTORY,
     "agentrl/agent/tools_runtime.py::respond::self.interaction.generate_response": TRAJECTORY + " (called from ask_interaction)",
-    "agentrl/agent/roles.py::ask::self.interaction.respond": "agent.trajectory_timeout_s: RolesLoop._play runs play_roles() under asyncio.wait_for",
+    "agentrl/agent/roles.py::ask::self.interaction.respond":
+        "agent.trajectory_timeout_s: RolesLoop._play runs play_roles() under asyncio.wait_for",
     "tools/python_sandbox.py::pump::proc.wait": "the tool's wall time: pump() runs under asyncio.wait_for",
     "tools/python_sandbox.py::_run::proc.wait": "after _kill_group: the sandbox's process group is killed first",
     "tools/_sandbox_boot.py::main::os.wait": "the sandbox's parent kills the process group at its wall time",
