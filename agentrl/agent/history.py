@@ -25,6 +25,13 @@ The comparison is on text, not on token ids: a turn the template keeps verbatim 
 even where the model chose a tokenization of its text that the tokenizer would not, so only a
 rewrite of the history starts a segment. The new segment's prompt is the tokenizer's encoding of
 the fresh rendering, as a server would tokenize it.
+
+An append-only template is not rendered afresh (its stream is its rendering by construction), so
+there each assistant turn stays as sampled even where a server would re-render the parsed message
+differently (a call written with other whitespace or key order than the template's ``tojson``, a
+stop string cut from the content): a choice for the sampled text where it is the model's own, at
+no cost per observation. Templates that rewrite are compared in full, so there such a turn starts
+a segment too.
 """
 
 from __future__ import annotations

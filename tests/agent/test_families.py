@@ -112,7 +112,7 @@ def assert_the_prompt_is_where_the_template_puts_it(t, engine, tok, tools, kwarg
     turns since are exact as sampled, as with every template). The segments hold each sampled
     turn once, verbatim and trained."""
     messages = t.messages
-    before = [i for i in range(2, len(messages) + 1) if messages[i - 1]["role"] != "assistant"]  # a request follows each
+    before = [i for i, m in enumerate(messages) if m["role"] == "assistant"]  # a request made each assistant turn
     assert len(before) == len(engine.requests) == len(script)
     rendered = [tok.encode(tok.apply_chat_template(messages[:end], tools=tools, add_generation_prompt=True, tokenize=False,
                                                    **kwargs), add_special_tokens=False) for end in before]
