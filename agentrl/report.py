@@ -40,16 +40,19 @@ class Plot:
     keys: tuple[str, ...] = ()
     prefixes: tuple[str, ...] = ()
     events: bool = False
+    suffixes: tuple[str, ...] = ("",)  # of the prefixes' keys, those ending so
 
     def series_keys(self, available: Sequence[str]) -> list[str]:
         found = [k for k in self.keys if k in available]
-        found += sorted(k for k in available if k.startswith(self.prefixes) and k not in found) if self.prefixes else []
+        found += sorted(k for k in available if k.startswith(self.prefixes) and k.endswith(self.suffixes) and k not in found
+                        ) if self.prefixes else []
         return found
 
 
 PLOTS: tuple[Plot, ...] = (
     Plot("reward (mean)", ("reward/mean", "val/reward/mean")),
     Plot("success rate", ("success_rate", "val/success_rate")),
+    Plot("reward by role (several agents in one episode: docs/roles.md)", prefixes=("role/", "val/role/"), suffixes=("/reward",)),
     Plot("assistant turns per trajectory", ("turns/mean", "val/turns/mean")),
     Plot("tool calls per trajectory", ("tool_calls/mean", "val/tool_calls/mean")),
     Plot("tool-use rate (share of trajectories with a call)", ("tool_use_rate", "val/tool_use_rate")),

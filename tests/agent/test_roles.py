@@ -205,3 +205,11 @@ def test_the_interaction_answers_a_role_and_rewards_turns_and_episodes_by_role(t
     assert verifier.prompt_ids == ctx.renderer.prompt_ids(verifier.messages[:-1], ctx.toolbox.session("x", row.extra_info.tools_kwargs).schemas())
     assert [(t.role, t.reward, t.finish_reason) for t in (solver, verifier)] == [
         ("solver", 1.0, "interaction_done"), ("verifier", 0.0, "interaction_done")]
+
+
+def test_the_run_report_plots_each_roles_reward():
+    from agentrl.report import PLOTS
+
+    [plot] = [p for p in PLOTS if p.title.startswith("reward by role")]
+    keys = ["role/solver/reward", "role/solver/tokens", "val/role/verifier/reward", "reward/mean", "val/role/solver/tool_calls"]
+    assert plot.series_keys(keys) == ["role/solver/reward", "val/role/verifier/reward"]
