@@ -33,7 +33,7 @@ class RolloutLost(AgentrlError):
 
 @dataclass(slots=True)
 class FinishedGroup:
-    """The ``n`` trajectories of one row, dispatched together at ``dispatch_version``."""
+    """The ``n`` trajectories of one row (a loop with roles: ``n`` per role), dispatched together at ``dispatch_version``."""
 
     group_id: str
     dispatch_version: int
@@ -70,20 +70,28 @@ class BackgroundRollout:
         """Start ``n`` samples of every row (one group each) without waiting; returns the group ids."""
         ids = [f"{group_prefix}{i}:{row_id}" for i, (row_id, _) in enumerate(rows)]
         parts: dict[str, list[Trajectory]] = {g: [] for g in ids}
+        samples: dict[str, set[int]] = {g: set() for g in ids}  # the samples of each group that have ended
         with self._cv:
             for g in ids:
                 self._in_flight[g] = n
 
+        def finish(g: str) -> None:
+            with self._cv:
+                del self._in_flight[g]
+                members = sorted(parts.pop(g), key=lambda x: x.sample_index)
+                self._done.append(FinishedGroup(g, version, members))
+                self._cv.notify_all()
+
         def on_done(t: Trajectory) -> None:  # on the rollout thread
             t.policy_version = version
-            parts[t.group_id].append(t)
-            with self._cv:
-                self._in_flight[t.group_id] -= 1
-                if self._in_flight[t.group_id] == 0:
-                    del self._in_flight[t.group_id]
-                    members = sorted(parts.pop(t.group_id), key=lambda x: x.sample_index)
-                    self._done.append(FinishedGroup(t.group_id, version, members))
-                    self._cv.notify_all()
+            # a loop with roles (agentrl.agent.roles) hands on a trajectory per role, in <group>@<role>,
+            # one after another with no wait between them: the row's group holds them all
+            g = t.group_id.rsplit("@", 1)[0] if t.role is not None else t.group_id
+            parts[g].append(t)
+            if t.sample_index not in samples[g]:
+                samples[g].add(t.sample_index)
+                if len(samples[g]) == n:  # whole once the last sample's other roles are in: on the loop's next turn
+                    self.loop.call_soon(finish, g)
 
         async def run() -> None:
             try:

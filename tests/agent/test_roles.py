@@ -213,3 +213,23 @@ def test_the_run_report_plots_each_roles_reward():
     [plot] = [p for p in PLOTS if p.title.startswith("reward by role")]
     keys = ["role/solver/reward", "role/solver/tokens", "val/role/verifier/reward", "reward/mean", "val/role/solver/tool_calls"]
     assert plot.series_keys(keys) == ["role/solver/reward", "val/role/verifier/reward"]
+
+
+def test_asynchronous_rollouts_return_a_rows_group_whole_with_every_roles_trajectories(tiny_tokenizer, make_ctx):
+    from agentrl.agent.async_rollout import BackgroundRollout
+
+    engine = ScriptedEngine(tiny_tokenizer, script_by_role({"solver": ["#### 408"], "verifier": ["#### 1"]}))
+    background = BackgroundRollout(RolloutRunner(make_ctx(engine), LoopTable("tool_agent")))
+    try:
+        ids = background.submit([("r0", ROW), ("r1", ROW)], n=3, seed=0, group_prefix="train0/", version=2)
+        groups = []
+        while len(groups) < 2:
+            groups += background.finished(wait_s=10)
+        assert background.in_flight == 0
+        by_id = {g.group_id: g for g in groups}
+        assert sorted(by_id) == ids == ["train0/0:r0", "train0/1:r1"]
+        for g in groups:
+            assert [(t.sample_index, t.role, t.group_id, t.policy_version) for t in g.trajectories] == [
+                (k, role, f"{g.group_id}@{role}", 2) for k in range(3) for role in ("solver", "verifier")]
+    finally:
+        background.close()
