@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from agentrl_benchmarks import roofline as rl
 from agentrl_benchmarks._scratch import scratch_dir
 
 __all__ = ["main", "Session", "make_sessions", "measure_matmul_gflops"]
@@ -190,7 +191,11 @@ async def _drive_sessions(generate, sessions: list[Session], concurrency: int) -
     return generated, time.perf_counter() - start, requests
 
 
-def run_builtin(model, sessions: list[Session], concurrency: int) -> tuple[int, float, int, list[float], dict]:
+def run_builtin(model, sessions: list[Session], concurrency: int,
+                machine: rl.Machine | None = None) -> tuple[int, float, int, list[float], dict]:
+    """The sessions through ``BuiltinEngine``; with ``machine``, the run's roofline (``roofline.py``)
+    in ``extra["roofline"]``: every logged step's bytes and FLOPs against the run's wall time, and
+    the decode-only steps at full concurrency against their period."""
     from agentrl.engines.base import GenerateRequest, SamplingParams
     from agentrl.engines.builtin import BuiltinEngine
 
@@ -227,6 +232,9 @@ def run_builtin(model, sessions: list[Session], concurrency: int) -> tuple[int, 
             "full_concurrency_steps": len(full),
             "full_concurrency_tokens_per_s": round(steady, 1),
         }
+        if machine is not None:
+            extra["roofline"] = rl.run_roofline(rl.ModelShape.of(model.config), machine, list(engine.step_log), wall,
+                                                full_rows=concurrency)
     finally:
         engine.close()
     return generated, wall, requests, ttfts, extra
@@ -430,6 +438,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
     """Every row of the run; the models SGLang serves and its server logs are written under ``work``."""
     torch.set_num_threads(args.threads)
     gflops = measure_matmul_gflops()
+    machine = rl.Machine(stream_gbps=rl.measure_stream_gbps(), matmul_gflops=gflops)
     sglang_reason = _sglang_unavailable() if "sglang" in args.engines else None
     rows: list[Row] = []
     skipped: dict[str, str] = {}
@@ -465,7 +474,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
             # spell of a shared machine does not land on one engine only; the median run is kept
             for repeat in range(args.repeats):
                 for engine in engines if repeat % 2 == 0 else reversed(engines):
-                    runner = {"builtin": lambda: run_builtin(model, sessions, concurrency),
+                    runner = {"builtin": lambda: run_builtin(model, sessions, concurrency, machine),
                               "hf_static": lambda: run_hf_static(model, sessions, concurrency),
                               "hf_cb": lambda: run_hf_cb(model, sessions, concurrency, args.hf_cb_cache),
                               "sglang": lambda: run_sglang(model_dir, sessions, concurrency, model.config.vocab_size, work / f"sglang-{size}-c{concurrency}")}[engine]  # fmt: skip
@@ -482,7 +491,10 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
     if "builtin" in args.engines and largest is not None:
         _, size, model = largest
         print(f"# decode step anatomy: {size} at {decode_at} rows", file=sys.stderr)
-        anatomy = decode_step_anatomy(model, gflops, rows=decode_at)
+        decode_run = next((r for r in rows if r.engine == "builtin" and r.workload == "decode_only"
+                           and r.model_params == largest[0]), None)
+        decoded = (decode_run.extra.get("roofline") or {}).get("decode_steps") if decode_run else None
+        anatomy = decode_step_anatomy(model, gflops, rows=decode_at, machine=machine, run=decoded)
     return {
         "benchmark": "engine",
         "machine": {
@@ -491,6 +503,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
             "platform": platform.platform(),
             "torch": torch.__version__,
             "matmul_gflops": round(gflops, 1),
+            "stream_gbps": round(machine.stream_gbps, 1),
         },
         "workload": {
             "sessions_per_run": {c: sessions_for(c, args.quick) for c in args.concurrency},
@@ -512,18 +525,24 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict:
     }
 
 
-def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple[int, ...] = (128, 384), repeats: int = 15) -> list[dict]:
+def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple[int, ...] = (128, 384), repeats: int = 15,
+                        machine: rl.Machine | None = None, run: dict | None = None) -> list[dict]:
     """Where one decode step of ``rows`` requests goes, at each mean context length: the whole
     forward of the engine's fast path, its linear layers alone (the engine's oneDNN path and
-    torch's default GEMM), its attention alone, and what the FLOP fraction could reach if the step
-    were nothing but its linears, or its linears and attention (the ceiling the rest of the step
-    is measured against). Minimum of ``repeats`` timings each, the variants alternating."""
+    torch's default GEMM), its attention alone, the sampling of ``rows`` tokens, and what the FLOP
+    fraction could reach if the step were nothing but its linears, or its linears and attention.
+    With ``machine``, each part's roofline (``roofline.py``) beside its time. ``run``: the
+    decode-only run's full-concurrency steps (``run_roofline``'s ``decode_steps``): its mean context
+    is measured first, and the run's step period less the forward and sampling is the scheduling
+    and Python between the model's work. Minimum of ``repeats`` timings each, the parts alternating."""
     from agentrl.engines import _packed, _ragged
     from agentrl.engines.builtin import BuiltinEngine
+    from agentrl.engines.sampling import sample_next_tokens
 
     params = sum(p.numel() for p in model.parameters())
     ideal_s = rows * 2 * params / (gflops * 1e9)
     config = model.config
+    shape = rl.ModelShape.of(config)
     engine = BuiltinEngine(model, max_batch_size=rows, steps_on="event_loop")
     forward = engine._scheduler.forward
     if not isinstance(forward, _packed.PackedDecoderForward):
@@ -535,6 +554,8 @@ def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple
     attended = torch.randn(rows, heads * head_dim)
     inner = torch.randn(rows, config.intermediate_size)
     q, k, v = torch.randn(rows, heads, head_dim), torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
+    logits = torch.randn(rows, config.vocab_size)
+    sampling_args = (torch.ones(rows), torch.ones(rows), torch.full((rows,), config.vocab_size), torch.rand(rows))
 
     def linears(linear) -> None:
         for layer in forward.layers:
@@ -545,11 +566,14 @@ def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple
             linear(inner, mlp.down_proj)
         linear(hidden, forward.lm_head)
 
+    run_context = round(run["mean_context"]) if run else None
     out = []
     try:
-        for context in contexts:
-            # contexts spread from a third of ``context`` to twice it less a third: mean ``context``
-            positions = [context // 3 + (i * 4 * context // 3) // rows for i in range(rows)]
+        for context in ((run_context,) if run_context else ()) + tuple(contexts):
+            # contexts spread from a third of ``context`` to twice it less a third: mean ``context``;
+            # at the run's context all rows at it (the decode-only workload's rows move together)
+            positions = ([context] * rows if context == run_context and not out else
+                         [context // 3 + (i * 4 * context // 3) // rows for i in range(rows)])
             engine._scheduler.cache.ensure_capacity(max(positions) + 1)
             layout = _ragged.build_layout(engine._scheduler.cache, list(range(rows)), positions, (), engine.device)
             ids = torch.randint(0, config.vocab_size, (rows,))
@@ -559,6 +583,7 @@ def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple
                 "linears_onednn": lambda: linears(onednn),
                 "linears_torch_default": lambda: linears(_packed.plain_linear),
                 "attention": lambda: [_ragged.attend(i, q, k, v, layout, forward.scaling) for i in range(len(forward.layers))],
+                "sampling": lambda: sample_next_tokens(logits, *sampling_args),
             }
             best = {name: float("inf") for name in parts}
             with torch.inference_mode():
@@ -568,18 +593,58 @@ def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple
                         parts[name]()
                         best[name] = min(best[name], time.perf_counter() - started)
             ms = {f"{name}_ms": round(t * 1e3, 2) for name, t in best.items()}
-            out.append({
+            entry = {
                 "rows": rows,
-                "mean_context": context,
+                "mean_context": round(sum(positions) / rows, 1),
                 **ms,
                 "ideal_ms": round(ideal_s * 1e3, 2),
                 "step_flop_fraction": round(ideal_s / best["step"], 4),
                 "linears_only_flop_fraction": round(ideal_s / best["linears_onednn"], 4),
                 "linears_and_attention_flop_fraction": round(ideal_s / (best["linears_onednn"] + best["attention"]), 4),
                 "onednn_over_torch_default_linears": round(best["linears_torch_default"] / best["linears_onednn"], 2),
-            })
+            }
+            if machine is not None:
+                entry["roofline"] = _anatomy_roofline(shape, machine, positions, best, run if context == run_context and not out else None)
+            out.append(entry)
     finally:
         engine.close()
+    return out
+
+
+def _anatomy_roofline(shape: rl.ModelShape, machine: rl.Machine, positions: list[int], best: dict[str, float],
+                      run: dict | None) -> dict:
+    """A decode step's roofline per phase (linears: weights against their FLOPs; attention: K/V
+    read and written against its FLOPs) beside the phase's measured time."""
+    rows = len(positions)
+    keys = sum(positions) + rows
+    cost = rl.step_cost(shape, tokens=rows, logit_rows=rows, kv_positions=keys, attended_pairs=keys)
+    linear_part = rl.StepCost(cost.weight_bytes, 0, 0, cost.linear_flops, 0)
+    attention_part = rl.StepCost(0, cost.kv_read_bytes, cost.kv_write_bytes, 0, cost.attention_flops)
+    ms = lambda seconds: round(seconds * 1e3, 3)  # noqa: E731
+    roof = rl.roofline_s(cost, machine)
+    phases = {
+        "linears": best["linears_onednn"],
+        "attention": best["attention"],
+        "rest_of_forward": max(0.0, best["step"] - best["linears_onednn"] - best["attention"]),  # norms, rotary, residuals, embedding
+        "sampling": best["sampling"],
+    }
+    work = best["step"] + best["sampling"]
+    out = {
+        "bytes": cost.bytes,
+        "flops": cost.flops,
+        "memory_ms": ms(machine.memory_s(cost)),
+        "compute_ms": ms(machine.compute_s(cost)),
+        "roofline_ms": ms(roof),
+        "linears_roofline_ms": ms(rl.roofline_s(linear_part, machine)),
+        "attention_roofline_ms": ms(rl.roofline_s(attention_part, machine)),
+        "forward_and_sampling_fraction": round(roof / work, 4),
+    }
+    if run is not None:
+        # the engine's own steps at this context: what their period holds beyond the model's work
+        phases["scheduling_and_python"] = max(0.0, run["period_ms"] / 1e3 - work)
+        out["run_period_ms"] = run["period_ms"]
+        out["run_fraction"] = run["fraction"]
+    out["phases_ms"] = {name: ms(seconds) for name, seconds in phases.items()}
     return out
 
 
@@ -620,6 +685,22 @@ def _floors(rows: list[Row]) -> dict:
         "computed_tokens_flop_fraction_floor": 0.6,
         "generated_tokens_flop_fraction": builtin.flop_limit_fraction,
         "pass": bool(ratio is not None and ratio >= 1.5 and computed >= 0.6),
+        **_roofline_floors(builtin, next((r for r in rows if r.engine == "builtin" and r.workload == "decode_only"
+                                          and r.model_params == big and r.concurrency == 64), None)),
+    }
+
+
+def _roofline_floors(multi_turn: Row, decode_only: Row | None) -> dict:
+    """Issue #49's floors: the multi-turn run at least 70% of its roofline over its wall time
+    (every computed token), the decode-only steps at 64 rows at least 80% over their period."""
+    multi = (multi_turn.extra.get("roofline") or {}).get("fraction_of_wall")
+    decode = ((decode_only.extra.get("roofline") or {}).get("decode_steps") or {}).get("fraction") if decode_only else None
+    return {
+        "roofline_multi_turn_fraction": multi,
+        "roofline_multi_turn_fraction_floor": 0.7,
+        "roofline_decode_step_fraction": decode,
+        "roofline_decode_step_fraction_floor": 0.8,
+        "roofline_pass": bool(multi is not None and decode is not None and multi >= 0.7 and decode >= 0.8),
     }
 
 

@@ -50,6 +50,9 @@ class StepRecord:
     finished_rids: tuple[str, ...]
     prefill_tokens: int  # prompt tokens computed this step
     reused_tokens: int  # prompt tokens whose K/V came from another slot (retained, running or admitted alongside)
+    # What the step's attention must read and compute (the roofline of agentrl bench engine):
+    kv_positions: int = 0  # K/V positions attended, each once: every decode row's context with its new token, every prefill span's prefix and tokens
+    attended_pairs: int = 0  # (query, key) pairs attended, per layer and query head
 
 
 @dataclass(eq=False, slots=True)
@@ -230,6 +233,10 @@ class Scheduler:
             finished.append((seq, self.result(seq, reason, matched)))
         prefill_tokens = sum(p.length for p in prefills)
         reused = sum(seq.reused for seq in admitted)
+        # a decode row at position p attends p + 1 keys; a span's query i at start + i attends start + i + 1
+        decode_keys = sum(positions[: len(decoding)]) + len(decoding)
+        span_keys = sum(p.start + p.length for p in prefills)
+        span_pairs = sum(p.length * p.start + p.length * (p.length + 1) // 2 for p in prefills)
         counters = self.counters
         counters["steps"] += 1
         counters["generated"] += len(stepping)
@@ -247,6 +254,8 @@ class Scheduler:
                 finished_rids=tuple(seq.rid for seq, _ in finished),
                 prefill_tokens=prefill_tokens,
                 reused_tokens=reused,
+                kv_positions=decode_keys + span_keys,
+                attended_pairs=decode_keys + span_pairs,
             )
         )
         for seq, result in finished:  # after the step is logged, so a caller that awaited sees it
