@@ -10,6 +10,7 @@ from __future__ import annotations
 from agentrl.agent.interaction import Interaction, InteractionResponse
 from agentrl.agent.loop import AgentLoop, Episode, EpisodeEnd
 from agentrl.agent.program import AgentResult, AgentTask
+from agentrl.agent.roles import RolesEpisode, RolesLoop
 from agentrl.agent.runner import RolloutRunner
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.agent.tool import Tool, ToolResult
@@ -60,6 +61,8 @@ __all__ = [
     "AgentResult",
     "Episode",
     "EpisodeEnd",
+    "RolesLoop",
+    "RolesEpisode",
     "Tool",
     "ToolResult",
     "Interaction",

@@ -17,6 +17,7 @@ from agentrl.agent.loop import AgentLoop, AssistantTurn, Episode, EpisodeEnd, Li
 from agentrl.agent.families import TemplateReport, check_template, detect_tool_parser, stop_tokens
 from agentrl.agent.program import AgentResult, AgentTask
 from agentrl.agent.render import ChatRenderer, TemplateUnsupported
+from agentrl.agent.roles import RolesEpisode, RolesLoop, role_group_id
 from agentrl.agent.runner import LoopTable, RewardTable, RolloutRunner, build_context, check_agent_names, check_row_plugins
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.agent.setup import RolloutSetup
@@ -50,6 +51,10 @@ __all__ = [
     "LoopContext",
     "Limits",
     "ask_interaction",
+    # several agents in one episode (docs/roles.md)
+    "RolesLoop",
+    "RolesEpisode",
+    "role_group_id",
     # agent programs behind the OpenAI endpoint (the openai_agent loop)
     "AgentTask",
     "AgentResult",

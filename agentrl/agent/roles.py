@@ -201,7 +201,7 @@ class RolesLoop(AgentLoop):
             game = RolesEpisode(row, ctx, policies, episodes, self)
             game.interaction = interaction
             try:
-                finish, error = await self._play(game, interaction)
+                finish, error = await self._play_game(game, interaction)
             finally:
                 if interaction is not None:
                     await interaction.__aexit__(None, None, None)  # finalize, always
@@ -220,7 +220,7 @@ class RolesLoop(AgentLoop):
             out.append(dataclasses.replace(t, role=name, group_id=role_group_id(group_id, name)))
         return out
 
-    async def _play(self, game: RolesEpisode, interaction: InteractionSession | None) -> tuple[TrajectoryFinish, str | None]:
+    async def _play_game(self, game: RolesEpisode, interaction: InteractionSession | None) -> tuple[TrajectoryFinish, str | None]:
         """Start the interaction, play under the trajectory timeout, read the interaction's score;
         returns (finish reason, error)."""
         try:
