@@ -100,10 +100,18 @@ class TrainBatch:
         return self._map(lambda _, t: t.to(device))
 
     def split(self, size: int) -> list["TrainBatch"]:
-        """Consecutive chunks of ``size`` rows (the last may be shorter)."""
+        """Consecutive chunks of ``size`` rows (the last may be shorter). A chunk does not end
+        inside a trajectory's rows (``trajectory_index``: its earlier segments), so it may hold
+        more: the rows of one trajectory share most of their tokens, which the packed forward
+        computes once only when they are in one micro-batch."""
         if size < 1:
             raise ValueError(f"split size must be >= 1, got {size}")
-        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+        owner = self.trajectory_index.tolist() if self.trajectory_index is not None else None
+        starts = [0]
+        for i in range(size, len(self)):
+            if i - starts[-1] >= size and (owner is None or owner[i] != owner[i - 1] or owner[i] < 0):
+                starts.append(i)
+        return [self.select(slice(a, b)) for a, b in zip(starts, starts[1:] + [len(self)])]
 
     def shard(self, rank: int, world_size: int) -> "TrainBatch":
         """Rank ``rank``'s contiguous share of the rows; every rank gets the same number."""

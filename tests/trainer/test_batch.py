@@ -141,3 +141,14 @@ def test_collate_sequences_keeps_the_given_loss_mask_for_sft():
     batch = collate_sequences([[1, 2]], [[3, 4, 5]], [[0, 1, 1]], pad_token_id=PAD)
     assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5]]
     assert batch.response_mask.tolist() == [[0, 1, 1]]
+
+
+def test_split_never_ends_a_micro_batch_inside_a_trajectorys_rows():
+    rows = 7
+    batch = collate_sequences([[1, 2]] * rows, [[3, 4]] * rows, [[1, 1]] * rows, pad_token_id=PAD)
+    # trajectories: row 0 alone; rows 1-4 (a trajectory and its three earlier segments); 5 and 6 alone
+    batch = batch.replace(trajectory_index=torch.tensor([0, 1, 1, 1, 1, 5, 6]))
+    assert [len(m) for m in batch.split(2)] == [5, 2]  # the chunk at row 2 would have cut trajectory 1
+    assert [m.trajectory_index.tolist() for m in batch.split(3)] == [[0, 1, 1, 1, 1], [5, 6]]
+    assert [len(m) for m in batch.split(1)] == [1, 4, 1, 1]
+    assert [len(m) for m in batch.replace(trajectory_index=None).split(2)] == [2, 2, 2, 1]  # rows of their own
