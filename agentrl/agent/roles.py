@@ -128,6 +128,8 @@ class RolesEpisode:
             raise InteractionFailure(f"{type(exc).__name__}: {exc}") from exc
         given = response.reward
         for name, value in (given.items() if isinstance(given, Mapping) else [(role, given)]):
+            if not self.is_sampled(name) and name in self.policies:
+                continue  # a frozen role has no turns to credit
             turns = [t for t in self.episode(name).builder.turns if t.role == "assistant"]
             turn = step.turn if name == role else turns[-1] if turns else None
             if turn is not None:
