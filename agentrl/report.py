@@ -355,6 +355,8 @@ def _headline(summary: dict[str, Any]) -> str:
     before_by, after_by = summary.get("heldout_by_source_before") or {}, summary.get("heldout_by_source_after") or {}
     rows += [(f"held-out success · {source}", before_by.get(source), after_by.get(source))
              for source in sorted(set(before_by) | set(after_by))]
+    before_by, after_by = summary.get("heldout_by_role_before") or {}, summary.get("heldout_by_role_after") or {}
+    rows += [(f"held-out reward · role {role}", before_by.get(role), after_by.get(role)) for role in sorted(set(before_by) | set(after_by))]
     run = []
     if summary.get("command"):
         run.append(f"<code>{html.escape(str(summary['command']))}</code>")

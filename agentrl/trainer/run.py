@@ -500,11 +500,14 @@ def final_validation(trainer: TrainerConfig) -> bool:
 
 
 def _by_source(validation: dict[str, float], when: str) -> dict[str, dict[str, float]]:
-    """``heldout_by_source_<when>``: each validation data source's success, when there are several."""
-    prefix = "val/source/"
-    found = {k[len(prefix):].removesuffix("/success_rate"): v for k, v in validation.items()
-             if k.startswith(prefix) and k.endswith("/success_rate")}
-    return {f"heldout_by_source_{when}": found} if found else {}
+    """``heldout_by_source_<when>``: each validation data source's success, when there are several;
+    ``heldout_by_role_<when>``: each role's reward, in an episode of several roles (docs/roles.md)."""
+    out = {}
+    for name, prefix, suffix in (("source", "val/source/", "/success_rate"), ("role", "val/role/", "/reward")):
+        found = {k[len(prefix):].removesuffix(suffix): v for k, v in validation.items() if k.startswith(prefix) and k.endswith(suffix)}
+        if found:
+            out[f"heldout_by_{name}_{when}"] = found
+    return out
 
 
 def cli_main(argv: list[str]) -> int:

@@ -233,3 +233,21 @@ def test_asynchronous_rollouts_return_a_rows_group_whole_with_every_roles_trajec
                 (k, role, f"{g.group_id}@{role}", 2) for k in range(3) for role in ("solver", "verifier")]
     finally:
         background.close()
+
+
+def test_the_run_summary_and_the_reports_headline_give_each_roles_held_out_reward():
+    import re
+
+    from agentrl.report import render_report
+    from agentrl.trainer.run import _by_source
+
+    validation = {"val/success_rate": 0.5, "val/role/solver/reward": 1.0, "val/role/solver/tokens": 35.0,
+                  "val/role/verifier/reward": 0.0625}
+    assert _by_source(validation, "after") == {"heldout_by_role_after": {"solver": 1.0, "verifier": 0.0625}}
+    summary = {"heldout_success_before": 0.0, "heldout_success_after": 0.5,
+               **_by_source({"val/role/solver/reward": 0.0, "val/role/verifier/reward": 0.5}, "before"), **_by_source(validation, "after")}
+    page = render_report([], [], "run", summary=summary)
+    rows = re.findall(r'<tr><th scope="row">([^<]*)</th><td>([^<]*)</td><td class="after">([^<]*)</td><td>([^<]*)</td></tr>', page)
+    assert rows == [("held-out success", "0.0%", "50.0%", "+50.0 points"),
+                    ("held-out reward · role solver", "0.0%", "100.0%", "+100.0 points"),
+                    ("held-out reward · role verifier", "50.0%", "6.2%", "-43.8 points")]
