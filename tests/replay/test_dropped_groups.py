@@ -100,5 +100,5 @@ def test_stores_before_version_6_read_as_trained_and_rescore_keeps_the_mark(tmp_
     rescored = RolloutStore(tmp_path / "rescored")
     rescore_store(store, rescored, "gsm8k")
     assert [s.dropped for s in rescored.iter_stored()] == [None] * 4 + ["stale"] * 2
-    with pytest.raises(ValueError, match=r"dropped: unknown reason\(s\) \['late'\] \(known: stale\)"):
+    with pytest.raises(ValueError, match=r"dropped: unknown reason\(s\) \['late'\] \(known: stale, filtered\)"):
         store.write_step(4, [member("g", 0, 0.0)], dropped={"g": "late"})
