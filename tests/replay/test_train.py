@@ -127,13 +127,21 @@ def graded(trajectories):
     return [dataclasses.replace(t, reward=0.0) if t.sample_index == 1 else t for t in trajectories]
 
 
+def two_ways(row_id, index, request):
+    """SCRIPT, with sample 1 of each row ending its last turn otherwise: the two samples of a group
+    differ in tokens, so their opposite advantages do not cancel in the gradient (on identical
+    tokens the update is float rounding alone, which the packed forward's shared tokens shrink)."""
+    text = SCRIPT[row_id][index]
+    return text + " Done." if request.session_id.endswith("#1") and index == len(SCRIPT[row_id]) - 1 else text
+
+
 @pytest.mark.parametrize("mini_batch", [1, 3], ids=["off-policy-minibatches", "on-policy"])
 def test_the_online_step_and_the_replay_step_give_the_same_update_on_the_same_stored_batch(
         mini_batch, actors, rollout, sample_rows, tiny_tokenizer, tmp_path):
     cfg = CFG.model_copy(update={"actor": CFG.actor.model_copy(update={"ppo_mini_batch_size": mini_batch})})
     online, replay = actors(), actors()
     before = {k: v.clone() for k, v in online.full_state().items()}
-    trajectories = graded(rollout(SCRIPT, sample_rows, n=2))
+    trajectories = graded(rollout(two_ways, sample_rows, n=2))
     pad = tiny_tokenizer.pad_token_id
     own, _ = online.compute_logprobs(collate(trajectories, pad_token_id=pad), 4)
     stored = stored_with_logprobs(trajectories, own, tmp_path)  # the policy's own logprobs, read back from the store
