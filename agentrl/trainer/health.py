@@ -40,6 +40,7 @@ __all__ = ["HealthMonitor", "HealthStop", "step_health_metrics", "served_policy_
 # the tool call errors of a tool that ran (or was to run) and failed; bad_json, unknown_tool and
 # invalid_arguments are the policy's malformed calls (tool_calls/malformed_rate)
 EXECUTION_ERRORS = ("tool_exception", "timeout")
+MALFORMED = ("bad_json", "unknown_tool", "invalid_arguments")
 
 # measure -> what it says and its likely causes, for the warning and the stop
 CAUSES: dict[str, str] = {
@@ -154,6 +155,12 @@ def step_health_metrics(trajectories: Sequence[Trajectory], batch: TrainBatch, v
     return metrics
 
 
+def malformed_example(trajectories: Sequence[Trajectory]) -> str | None:
+    """The text of the step's first malformed tool call (bad JSON, an unknown tool, arguments its
+    schema refuses), for the malformed-call warning; None when there is none."""
+    return next((c.raw for t in trajectories for c in t.tool_calls if c.error in MALFORMED), None)
+
+
 def probe_served_policy(actor: Any, prompt_ids: Sequence[int], *, pad_token_id: int, micro_batch_size: int, seed: int,
                         max_new_tokens: int = 16) -> tuple[float, int, list[int]]:
     """Asynchronous training's deep check, right after a sync: the engine samples a few tokens
@@ -198,6 +205,8 @@ class HealthMonitor:
     config: HealthConfig
     say: Callable[[str], None] = print
     weight_sync: str = "auto"  # engine.weight_sync, for the messages
+    parser: str = "auto"  # the tool parser that read the calls (agent.tool_parser, resolved), for the messages
+    example: str | None = None  # a malformed call of the step (``malformed_example``), for the messages
     streaks: dict[str, _Streak] = field(default_factory=dict)
 
     def measures(self, metrics: dict[str, float]) -> list[tuple[str, str, float]]:
@@ -211,6 +220,8 @@ class HealthMonitor:
         for kind in EXECUTION_ERRORS:
             out.append((f"tool_errors/{kind}", "tool_errors", metrics.get(f"health/tool_error_rate/{kind}", 0.0)))
         out.append(("malformed_calls", "malformed_calls", metrics.get("tool_calls/malformed_rate", 0.0)))
+        # turns holding the parser's call marker with no call read: attempts the parser missed
+        out.append(("unparsed_turns", "malformed_calls", metrics.get("tool_calls/unparsed_turn_rate", 0.0)))
         out.append(("failures", "failures", metrics.get("failures/rate", 0.0)))
         return out
 
@@ -232,6 +243,9 @@ class HealthMonitor:
             what = name
             if bound_name == "logprob_mismatch":  # the versions: the trainer's, which sampled the tokens compared
                 what = f"{name} of the tokens sampled at weight version {metrics.get('health/weight_version', 0):.0f}"
+            if bound_name == "malformed_calls":  # which parser, and what the policy wrote
+                example = f"; a malformed call: {self.example[:160]!r}" if self.example and name == "malformed_calls" else ""
+                what = f"{name} (tool parser {self.parser}{example})"
             if streak.stop >= bound.stop_steps:
                 steps = f" on {streak.stop} consecutive steps" if streak.stop > 1 else ""
                 raise HealthStop(

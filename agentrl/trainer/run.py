@@ -48,7 +48,8 @@ from agentrl.trainer.skilled_base import ensure_model
 from agentrl.trainer.algorithms.kl import AdaptiveKLController, FixedKLController
 from agentrl.trainer.algorithms.recipes import dynamic_sampling_filter
 from agentrl.trainer.async_driver import AsyncDriver
-from agentrl.trainer.health import HealthMonitor, HealthStop, probe_served_policy, step_health_metrics
+from agentrl.agent.families import detect_tool_parser
+from agentrl.trainer.health import HealthMonitor, HealthStop, malformed_example, probe_served_policy, step_health_metrics
 from agentrl.trainer.startup import StartupClock
 from agentrl.trainer.progress import model_line, rl_line, say, workers_line
 from agentrl.trainer.checkpoint_io import read_json
@@ -143,7 +144,9 @@ class Trainer:
         setup = RolloutSetup.from_config(cfg, weights_dir=str(self.run.engine_weights), server_urls=urls, api_key=api_key)
         self.weight_version = 0  # the engine's weights: the version of the last sync
         self.served_version: int | None = None  # the version the engine reported holding after it (trainer/health.py)
-        self.health = HealthMonitor(cfg.trainer.health, say=log.console, weight_sync=cfg.engine.weight_sync)
+        self.health = HealthMonitor(cfg.trainer.health, say=log.console, weight_sync=cfg.engine.weight_sync,
+                                    parser=cfg.agent.tool_parser if cfg.agent.tool_parser != "auto" else
+                                    f"auto ({detect_tool_parser(self.tokenizer)})")
         # trainer.total_epochs caps the run; written back so every later reader (LR schedule, loop, summary) agrees
         self.total_steps = cfg.trainer.total_steps = cfg.trainer.planned_steps(len(self.dataset))
         self.start_step = 0
@@ -294,6 +297,7 @@ class Trainer:
         """``health/*`` of a step whose tokens the trainer scored at weight ``version`` (before
         its sync), and the versions synced and reported after it (``HealthMonitor.check`` reads them)."""
         metrics = step_health_metrics(trajectories, result.batch, version, dropped_groups=dropped_groups)
+        self.health.example = malformed_example(trajectories)
         if result.updated_actor and self.served_version is not None:
             metrics.update({"health/synced_version": float(self.weight_version), "health/engine_version": float(self.served_version)})
             if self.driver is not None:  # asynchronous: the step's tokens are mostly older versions; probe the new one

@@ -104,3 +104,25 @@ def test_the_report_opens_with_the_stop_and_plots_the_health_measures():
     assert page.index("Stopped at step 2") < page.index("Over steps")  # first, above the plots
     assert "run health (shares per step)" in page and "health/tool_error_rate/timeout" in page
     assert "by a health check" not in render_report(rows, [], "run", summary={"steps": 2})
+
+
+def test_the_malformed_call_warning_names_the_parser_and_shows_a_malformed_call():
+    from agentrl.trainer.health import malformed_example
+
+    bad = ToolCallRecord(turn=0, name=None, arguments=None, raw='<tool_call>{"name": calc}</tool_call>', result="", error="bad_json")
+    fine = ToolCallRecord(turn=0, name="calc", arguments={}, raw="<tool_call>{}</tool_call>", result="1", error=None)
+    said: list[str] = []
+    monitor = HealthMonitor(HealthConfig(), say=said.append, parser="auto (hermes)")
+    monitor.example = malformed_example([_traj("a", 0.0, calls=[fine]), _traj("b", 0.0, calls=[fine, bad])])
+    for step in (1, 2, 3):  # the default: warn at 0.5 on 3 steps
+        monitor.check(step, {"tool_calls/malformed_rate": 0.75, "tool_calls/unparsed_turn_rate": 0.0})
+    assert said == [
+        "warning: step 3: malformed_calls (tool parser auto (hermes); a malformed call: '<tool_call>{\"name\": calc}</tool_call>') "
+        "= 0.75, at or above trainer.health.malformed_calls.warn=0.5 on 3 consecutive steps: the policy's tool calls do not "
+        "parse. Likely causes: agent.tool_parser does not match the model's call format (the chat template's), a base model "
+        "never taught to call tools (start from SFT), data.max_response_length or rollout.max_new_tokens cutting calls short"]
+    quiet: list[str] = []  # turns with the parser's call marker and no call read warn under the same bound
+    unparsed = HealthMonitor(HealthConfig(), say=quiet.append, parser="qwen3_coder")
+    for step in (1, 2, 3):
+        unparsed.check(step, {"tool_calls/unparsed_turn_rate": 0.6})
+    assert len(quiet) == 1 and quiet[0].startswith("warning: step 3: unparsed_turns (tool parser qwen3_coder) = 0.6")
