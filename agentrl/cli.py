@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import sys
+from typing import MutableMapping
 
 from agentrl.errors import AgentrlError, NotAvailable
 
@@ -123,6 +124,32 @@ def bench_main(argv: list[str]) -> int:
 
 
 QUIET_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
+# commands whose process runs torch's OpenMP threads for long: training and rollouts
+SPINNING_COMMANDS = ("train", "sft", "rollout", "replay")
+
+
+def shared_machine_wait_policy(environ: MutableMapping[str, str] | None = None, load: float | None = None) -> str | None:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` when the machine is already busy as the command starts (a
+    1-minute load average of at least 0.5: another job holds about half a core or more) and the
+    environment chooses no policy of its own (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``). Why:
+    libgomp's default has a waiting thread spin, and on cores shared with another job the spinning
+    threads take the cores the working ones need: beside a busy loop a 1M ``agentrl train`` step took
+    1.3-7 s at the default and 0.12-0.19 s passive. Idle the spin pays (a 64-row 1M decode forward
+    1.9 ms at the default, 3.4-4.5 ms passive), so an idle machine keeps it (docs/benchmarks.md).
+    libgomp reads the policy when torch loads: called before any import of torch. Returns the
+    policy set, if any."""
+    environ = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return None
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # no load average (not a Unix): keep the default
+            return None
+    if load < 0.5:
+        return None
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "PASSIVE"
 IMPORTING = ("importing its libraries (torch, transformers; the first run after an install also compiles their "
              "bytecode: a minute or more on a slow or shared machine)")
 RESUME_HINT = " (the same command with trainer.resume=auto goes on from the last checkpoint it saved, if it saved one)"
@@ -145,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     # one progress display, agentrl's own: transformers' and the hub's bars (weight loading, shard
     # writing) stay off here and in the workers (worker_env), unless the environment says otherwise
     os.environ.setdefault(QUIET_BARS, "1")
+    if command in SPINNING_COMMANDS:
+        shared_machine_wait_policy()
     try:
         if command in CONFIG_COMMANDS and ({"-h", "--help", "--cfg"} & set(rest)):
             from agentrl.config.help import config_command_main

@@ -37,7 +37,13 @@ over agentrl's), ``e2e_ratio`` (the same end to end), ``order``, ``repeats``, ``
 ``eval_answers`` (with ``start_reward_se`` and ``*_reward_se``: a held-out figure's own binomial
 standard error over that many 0/1 answers), ``trl_version`` and the settings.
 
-    agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--rl-seed S] [--skip-trl | --skip-agentrl]
+agentrl's side starts as ``agentrl train`` does: on a machine already busy (a 1-minute load average
+of 0.5 or more) with ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy
+(``agentrl.cli.shared_machine_wait_policy``); TRL's side keeps libgomp's default, as a TRL user
+gets it (``*_omp_wait_policy_all``: each run's). ``--beside-cpu-job``: a Python busy loop shares
+the cores for the whole benchmark.
+
+    agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--rl-seed S] [--skip-trl | --skip-agentrl] [--beside-cpu-job]
 """
 
 from __future__ import annotations
@@ -418,6 +424,7 @@ def _run_both(settings: Settings, work: Path, *, with_trl: bool, with_agentrl: b
                 out[f"{side}_{key}"] = statistics.median(values)
         out[f"{side}_reward_se"] = _binomial_se(out[f"{side}_reward"], answers)
         out[f"{side}_train_rewards"] = side_runs[0]["train_rewards"]  # the first repeat's, step by step
+        out[f"{side}_omp_wait_policy_all"] = [run.get("omp_wait_policy") for run in side_runs]
         if "startup" in side_runs[0]:  # agentrl's start-up phases, each the median over the repeats
             out[f"{side}_startup_s"] = {phase: statistics.median(run["startup"][phase] for run in side_runs)
                                         for phase in side_runs[0]["startup"]}
@@ -439,8 +446,21 @@ def _side_main(side: str, start: Path, work: Path, settings: Settings) -> int:
     work.mkdir(parents=True, exist_ok=True)
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line (TRL logs there)
         run = (run_agentrl if side == "agentrl" else run_trl)(start, work, settings)
-    print(json.dumps(run | {"policy": str(run["policy"])}))
+    print(json.dumps(run | {"policy": str(run["policy"]), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}))
     return 0
+
+
+@contextlib.contextmanager
+def _cpu_job(on: bool):
+    """``--beside-cpu-job``: one Python busy loop for as long as the block runs (started before the
+    warm start, so the machine's load average has risen by the first side's start)."""
+    job = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if on else None
+    try:
+        yield
+    finally:
+        if job is not None:
+            job.kill()
+            job.wait()
 
 
 def _rounded(value: Any) -> Any:
@@ -465,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-trl", action="store_true", help="run agentrl only (TRL not installed)")
     parser.add_argument("--skip-agentrl", action="store_true", help="run TRL only (its spread over --rl-seed)")
     parser.add_argument("--keep", help="keep the work directory here instead of a temporary one")
+    parser.add_argument("--beside-cpu-job", action="store_true",
+                        help="a Python busy loop shares the cores for the whole benchmark (a machine shared with another job)")
     # one side's training in a process of its own (what the benchmark runs; not for direct use)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--start", type=Path, help=argparse.SUPPRESS)
@@ -481,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.side:
+        if args.side == "agentrl":  # what `agentrl train` does as it starts, before torch loads
+            from agentrl.cli import shared_machine_wait_policy
+
+            shared_machine_wait_policy()
         return _side_main(args.side, args.start, args.work, settings)
     if not args.skip_trl:
         try:
@@ -492,8 +518,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(settings.threads)
     # stdout carries only the JSON object.
-    with scratch_dir("trainer", keep=args.keep) as work, private_ray_temp_dir(), contextlib.redirect_stdout(sys.stderr):
+    with scratch_dir("trainer", keep=args.keep) as work, private_ray_temp_dir(), contextlib.redirect_stdout(sys.stderr), \
+            _cpu_job(args.beside_cpu_job):
         out = _run_both(settings, work, with_trl=not args.skip_trl, with_agentrl=not args.skip_agentrl)
+    out["beside_cpu_job"] = args.beside_cpu_job
     out = {k: _rounded(v) for k, v in out.items()}
     if not args.json:
         print(f"agentrl {out.get('agentrl_step_s', float('nan')):.3f} s/step, {out.get('agentrl_e2e_s', float('nan')):.1f} s end to end; "

@@ -85,8 +85,10 @@ def threads_per_worker(cfg: TrainConfig) -> int:
 
 
 def worker_env(threads: int) -> dict[str, str]:
-    # RAY_AUTH_MODE must match the cluster's: workers take the driver's (see init_local_ray)
-    keep = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "AGENTRL_CACHE", "HF_HOME", "RAY_AUTH_MODE")}
+    # RAY_AUTH_MODE must match the cluster's: workers take the driver's (see init_local_ray); the
+    # OpenMP wait policy the driver chose (agentrl.cli.shared_machine_wait_policy) holds for them too
+    keep = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "AGENTRL_CACHE", "HF_HOME", "RAY_AUTH_MODE",
+                                                               "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     # transformers' weight-loading and shard-writing bars off in workers (their output reaches the
     # driver's console through Ray), unless the driver's environment sets it
     quiet = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1")

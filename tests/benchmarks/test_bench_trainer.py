@@ -189,3 +189,17 @@ def test_first_turn_probe_renders_the_prompt_as_trl_does_and_counts_the_exact_ra
     prompts = first_turn._rendered_prompts(tokenizer, rows)
     assert len(prompts) == 3 and all(tokenizer.decode(p).endswith("<|im_start|>assistant\n") for p in prompts)
     assert first_turn._rate(60, 100, 0.5) == {"rate": 0.6, "n": 100, "se": 0.049, "z_vs_exact": 2.0}
+
+
+def test_agentrl_goes_passive_on_a_busy_machine_only_and_never_over_the_users_choice():
+    """What `agentrl train` (and the benchmark's agentrl side) does before torch loads (#49 item 2)."""
+    from agentrl.cli import SPINNING_COMMANDS, shared_machine_wait_policy
+
+    busy: dict[str, str] = {}
+    assert shared_machine_wait_policy(busy, load=0.5) == "PASSIVE" and busy == {"OMP_WAIT_POLICY": "PASSIVE"}
+    idle: dict[str, str] = {}
+    assert shared_machine_wait_policy(idle, load=0.49) is None and idle == {}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
+        environ = dict(chosen)
+        assert shared_machine_wait_policy(environ, load=8.0) is None and environ == chosen
+    assert SPINNING_COMMANDS == ("train", "sft", "rollout", "replay")
