@@ -10,7 +10,7 @@ import importlib
 import json
 import os
 import sys
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 from agentrl.errors import AgentrlError, NotAvailable
 
