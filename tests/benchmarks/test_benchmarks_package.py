@@ -48,14 +48,14 @@ def test_no_bench_module_is_left_in_the_library():
 
 
 def test_every_bench_command_targets_a_main_in_the_benchmarks_package():
-    assert set(cli.BENCHMARKS) == {"engine", "agent-loop", "trainer", "forward", "lora", "scaling", "export", "async"}
+    assert set(cli.BENCHMARKS) == {"engine", "agent-loop", "trainer", "forward", "lora", "scaling", "export", "async", "history"}
     for name, target in cli.BENCHMARKS.items():
         module, _, func = target.partition(":")
         assert module.startswith("agentrl_benchmarks.") and func == "main", name
         assert callable(cli._resolve(target)), name
 
 
-@pytest.mark.parametrize("name", ["engine", "agent-loop", "trainer", "forward", "lora", "scaling", "export", "async"])
+@pytest.mark.parametrize("name", ["engine", "agent-loop", "trainer", "forward", "lora", "scaling", "export", "async", "history"])
 def test_bench_command_help_names_the_command(name):
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "bench", name, "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -66,7 +66,7 @@ def test_bench_command_help_names_the_command(name):
 def test_bench_without_a_known_benchmark_prints_usage():
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "bench", "engien"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert "usage: agentrl bench {engine|agent-loop|trainer|forward|lora|scaling|export|async}" in out.stderr
+    assert "usage: agentrl bench {engine|agent-loop|trainer|forward|lora|scaling|export|async|history}" in out.stderr
 
 
 def test_a_wheel_carries_the_benchmarks_under_their_installed_name_and_runs_them(tmp_path):
