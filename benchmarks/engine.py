@@ -29,6 +29,14 @@ percentile of time from a request's submission to its first token; ``flop_limit_
 engine ``extra.all_tokens_flop_fraction`` counts every token it computed (prompt tokens prefilled,
 not those reused from its prefix cache, plus the generated ones), which is what the floor of
 issue #24 counts (``floors``, on the 18M model at 64 multi-turn sessions; docs/benchmarks.md).
+
+The roofline (issue #49, ``roofline.py``): ``machine.stream_gbps`` is a streaming-read probe beside
+the matmul probe; each built-in row's ``extra.roofline`` holds the bytes and FLOPs its logged steps
+had to move and compute, their roofline time against the run's wall time (``fraction_of_wall``) and,
+for the decode-only steps at full concurrency, against their period (``decode_steps.fraction``);
+``decode_step_anatomy[].roofline`` puts each phase of a decode step (linears, attention, the rest of
+the forward, sampling, and at the decode-only run's context the scheduling between steps) beside
+its roofline; ``floors.roofline_*`` checks issue #49's floors.
 """
 
 from __future__ import annotations
