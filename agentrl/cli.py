@@ -133,9 +133,9 @@ def shared_machine_wait_policy(environ: MutableMapping[str, str] | None = None, 
     1-minute load average of at least 0.5: another job holds about half a core or more) and the
     environment chooses no policy of its own (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``). Why:
     libgomp's default has a waiting thread spin, and on cores shared with another job the spinning
-    threads take the cores the working ones need: beside a busy loop a 1M ``agentrl train`` step took
-    1.3-7 s at the default and 0.12-0.19 s passive. Idle the spin pays (a 64-row 1M decode forward
-    1.9 ms at the default, 3.4-4.5 ms passive), so an idle machine keeps it (docs/benchmarks.md).
+    threads take the cores the working ones need: beside a busy loop a training step is many times
+    slower at the default than passive. Idle the spin pays (decode forwards are faster at the
+    default), so an idle machine keeps it (the figures: docs/benchmarks.md).
     libgomp reads the policy when torch loads: called before any import of torch. Returns the
     policy set, if any."""
     environ = os.environ if environ is None else environ

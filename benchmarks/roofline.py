@@ -118,7 +118,7 @@ def step_cost(shape: ModelShape, *, tokens: int, logit_rows: int, kv_positions: 
 @dataclass(frozen=True)
 class Machine:
     stream_gbps: float  # GB/s read from memory, a tensor far larger than the last-level cache
-    matmul_gflops: float  # fp32 GFLOP/s of a large matrix product
+    matmul_gflops: float  # the fp32 rate of a large matrix product, in billions of operations a second
 
     def memory_s(self, cost: StepCost) -> float:
         return cost.bytes / (self.stream_gbps * 1e9)
