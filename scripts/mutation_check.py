@@ -35,7 +35,8 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("positions_response_shift", "positions", "agentrl/trainer/packed.py",
-             "pos += positions[b][P : P + n]", "pos += [q + 1 for q in positions[b][P : P + n]]",
+             "fed_ids, fed_positions = ids.gather(1, source), positions.gather(1, source)",
+             "fed_ids, fed_positions = ids.gather(1, source), positions.gather(1, source) + (column >= prompt[:, None])",
              ("tests/trainer/test_logprob_agreement.py",)),
     Mutation("positions_from_one", "positions", "agentrl/trainer/batch.py",
              "position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)",
