@@ -140,12 +140,18 @@ def tool_error_rates(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return {kind: n / len(calls) for kind, n in sorted(kinds.items())}
 
 
+# the estimators whose advantage compares a sample with its own group only: a group whose samples
+# all got one reward teaches them nothing (a critic's GAE, or REINFORCE++'s batch whitening, still does)
+GROUP_RELATIVE = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+
+
 def step_health_metrics(trajectories: Sequence[Trajectory], batch: TrainBatch, version: int, *,
-                        dropped_groups: int = 0) -> dict[str, float]:
-    """``health/*``: the step's measures (``HealthMonitor.check`` reads them with the rest)."""
+                        dropped_groups: int = 0, estimator: str = "grpo") -> dict[str, float]:
+    """``health/*``: the step's measures (``HealthMonitor.check`` reads them with the rest);
+    uniform groups only for a group-relative ``estimator`` (``algorithm.adv_estimator``)."""
     mismatch, tokens = served_policy_mismatch(trajectories, batch, version)
     metrics = {"health/logprob_mismatch": mismatch, "health/mismatch_tokens": float(tokens), "health/weight_version": float(version)}
-    uniform = uniform_group_share(trajectories)
+    uniform = uniform_group_share(trajectories) if estimator in GROUP_RELATIVE else None
     if uniform is not None:
         metrics["health/uniform_groups"] = uniform
     metrics.update({f"health/tool_error_rate/{kind}": rate for kind, rate in tool_error_rates(trajectories).items()})

@@ -296,7 +296,8 @@ class Trainer:
                        dropped_groups: int = 0) -> dict[str, float]:
         """``health/*`` of a step whose tokens the trainer scored at weight ``version`` (before
         its sync), and the versions synced and reported after it (``HealthMonitor.check`` reads them)."""
-        metrics = step_health_metrics(trajectories, result.batch, version, dropped_groups=dropped_groups)
+        metrics = step_health_metrics(trajectories, result.batch, version, dropped_groups=dropped_groups,
+                                      estimator=self.cfg.algorithm.adv_estimator)
         self.health.example = malformed_example(trajectories)
         if result.updated_actor and self.served_version is not None:
             metrics.update({"health/synced_version": float(self.weight_version), "health/engine_version": float(self.served_version)})

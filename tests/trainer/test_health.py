@@ -126,3 +126,15 @@ def test_the_malformed_call_warning_names_the_parser_and_shows_a_malformed_call(
     for step in (1, 2, 3):
         unparsed.check(step, {"tool_calls/unparsed_turn_rate": 0.6})
     assert len(quiet) == 1 and quiet[0].startswith("warning: step 3: unparsed_turns (tool parser qwen3_coder) = 0.6")
+
+
+def test_uniform_groups_are_measured_only_for_estimators_that_learn_nothing_from_them():
+    from agentrl.trainer.health import step_health_metrics
+
+    trajectories = [_traj("a", 1.0), _traj("a", 1.0)]
+    batch = collate(trajectories, pad_token_id=0, max_prompt_length=4, max_response_length=4)
+    batch = batch.replace(old_logprobs=batch.engine_logprobs)
+    for estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"):
+        assert step_health_metrics(trajectories, batch, 0, estimator=estimator)["health/uniform_groups"] == 1.0
+    for estimator in ("gae", "reinforce_plus_plus"):  # a critic, or the batch's whitening, still tells these apart
+        assert "health/uniform_groups" not in step_health_metrics(trajectories, batch, 0, estimator=estimator)
