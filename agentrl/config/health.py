@@ -8,7 +8,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["HealthBound", "HealthConfig"]
+__all__ = ["HealthBound", "HealthConfig", "GROUP_RELATIVE"]
+
+# the estimators (algorithm.adv_estimator) whose advantage compares a sample with its own group
+# only: a group whose samples all got one reward teaches them nothing, which the uniform_groups
+# measure watches (a critic's GAE, or REINFORCE++'s batch whitening, still tells such samples apart)
+GROUP_RELATIVE = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 class _Section(BaseModel):  # as schema.Section (which imports this module)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from agentrl.config.health import GROUP_RELATIVE
 from agentrl.config.schema import TrainConfig
 
 __all__ = ["Inert", "RULES", "inert_reason", "inert_overrides"]
@@ -73,6 +74,9 @@ RULES: tuple[Inert, ...] = (
           lambda c: not c.algorithm.overlong_buffer.enable, lambda c: "algorithm.overlong_buffer.enable=false"),
     Inert(("actor.rollout_correction.method", "actor.rollout_correction.cap", "actor.rollout_correction.outlier_threshold"),
           lambda c: c.actor.rollout_correction.level is None, lambda c: "actor.rollout_correction.level=null (off)"),
+    Inert(("trainer.health.uniform_groups.",), lambda c: c.algorithm.adv_estimator not in GROUP_RELATIVE,
+          lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} still has advantages where a group's samples "
+                    "all got one reward (uniform groups stop only the group-relative estimators)"),
     Inert(("algorithm.lam",), lambda c: c.algorithm.adv_estimator != "gae",
           lambda c: f"only GAE has a lambda (algorithm.adv_estimator={c.algorithm.adv_estimator})"),
     Inert(("algorithm.gamma",), lambda c: c.algorithm.adv_estimator not in ("gae", "reinforce_plus_plus"),

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from agentrl.config.health import GROUP_RELATIVE
 from agentrl.config.schema import HealthBound, HealthConfig
 from agentrl.errors import AgentrlError
 from agentrl.trainer.batch import TrainBatch, collate_sequences
@@ -138,11 +139,6 @@ def tool_error_rates(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         if c.error:
             kinds[c.error] += 1
     return {kind: n / len(calls) for kind, n in sorted(kinds.items())}
-
-
-# the estimators whose advantage compares a sample with its own group only: a group whose samples
-# all got one reward teaches them nothing (a critic's GAE, or REINFORCE++'s batch whitening, still does)
-GROUP_RELATIVE = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 def step_health_metrics(trajectories: Sequence[Trajectory], batch: TrainBatch, version: int, *,
