@@ -498,11 +498,7 @@ class AgentLoop:
         """Start the interaction and play the episode under the trajectory timeout; returns
         (finish reason, error)."""
         try:
-            if interaction is not None:
-                try:
-                    await interaction.__aenter__()
-                except Exception as exc:
-                    raise InteractionFailure(f"start failed: {type(exc).__name__}: {exc}") from exc
+            await start_interaction(interaction)
             finish = await asyncio.wait_for(self.play(episode), episode.ctx.limits.trajectory_timeout_s)
             return TrajectoryFinish.parse(finish, where=f"agent loop {self.name!r}: play() returned"), None
         except EpisodeEnd as end:
@@ -565,6 +561,16 @@ class AgentLoop:
 
 class InteractionFailure(Exception):
     """An interaction raised: the episode ends with ``interaction_error``."""
+
+
+async def start_interaction(interaction: InteractionSession | None) -> None:
+    """Start an episode's interaction (if any); its failure is an ``InteractionFailure``."""
+    if interaction is None:
+        return
+    try:
+        await interaction.__aenter__()
+    except Exception as exc:
+        raise InteractionFailure(f"start failed: {type(exc).__name__}: {exc}") from exc
 
 
 async def ask_interaction(ep: Episode, turn: Turn) -> bool:

@@ -38,7 +38,8 @@ import dataclasses
 import zlib
 from typing import Any, Literal, Mapping, Sequence, get_args
 
-from agentrl.agent.loop import AgentLoop, AssistantTurn, Episode, EpisodeEnd, InteractionFailure, LoopContext, trajectory_instance_id
+from agentrl.agent.loop import (AgentLoop, AssistantTurn, Episode, EpisodeEnd, InteractionFailure, LoopContext, start_interaction,
+                                trajectory_instance_id)
 from agentrl.agent.tools_runtime import InteractionSession, ToolSession
 from agentrl.data.row import Row
 from agentrl.errors import ConfigError
@@ -226,11 +227,7 @@ class RolesLoop(AgentLoop):
         """Start the interaction, play under the trajectory timeout, read the interaction's score;
         returns (finish reason, error)."""
         try:
-            if interaction is not None:
-                try:
-                    await interaction.__aenter__()
-                except Exception as exc:
-                    raise InteractionFailure(f"start failed: {type(exc).__name__}: {exc}") from exc
+            await start_interaction(interaction)
             finish = TrajectoryFinish.parse(
                 await asyncio.wait_for(self.play_roles(game), game.ctx.limits.trajectory_timeout_s),
                 where=f"agent loop {self.name!r}: play_roles() returned")

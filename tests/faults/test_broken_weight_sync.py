@@ -56,16 +56,21 @@ def test_a_skipped_sync_stops_the_run_when_the_engine_reports_the_old_version(tm
     assert steps[2]["health/engine_version"] == steps[2]["health/synced_version"] == 2.0
 
 
-def test_a_stale_copy_on_disk_stops_the_run_at_the_first_step_that_trains_on_it(tmp_path, monkeypatch):
+def export_the_first_version_only(monkeypatch) -> None:
+    """A disk sync that writes the first version and then nothing: every later sync reloads it."""
     export = workers.ActorWorker.export_hf
     exported: list[str] = []
 
-    def first_export_only(self, directory):  # the engine reloads version 1's files at every later sync
+    def first_export_only(self, directory):
         if not exported:
             exported.append(directory)
             export(self, directory)
 
     monkeypatch.setattr(workers.ActorWorker, "export_hf", first_export_only)
+
+
+def test_a_stale_copy_on_disk_stops_the_run_at_the_first_step_that_trains_on_it(tmp_path, monkeypatch):
+    export_the_first_version_only(monkeypatch)  # the engine reloads version 1's files at every later sync
     result, steps = _train(tmp_path, "trainer.total_steps=3", "engine.weight_sync=disk",
                            "trainer.health.logprob_mismatch.stop_steps=1")
     stopped = _assert_stopped(result, 3)  # step 3's tokens were sampled by version 1's weights labelled 2
@@ -121,15 +126,7 @@ def test_a_healthy_run_passes_every_check(tmp_path, staleness):
 
 def test_a_stale_copy_on_an_sglang_server_stops_the_run_at_the_first_step_that_trains_on_it(tmp_path, monkeypatch):
     # the managed server is `agentrl serve` (SGLang's protocol, in seconds on this CPU); the sync goes by disk
-    export = workers.ActorWorker.export_hf
-    exported: list[str] = []
-
-    def first_export_only(self, directory):  # the server reloads version 1's files at every later sync
-        if not exported:
-            exported.append(directory)
-            export(self, directory)
-
-    monkeypatch.setattr(workers.ActorWorker, "export_hf", first_export_only)
+    export_the_first_version_only(monkeypatch)  # the server reloads version 1's files at every later sync
     result, steps = _train(tmp_path, "trainer.total_steps=3", "engine=sglang", "engine.launcher=agentrl",
                            "trainer.health.logprob_mismatch.stop_steps=1")
     stopped = _assert_stopped(result, 3)
