@@ -61,6 +61,9 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str | None = None  # request id, used to abort
     session_id: str | None = None  # keeps a trajectory's turns on one server (prefix cache)
+    # the policy that samples it: "" the main (trained) policy; a trained role's name for the
+    # role's own policy (``agentrl.engines.policies.PolicyEngines`` routes by it)
+    policy: str = ""
 
 
 @dataclass(slots=True)

@@ -361,6 +361,8 @@ class BuiltinEngine:
     # ------------------------------------------------------------------ validation
 
     def _validate(self, request: GenerateRequest) -> None:
+        if request.policy:  # one model, one policy: several are served by PolicyEngines (engines/policies.py)
+            raise ValueError(f"request names policy {request.policy!r}; this engine serves the main policy only")
         ids = request.input_ids
         if not ids:
             raise ValueError("input_ids is empty: a request needs at least one prompt token")
