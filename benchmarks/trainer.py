@@ -447,6 +447,11 @@ def _side_main(side: str, start: Path, work: Path, settings: Settings) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line (TRL logs there)
         run = (run_agentrl if side == "agentrl" else run_trl)(start, work, settings)
     print(json.dumps(run | {"policy": str(run["policy"]), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}))
+    if side == "agentrl":  # the side stands for `agentrl train`'s process, which ends this way
+        from agentrl.cli import skip_the_last_collection
+
+        sys.stdout.flush()
+        skip_the_last_collection()
     return 0
 
 
