@@ -79,6 +79,10 @@ class LoopContext:
     history: HistoryPolicy = "as_template"  # agent.history (agentrl.agent.history) of every loop not in history_by_loop
     history_by_loop: Mapping[str, HistoryPolicy] = field(default_factory=dict)
     roles: Mapping[str, str] = field(default_factory=dict)  # agent.roles: role -> policy (agentrl.agent.roles)
+    policy_versions: Mapping[str, int] = field(default_factory=dict)  # trained role -> its own policy's weight version
+
+    def version_of(self, policy: str) -> int:  # a trajectory's policy_version ("": the main policy's)
+        return self.policy_versions.get(policy, self.policy_version)
 
     def parser_for(self, loop_name: str) -> ToolParser:
         return self.parser_by_loop.get(loop_name, self.parser)
@@ -121,6 +125,7 @@ class SamplerBooks(Protocol):
 
     session_id: str
     seed: int | None
+    policy: str  # the policy that samples (GenerateRequest.policy): "" the main one, a trained role's own
     gen_time: float
     weight_versions: list[int]  # of every sampled token (metrics weight_version_min/max)
     error: str | None
@@ -156,7 +161,7 @@ async def sample_turn(
         seed=None if books.seed is None else books.seed + 7919 * call,
     )
     request = GenerateRequest(input_ids=input_ids, sampling=sampling, rid=f"{books.session_id}/{call}",
-                              session_id=books.session_id)
+                              session_id=books.session_id, policy=books.policy)
     start = time.perf_counter()
     try:
         result = await engine.generate(request)
@@ -201,6 +206,7 @@ class Episode:
         self.history = history if history is not None else ctx.history  # the playing loop's (LoopContext.history_for)
         self.row_id, self.group_id, self.sample_index, self.seed = row_id, group_id, sample_index, seed
         self.session_id = f"{row_id}#{sample_index}"
+        self.policy = ""  # the main policy; a trained role's episode samples from its own (agentrl.agent.roles)
         self.tools, self.interaction = tools, interaction
         self.messages = messages
         self.prompt_tools = prompt_tools  # the tools block the template renders (for a fresh rendering)
@@ -547,7 +553,7 @@ class AgentLoop:
             row_id=ep.row_id, group_id=ep.group_id, sample_index=ep.sample_index, data_source=row.data_source,
             agent_name=self.name, prompt_ids=b.prompt_ids, response_ids=b.response_ids, response_mask=b.response_mask,
             logprobs=b.logprobs, turns=b.turns, messages=ep.messages, finish_reason=finish, reward=reward,
-            reward_info=info, tool_calls=ep.tool_calls, metrics=metrics, policy_version=ep.ctx.policy_version,
+            reward_info=info, tool_calls=ep.tool_calls, metrics=metrics, policy_version=ep.ctx.version_of(ep.policy),
             ground_truth=row.ground_truth, earlier_segments=ep.earlier_segments, token_versions=b.token_versions,
         )
 

@@ -108,6 +108,7 @@ class EndpointSession:
     sampling: SamplingParams
     session_id: str
     seed: int | None = None
+    policy: str = ""  # the main policy; a trained role's session samples from its own (agent/openai_roles.py)
     loop: asyncio.AbstractEventLoop | None = None  # the loop the engine runs on (set by open_session)
     calls: list[CallRecord] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
@@ -171,7 +172,7 @@ class EndpointSession:
             row_id=row_id, group_id=group_id, sample_index=sample_index, data_source=row.data_source,
             agent_name=agent_name, prompt_ids=builder.prompt_ids, response_ids=builder.response_ids,
             response_mask=builder.response_mask, logprobs=builder.logprobs, turns=builder.turns, messages=messages,
-            finish_reason=finish, reward=reward, reward_info=info, metrics=metrics, policy_version=ctx.policy_version,
+            finish_reason=finish, reward=reward, reward_info=info, metrics=metrics, policy_version=ctx.version_of(self.policy),
             ground_truth=row.ground_truth, earlier_segments=earlier, token_versions=builder.token_versions,
             tool_calls=[c for seg, c in self.malformed_calls if seg == len(self.segments) - 1],
         )

@@ -7,6 +7,7 @@ sets per agent: ``client.chat.completions.create(model="solver", ...)``). Each r
 session and seed, so each role's calls become that role's trajectory, in its own group
 ``<group>@<role>`` (``agentrl.agent.roles``). A request whose ``model`` names no role is refused
 (400, ``param: model``); so is one naming a ``frozen`` role (the program speaks for it itself).
+A ``trained`` role's session samples from the role's own policy (``EndpointSession.policy``).
 What the other agents said reaches a role's context as the program puts it in that role's
 messages (user messages, typically).
 
@@ -58,10 +59,12 @@ class RoleSessions:
         policies = role_policies({name: "shared" for name in ctx.roles}, ctx.roles, loop=loop_name)
         sessions = {}
         for name, policy in policies.items():
-            if policy == "shared":
+            if policy != "frozen":
                 role_seed = None if seed is None else (seed + zlib.crc32(name.encode())) & 0x7FFFFFFF
                 session = EndpointSession.for_trajectory(ctx, loop_name, row_id=row_id, sample_index=sample_index, seed=role_seed)
                 session.session_id = f"{row_id}#{sample_index}@{name}"
+                if policy == "trained":
+                    session.policy = name  # sampled by the role's own policy
                 sessions[name] = session
         return cls(sessions, {name for name, policy in policies.items() if policy == "frozen"}, ctx.limits)
 

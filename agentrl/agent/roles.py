@@ -15,7 +15,11 @@ The policy of a role (``agent.roles``, over the loop's own ``RolesLoop.roles``):
   and RLOO compare a role's samples of a prompt with the same role's only;
 * ``frozen``: not trained and not sampled by the policy: the loop speaks for it
   (``RolesEpisode.say``: a scripted responder such as a rule-based judge); it has no trajectory;
-* ``trained``: a policy of its own (a separate adapter): not available yet; refused.
+* ``trained``: sampled by a policy of its own and trained on the role's trajectories only: its
+  episode's requests name the role as their policy (``GenerateRequest.policy``; the engine
+  serves each policy's weights, ``agentrl.engines.policies``) and its trajectories carry that
+  policy's weight version. The trainer builds the role's policy from ``agent.roles``, so a role
+  is trained only when the config says so (a loop's own ``trained`` must be repeated there).
 
 Rewards by role: the loop's own (``RolesEpisode.rewards``), else the reward function of the
 row's data source, called once per episode with the last message of the transcript as the
@@ -59,23 +63,27 @@ def role_group_id(group_id: str, role: str) -> str:
 
 def role_policies(declared: Mapping[str, str], configured: Mapping[str, str], *, loop: str) -> dict[str, RolePolicy]:
     """The loop's roles with their policies, ``agent.roles`` over the loop's own; a configured
-    role the loop does not have, an unknown policy and ``trained`` (not available yet) are
-    ``ConfigError``s naming the key."""
+    role the loop does not have, an unknown policy, a ``trained`` the config does not name (the
+    trainer builds a role's own policy from ``agent.roles``) and no ``shared`` role (the main
+    policy would train on nothing) are ``ConfigError``s naming the key."""
     problems = [(f"agent.roles.{name}", f"loop {loop!r} has no role {name!r} (its roles: {', '.join(declared)})")
                 for name in configured if name not in declared]
     policies: dict[str, RolePolicy] = {}
     for name, policy in {**declared, **{k: v for k, v in configured.items() if k in declared}}.items():
         if policy not in POLICIES:
             problems.append((f"agent.roles.{name}", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})"))
-        elif policy == "trained":
-            problems.append((f"agent.roles.{name}", "a policy of its own per role is not available yet: use shared "
-                                                    "(trained with the other shared roles) or frozen"))
+        elif policy == "trained" and configured.get(name) != "trained":
+            problems.append((f"agent.roles.{name}", f"loop {loop!r} declares role {name!r} trained: set agent.roles.{name}="
+                                                    "trained (the trainer builds a role's own policy from the config) or shared"))
         else:
             policies[name] = policy  # type: ignore[assignment]
     if problems:
         raise ConfigError(problems)
-    if not any(p == "shared" for p in policies.values()):
+    if all(p == "frozen" for p in policies.values()):
         raise ConfigError([("agent.roles", f"loop {loop!r}: every role is frozen, nothing would be trained")])
+    if not any(p == "shared" for p in policies.values()):
+        raise ConfigError([("agent.roles", f"loop {loop!r}: no role is shared: the main policy would train on nothing "
+                                           "(make one role shared; trained roles train policies of their own beside it)")])
     return policies
 
 
@@ -86,7 +94,7 @@ class RolesEpisode:
                  loop: "RolesLoop"):
         self.row, self.ctx, self.loop = row, ctx, loop
         self.policies = dict(policies)
-        self.episodes = dict(episodes)  # the sampled (shared) roles
+        self.episodes = dict(episodes)  # the sampled (shared and trained) roles
         self.transcript: list[dict[str, Any]] = []  # every turn said: {"role": <role>, "content": <text>}
         self.rewards: dict[str, float] = {}  # a loop's own reward per role (else the reward function's)
         self.error: str | None = None
@@ -146,6 +154,12 @@ class RolesEpisode:
             raise KeyError(f"no role {role!r} in this episode (roles: {', '.join(self.policies)})")
         self._publish(role, text)
 
+    def tell(self, role: str, message: dict[str, Any]) -> None:
+        """Show a sampled role a message of the loop's own before its next turn (in its prompt
+        before its first turn), as the other roles' turns are shown."""
+        self.episode(role)  # a role the policy samples
+        self._unseen[role].append(message)
+
     def _publish(self, speaker: str, text: str) -> None:
         self.transcript.append({"role": speaker, "content": text})
         for viewer in self.policies:
@@ -200,7 +214,9 @@ class RolesLoop(AgentLoop):
         async with tools:
             episodes = {name: self._role_episode(name, row, ctx, tools, row_id=row_id, group_id=group_id,
                                                  sample_index=sample_index, seed=seed)
-                        for name, policy in policies.items() if policy == "shared"}
+                        for name, policy in policies.items() if policy != "frozen"}
+            for name in (n for n in episodes if policies[n] == "trained"):
+                episodes[name].policy = name  # a trained role samples from its own policy
             game = RolesEpisode(row, ctx, policies, episodes, self)
             game.interaction = interaction
             try:

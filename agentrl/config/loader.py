@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 from pydantic import BaseModel, ValidationError
 
 from agentrl.config.schema import TrainConfig
+from agentrl.config.trained_roles import trained_roles, trained_roles_problems
 from agentrl.config.verl import translate
 from agentrl.config.verl_files import read_interaction_config, read_tool_config
 from agentrl.errors import ConfigError, PluginError
@@ -236,8 +237,9 @@ def _check_files(cfg: TrainConfig, *, training: bool = True) -> list[tuple[str, 
         problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
     if not cfg.data.train_files and cfg.data.task is None:
         problems.append(("data.train_files", "empty, and data.task is null: give training files or a built-in task"))
-    problems += [(f"agent.roles.{role}", "a policy of its own per role is not available yet: use shared (trained with the "
-                  "other shared roles) or frozen (docs/roles.md)") for role, policy in cfg.agent.roles.items() if policy == "trained"]
+    if not training:  # a trained role's own policy is the trainer's (agentrl.trainer.role_policies)
+        problems += [(f"agent.roles.{role}", "trained: a role's own policy exists in agentrl train only; here use shared or "
+                      "frozen (docs/roles.md)") for role in trained_roles(cfg)]
     return problems
 
 
@@ -318,13 +320,13 @@ def _check_rollout_correction(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 CHECKS: tuple[Check, ...] = (
     _check_batch_sizes, _check_lengths, _check_critic, _check_overlong_buffer, _check_workers, _check_files, _check_plugins,
-    _check_environment, _check_async, _check_rollout_correction,
+    _check_environment, _check_async, _check_rollout_correction, trained_roles_problems,
 )
 # what only a command that trains uses: its batch relations, the critic, the reward shaping of
 # the trainer and its workers (a rollout with data.train_batch_size=8 is not refused for the
 # actor's mini-batch of 16)
 TRAINING_CHECKS = frozenset({_check_batch_sizes, _check_critic, _check_overlong_buffer, _check_workers, _check_async,
-                             _check_rollout_correction})
+                             _check_rollout_correction, trained_roles_problems})
 
 
 def _problems(cfg: TrainConfig, *, check_files: bool, training: bool) -> list[tuple[str, str]]:

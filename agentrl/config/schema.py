@@ -185,7 +185,8 @@ class AgentConfig(Section):
     # Loops that keep another history policy: loop name -> as_sampled | as_template.
     history_by_loop: dict[str, Literal["as_sampled", "as_template"]] = Field(default_factory=dict)
     # Roles of a multi-agent episode (docs/roles.md): role -> shared (trained by the one policy, credited
-    # per role) | frozen (the loop or program speaks for it, untrained) | trained (own policy: not yet)
+    # per role) | frozen (the loop or program speaks for it, untrained) | trained (a policy of its own,
+    # full weights with their own optimizer and weight version; agent.roles' page says which configs)
     roles: dict[str, Literal["shared", "trained", "frozen"]] = Field(default_factory=dict)
     max_assistant_turns: int = Field(8, ge=1)
     max_user_turns: int = Field(4, ge=0)

@@ -54,8 +54,10 @@ from agentrl.trainer.startup import StartupClock
 from agentrl.trainer.progress import model_line, rl_line, say, workers_line
 from agentrl.trainer.checkpoint_io import read_json
 from agentrl.trainer.logging import MetricsLogger
+from agentrl.trainer.role_policies import RolePolicies, RolesActorWorker
 from agentrl.trainer.sft import run_sft_on_actor
-from agentrl.trainer.step import Groups, RolloutFailed, StepResult, TrainingStep, check_weight_versions, timed, trajectory_metrics
+from agentrl.trainer.step import (Groups, RolloutFailed, StepResult, TrainingStep, check_weight_versions, failure_metrics, timed,
+                                  trajectory_metrics)
 from agentrl.trajectory import Trajectory
 
 __all__ = ["Trainer", "RunResult", "train", "cli_main"]
@@ -156,7 +158,7 @@ class Trainer:
         plan = {} if self.in_process else plan_groups(cfg, actor_cpus=cpus / cfg.actor.world_size * 0.5)
         say(workers_line(cfg, in_process=self.in_process), log)
         self.actor = Group(
-            ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
+            RolesActorWorker if "trained" in cfg.agent.roles.values() else ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
             gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature,
             share_prompts=cfg.model.share_prompt_forward, wait=False, **dist,
@@ -190,6 +192,13 @@ class Trainer:
             group.wait_ready()
         if starting:  # e.g. "actor_reference_workers": the groups that started together
             clock.lap("_".join(g.name for g in starting) + "_workers")
+        # agent.roles.<role>=trained: an actor per role from the same policy, synced into the engine (version 0)
+        self.policies = RolePolicies.start(cfg, Group, in_process=self.in_process, policy_source=self.policy_source,
+                                           total_steps=self.total_steps, env=env, dist=dist, reference=self.reference,
+                                           pad_token_id=self.pad_id, say=log.console)
+        if self.policies is not None:
+            self.policies.sync_all(self.actor)
+            clock.lap("role_policies")
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (
             AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive" else FixedKLController(kl.kl_coef)
@@ -260,9 +269,13 @@ class Trainer:
             trained = {t.group_id for t in trajectories}  # dynamic sampling's filtered groups are stored marked
             dropped = {t.group_id: "filtered" for t in drawn if t.group_id not in trained}
             self.store.write_step(step + 1, drawn, rows=rows, dropped=dropped)
+        everything, own = trajectories, {}
+        if self.policies is not None:  # trained roles' trajectories train their own policies (role_policies.py)
+            trajectories, own = self.policies.split(trajectories)
         try:
             check_weight_versions(trajectories, self.weight_version, where=f"step {step + 1}")
             result = self.step.online(trajectories, step=step)
+            roles_metrics = self.policies.train(self.actor, own, step=step) if self.policies is not None else {}
         except RolloutFailed:
             self.save(step)  # resumable: trainer.resume=<run dir> continues from here
             raise
@@ -272,6 +285,8 @@ class Trainer:
                 self.sync_weights(self.weight_version + 1)  # one version an update, as in async mode
         wall = time.perf_counter() - start
         metrics = {**result.metrics, **sampling, **timings, **self.health_metrics(trajectories, result, sampled_by)}
+        if self.policies is not None:  # the rewards, roles and failures of every policy's trajectories
+            metrics.update({**roles_metrics, **trajectory_metrics(everything), **failure_metrics(everything)})
         metrics.update({
             "step": float(step + 1),
             "tokens/per_s": float(result.batch.attention_mask.sum()) / wall,
@@ -286,6 +301,8 @@ class Trainer:
             group = getattr(self, name, None)
             if group is not None:
                 group.during = label
+        if getattr(self, "policies", None) is not None:
+            self.policies.during(label)
 
     def sync_weights(self, version: int) -> None:
         self.actor.call_all("sync_weights", version)
@@ -335,11 +352,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
+        extra: dict[str, Any] = {}
         with self.run.new_checkpoint(step, keep=self.cfg.trainer.max_checkpoints) as directory:
             self.actor.call_all("save", str(directory))
             if self.critic is not None:
                 self.critic.call_all("save", str(directory))
-            state = {"step": step, "data": self.dataset.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": torch.get_rng_state().tolist(),
+            if self.policies is not None:  # each trained role's actor, and its weight version
+                extra["policy_versions"] = self.policies.save(directory)
+            state = {**extra, "step": step, "data": self.dataset.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": torch.get_rng_state().tolist(),
                      "weight_version": self.weight_version}
             if self.driver is not None:  # asynchronous: the rows in flight, dispatched again at resume
                 state["async"] = self.driver.state_dict()
@@ -355,6 +375,7 @@ class Trainer:
         self.actor.call_all("load", str(directory))
         if self.critic is not None:
             self.critic.call_all("load", str(directory))
+        versions = self.policies.load(directory, state.get("policy_versions")) if self.policies is not None else {}
         self.dataset.load_state_dict(state["data"])
         if self.driver is not None and "async" in state:
             self.driver.load_state_dict(state["async"])
@@ -362,6 +383,8 @@ class Trainer:
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
         self.start_step = state["step"]
         self.sync_weights(weight_version_of(state, self.cfg.trainer.critic_warmup))
+        if self.policies is not None:
+            self.policies.sync_all(self.actor, versions)
         self.log.console(f"resumed from {directory} at step {self.start_step}")
         self.set_aside_superseded(directory)
 
@@ -388,6 +411,8 @@ class Trainer:
                 actor.call_all("close")  # stops the engine thread before the process goes
         except Exception:  # closing after a failure must not hide it
             pass
+        if getattr(self, "policies", None) is not None:
+            self.policies.kill()
         for group in (actor, getattr(self, "reference", None), getattr(self, "critic", None)):
             if group is not None:
                 group.kill()
@@ -479,6 +504,8 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", success=f"{metrics['success_rate']:.2f}")
             try:
                 trainer.health.check(done, metrics)  # warnings on the console; a stop ends the run here
+                if trainer.policies is not None:
+                    trainer.policies.check(done, metrics)  # each trained role's policy, on its own measures
             except HealthStop as stop:
                 trainer.stop(stop, summary)
                 return trainer  # no final validation or export: the stop is the run's result
@@ -493,6 +520,8 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             summary.update(_by_source(after, "after"))
         if cfg.trainer.export_hf:
             trainer.actor.call_all("export_hf", str(run.policy))
+            if trainer.policies is not None:
+                trainer.policies.export(run.path)
     finally:
         trainer.close()
     return trainer

@@ -91,8 +91,11 @@ def test_role_policies_name_the_config_key():
     declared = {"solver": "shared", "verifier": "shared"}
     with pytest.raises(ConfigError, match=r"agent\.roles\.judge.*loop 'solver_verifier' has no role 'judge'"):
         role_policies(declared, {"judge": "frozen"}, loop="solver_verifier")
-    with pytest.raises(ConfigError, match=r"agent\.roles\.verifier.*not available yet"):
-        role_policies(declared, {"verifier": "trained"}, loop="solver_verifier")
+    with pytest.raises(ConfigError, match=r"agent\.roles\.verifier.*declares role 'verifier' trained: set agent\.roles\.verifier=trained"):
+        role_policies({"solver": "shared", "verifier": "trained"}, {}, loop="solver_verifier")
+    with pytest.raises(ConfigError, match=r"agent\.roles.*no role is shared: the main policy would train on nothing"):
+        role_policies(declared, {"verifier": "trained", "solver": "frozen"}, loop="solver_verifier")
+    assert role_policies(declared, {"verifier": "trained"}, loop="x") == {"solver": "shared", "verifier": "trained"}
     with pytest.raises(ConfigError, match=r"agent\.roles.*every role is frozen"):
         role_policies(declared, {"verifier": "frozen", "solver": "frozen"}, loop="solver_verifier")
     assert role_policies(declared, {"verifier": "frozen"}, loop="x") == {"solver": "shared", "verifier": "frozen"}
@@ -133,30 +136,15 @@ def test_the_store_keeps_the_role_and_reads_older_shards_without_one(tiny_tokeni
     assert list(store.iter_trajectories()) == [dataclasses.replace(t, role=None) for t in trajectories]
 
 
-def test_the_solver_verifier_task_rows_and_its_demonstrations_of_both_roles():
-    from agentrl_data_prep.tasks import SYSTEM_PROMPT, generate, sft_conversations
-
-    rows = generate("solver_verifier", 3, seed=0)
-    assert {(r["agent_name"], r["data_source"]) for r in rows} == {("solver_verifier", "agentrl/solver_verifier")}
-    assert [r["prompt"] for r in rows] == [r["prompt"] for r in generate("arith", 3, seed=0)]  # arith's problems
-    demos = sft_conversations("solver_verifier", 40, seed=0, tool_rate=1.0)
-    solvers, verifiers = [d for k, d in enumerate(demos) if k % 4 != 3], demos[3::4]
-    assert {d[0]["content"] for d in solvers} == {SYSTEM_PROMPT}
-    for d in verifiers:  # with the calculator, the verdict compares its result with the answer shown
-        assert [m["role"] for m in d] == ["system", "user", "user", "assistant", "tool", "assistant"]
-        assert d[0]["content"] == VERIFIER_PROMPT
-        shown, value = int(d[2]["content"].removeprefix("Answer: #### ")), int(d[4]["content"])
-        assert d[-1]["content"] == f"#### {int(shown == value)}"
-    assert {d[-1]["content"] for d in verifiers} == {"#### 0", "#### 1"}
-
-
-def test_a_trained_role_is_refused_with_the_config_before_any_work():
+def test_a_trained_role_is_a_training_config_and_refused_where_nothing_trains():
     from agentrl.config import compose, validate_config
 
-    with pytest.raises(ConfigError) as info:
-        validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=trained"]))
-    assert info.value.problems == [("agent.roles.verifier", "a policy of its own per role is not available yet: use shared "
-                                    "(trained with the other shared roles) or frozen (docs/roles.md)")]
+    cfg = validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=trained"]))
+    assert cfg.agent.roles == {"verifier": "trained"}
+    with pytest.raises(ConfigError) as info:  # agentrl rollout and the other commands that train nothing
+        validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=trained"]), training=False)
+    assert info.value.problems == [("agent.roles.verifier", "trained: a role's own policy exists in agentrl train only; "
+                                    "here use shared or frozen (docs/roles.md)")]
     cfg = validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=frozen"]))
     assert (cfg.data.task, cfg.agent.roles) == ("solver_verifier", {"verifier": "frozen"})
 
