@@ -19,6 +19,7 @@ from typing import Awaitable, Sequence, TypeVar
 
 from agentrl.agent.runner import RolloutRunner
 from agentrl.data.row import Row
+from agentrl.engines.base import REQUEST_PRIORITY
 from agentrl.errors import AgentrlError
 from agentrl.trajectory import Trajectory
 
@@ -57,6 +58,7 @@ class BackgroundRollout:
         self._done: list[FinishedGroup] = []
         self._errors: list[BaseException] = []
         self._in_flight: dict[str, int] = {}  # group id -> trajectories still running
+        self._submitted = 0  # batches submitted: each batch's engine requests go before a later one's
         self._thread = threading.Thread(target=self.loop.run_forever, name="agentrl-rollout", daemon=True)
         self._thread.start()
 
@@ -74,6 +76,7 @@ class BackgroundRollout:
         with self._cv:
             for g in ids:
                 self._in_flight[g] = n
+        priority, self._submitted = self._submitted, self._submitted + 1
 
         def finish(g: str) -> None:
             with self._cv:
@@ -94,6 +97,9 @@ class BackgroundRollout:
                     self.loop.call_soon(finish, g)
 
         async def run() -> None:
+            # the oldest batch first in the engine's queue: its groups end first (the trainer
+            # waits for them), the later batches' turns fill what room is left in each engine step
+            REQUEST_PRIORITY.set(priority)
             try:
                 await self.runner.run(rows, n=n, seed=seed, group_prefix=group_prefix, on_done=on_done)
             except BaseException as exc:  # noqa: BLE001 - handed to the taker, never lost

@@ -140,7 +140,18 @@ class Scheduler:
             seq.slot, seq.cached, seq.reused, seq.prefilled = -1, 0, 0, False
             seq.interruptions += 1
             self.counters["interrupted"] += 1
-            self.waiting.appendleft(seq)
+            self.enqueue(seq, ahead=True)
+
+    def enqueue(self, seq: Sequence, *, ahead: bool = False) -> None:
+        """Into the waiting queue, kept in ``request.priority`` order (lowest first): behind the
+        requests of its priority, or ``ahead`` of them (one put back by an interruption)."""
+        waiting, priority = self.waiting, seq.request.priority
+        if not waiting or (waiting[-1].request.priority < priority if ahead else waiting[-1].request.priority <= priority):
+            waiting.append(seq)  # the common case: one priority for every request
+            return
+        at = next(i for i, other in enumerate(waiting)
+                  if (other.request.priority >= priority if ahead else other.request.priority > priority))
+        waiting.insert(at, seq)
 
     def apply_update(self, update: WeightUpdate) -> None:
         self.forward.weights_changed()  # before the copy: a failed copy may have written some

@@ -9,13 +9,21 @@ built per second in the rollout hot path; they are validated where they are buil
 from __future__ import annotations
 
 import enum
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch only for an annotation: the boundary types must import without it
     import torch
 
-__all__ = ["SamplingParams", "GenerateRequest", "GenerateResult", "FinishReason", "Engine"]
+__all__ = ["SamplingParams", "GenerateRequest", "GenerateResult", "FinishReason", "Engine", "REQUEST_PRIORITY"]
+
+# The priority of the requests built in the current asyncio task and the tasks it starts (lower
+# first; 0 by default). Asynchronous training sets it per dispatched batch (agent/async_rollout.py),
+# so the engine serves the oldest batch's turns first: its groups finish, and the trainer can take
+# them, while newer batches fill the engine's spare room (without it, the eta + 1 batches admitted
+# at the start share the engine first come first served and the first group ends with the last).
+REQUEST_PRIORITY: ContextVar[int] = ContextVar("agentrl_request_priority", default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,9 @@ class GenerateRequest:
     # the policy that samples it: "" the main (trained) policy; a trained role's name for the
     # role's own policy (``agentrl.engines.policies.PolicyEngines`` routes by it)
     policy: str = ""
+    # the built-in engine admits waiting requests lowest priority first, first come first served
+    # within one priority (REQUEST_PRIORITY above: the building task's, unless given)
+    priority: int = field(default_factory=REQUEST_PRIORITY.get)
 
 
 @dataclass(slots=True)

@@ -448,7 +448,8 @@ class BuiltinEngine:
 
     def _take_work(self) -> tuple[set[str], bool, bool, list[WeightUpdate]]:
         """Move what callers handed over to the worker's side (the caller holds ``_cv``)."""
-        self._scheduler.waiting.extend(self._inbox)
+        for seq in self._inbox:
+            self._scheduler.enqueue(seq)
         self._inbox.clear()
         aborts, self._abort_rids = self._abort_rids, set()
         abort_all, self._abort_all = self._abort_all, False

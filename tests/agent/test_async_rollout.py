@@ -118,3 +118,24 @@ def test_an_engines_per_token_versions_reach_the_trajectory_token_for_token(tiny
     n = t.turns[0].length
     assert t.token_versions[:n] == [7] * (n // 2) + [9] * (n - n // 2) and t.oldest_version == 7
     assert t.metrics["weight_version_min"] == 7.0
+
+
+def test_each_batch_asks_the_engine_for_a_later_priority_than_the_batch_before(tiny_tokenizer, make_ctx):
+    seen: dict[str, set[int]] = {}
+
+    class Recording(ScriptedEngine):
+        async def generate(self, request):
+            seen.setdefault(request.rid.split("#")[0], set()).add(request.priority)
+            return await super().generate(request)
+
+    engine = Recording(tiny_tokenizer, lambda row_id, i, request: "#### 408")
+    background = BackgroundRollout(RolloutRunner(make_ctx(engine), LoopTable("tool_agent")))
+    try:
+        for k, row_id in enumerate(["a", "b", "c"]):
+            background.submit([(row_id, make_row())], n=2, seed=k, group_prefix=f"train{k}/", version=0)
+        groups = []
+        while len(groups) < 3:
+            groups += background.finished(wait_s=10)
+    finally:
+        background.close()
+    assert seen == {"a": {0}, "b": {1}, "c": {2}}  # the oldest batch first in the built-in engine's queue
