@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -27,6 +28,8 @@ from agentrl.agent.verl_yaml import build_interaction, build_tool
 from agentrl.config.verl_files import InteractionSpec, ToolSpec
 from agentrl.errors import PluginError, ToolError
 from agentrl.plugins import PluginRegistry
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ToolBox", "ToolSession", "CallOutcome", "InteractionPool", "InteractionSession", "validate_arguments"]
 
@@ -329,7 +332,9 @@ class InteractionPool:
         config: dict[str, dict[str, Any]] | None = None,
         registry: PluginRegistry | None = None,
         specs: Sequence[InteractionSpec] = (),
+        timeout_s: float = 30.0,
     ):
+        self.timeout_s = timeout_s  # each start, calculate_score and finalize (agent.tool_timeout_s)
         self._config = config or {}
         self._registry = registry or PluginRegistry()
         self._instances: dict[str, Interaction] = {}
@@ -354,31 +359,46 @@ class InteractionPool:
             if not self._specs:
                 return None
             name = VERL_DEFAULT_INTERACTION
-        return InteractionSession(self.get(name), instance_id, kwargs)
+        return InteractionSession(self.get(name), instance_id, kwargs, name=name, timeout_s=self.timeout_s)
 
 
 class InteractionSession:
-    """One trajectory's interaction: ``start`` on enter, ``finalize`` ALWAYS on exit."""
+    """One trajectory's interaction: ``start`` on enter, ``finalize`` ALWAYS on exit.
 
-    def __init__(self, interaction: Interaction, instance_id: str, kwargs: dict[str, Any]):
+    ``start``, ``calculate_score`` and ``finalize`` run outside the turns that
+    ``agent.trajectory_timeout_s`` bounds, so each is bounded as a tool's ``create`` is
+    (``agent.tool_timeout_s``); past it a ``TimeoutError`` names the interaction and the step.
+    ``generate_response`` runs within the trajectory's turns and its timeout."""
+
+    def __init__(self, interaction: Interaction, instance_id: str, kwargs: dict[str, Any], *, name: str = "",
+                 timeout_s: float = 30.0):
         self.interaction, self.instance_id, self.kwargs = interaction, instance_id, kwargs
+        self.name, self.timeout_s = name or type(interaction).__name__, timeout_s
         self._started = False
+
+    async def _bounded(self, awaitable: Any, step: str) -> Any:
+        try:
+            return await _with_timeout(awaitable, self.timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11 on
+            raise TimeoutError(
+                f"interaction {self.name!r}: {step} did not finish within agent.tool_timeout_s={self.timeout_s:g} s"
+            ) from None
 
     async def __aenter__(self) -> "InteractionSession":
         self._started = True  # before the call: a start that fails half-way is finalized too
-        await self.interaction.start(self.instance_id, **self.kwargs)
+        await self._bounded(self.interaction.start(self.instance_id, **self.kwargs), "start")
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         if self._started:
             self._started = False
             try:
-                await asyncio.shield(self.interaction.finalize(self.instance_id))
-            except Exception:
-                pass
+                await asyncio.shield(self._bounded(self.interaction.finalize(self.instance_id), "finalize"))
+            except Exception as error:  # the trajectory is done; a failed clean-up must not lose it
+                log.warning("%s", error)
 
     async def respond(self, messages: list[dict[str, Any]]) -> InteractionResponse:
         return await self.interaction.generate_response(self.instance_id, messages)
 
     async def score(self) -> float | None:
-        return await self.interaction.calculate_score(self.instance_id)
+        return await self._bounded(self.interaction.calculate_score(self.instance_id), "calculate_score")

@@ -192,6 +192,8 @@ class AgentConfig(Section):
     max_user_turns: int = Field(4, ge=0)
     max_tool_response_tokens: int = Field(256, ge=1)
     max_parallel_calls: int = Field(4, ge=1)
+    # each tool call, create and calc_reward, and each interaction start, calculate_score and finalize
+    # (the steps outside the turns that trajectory_timeout_s bounds): past it an error naming the step
     tool_timeout_s: float = Field(30.0, gt=0)
     trajectory_timeout_s: float = Field(600.0, gt=0)
     malformed_call_policy: Literal["feedback", "penalize", "end"] = "feedback"

@@ -362,3 +362,39 @@ def test_tool_instance_ids_are_the_trajectorys_identity_the_same_in_every_contex
         asyncio.run(runners[-1].run(rows, n=2, group_prefix="train3/"))
         seen.append(sorted(tool.created))
     assert seen[0] == seen[1] == ["train3/0:r0#0", "train3/0:r0#1", "train3/1:r1#0", "train3/1:r1#1"]
+
+
+async def _forever(*args, **kwargs):
+    await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("step", ["start", "calculate_score"])
+def test_an_interaction_step_that_never_answers_ends_the_episode_naming_it_and_the_key(run_rows, monkeypatch, step):
+    """start and calculate_score run outside the turns agent.trajectory_timeout_s bounds: each has
+    agent.tool_timeout_s, and the trajectory ends interaction_error instead of waiting for ever."""
+    from agentrl_interactions.gsm8k import Gsm8kInteraction
+
+    finalized = []
+
+    async def finalize(self, instance_id):
+        finalized.append(instance_id)
+
+    monkeypatch.setattr(Gsm8kInteraction, step, _forever)
+    monkeypatch.setattr(Gsm8kInteraction, "finalize", finalize)
+    row = make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"})
+    [t], *_ = run_rows({"r0": ["#### 408"]}, [("r0", row)], agent={"tool_timeout_s": 0.05})
+    assert t.finish_reason == "interaction_error"
+    assert t.reward_info["error"] == (
+        f"{step} failed: TimeoutError: interaction 'gsm8k': {step} did not finish within agent.tool_timeout_s=0.05 s"
+    )
+    assert len(finalized) == 1
+
+
+def test_a_finalize_that_never_answers_keeps_the_trajectory_and_says_so(run_rows, monkeypatch, caplog):
+    from agentrl_interactions.gsm8k import Gsm8kInteraction
+
+    monkeypatch.setattr(Gsm8kInteraction, "finalize", _forever)
+    row = make_row(interaction_kwargs={"name": "gsm8k", "ground_truth": "408"})
+    [t], *_ = run_rows({"r0": ["#### 408"]}, [("r0", row)], agent={"tool_timeout_s": 0.05})
+    assert t.finish_reason == "interaction_done" and t.reward_info["interaction_score"] == 1.0
+    assert "interaction 'gsm8k': finalize did not finish within agent.tool_timeout_s=0.05 s" in caplog.text
