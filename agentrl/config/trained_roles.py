@@ -5,7 +5,8 @@ weights, an optimizer and a weight version, trained beside the main policy in th
 process and served by the built-in engine next to it (``agentrl.engines.policies``,
 ``agentrl.trainer.role_policies``). That is built for one configuration: one actor rank in the
 trainer's process, the built-in engine in the trainer's process syncing in memory, synchronous
-training, no critic, no KL in the reward, full weights. Every other setting is refused here,
+training, no critic, no KL in the reward (full weights or, with ``actor.lora.rank``, an adapter per
+role on the role's own copy of the base). Every other setting is refused here,
 naming its key, rather than run with the role silently trained some other way.
 """
 
@@ -16,8 +17,8 @@ from typing import Any
 __all__ = ["trained_roles", "trained_roles_problems"]
 
 SUPPORTED = ("a trained role's own policy is built for one actor rank in the trainer's process (trainer.workers=auto|local), "
-             "the built-in engine in that process syncing in memory, synchronous training without a critic, "
-             "KL in the reward or LoRA (docs/roles.md)")
+             "the built-in engine in that process syncing in memory, synchronous training without a critic or "
+             "KL in the reward (docs/roles.md)")
 
 
 def trained_roles(cfg: Any) -> list[str]:
@@ -41,7 +42,6 @@ def trained_roles_problems(cfg: Any) -> list[tuple[str, str]]:
         ("rollout.max_staleness", cfg.rollout.max_staleness, cfg.rollout.max_staleness > 0),
         ("critic.enable", cfg.critic.enable, cfg.critic.enable),
         ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward, cfg.algorithm.use_kl_in_reward),
-        ("actor.lora.rank", cfg.actor.lora.rank, cfg.actor.lora.rank > 0),
     ]
     return [(key, f"{key}={str(value).lower() if isinstance(value, bool) else value} is not supported with {what}: {SUPPORTED}")
             for key, value, bad in refused if bad]

@@ -150,7 +150,6 @@ def test_a_policys_health_stop_names_the_policy():
     ("trainer.max_restarts=1", "trainer.max_restarts"), ("engine=sglang", "engine.backend"), ("engine.process=true", "engine.process"),
     ("engine.weight_sync=disk", "engine.weight_sync"), ("rollout.max_staleness=1", "rollout.max_staleness"),
     ("critic.enable=true", "critic.enable"), ("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward"),
-    ("actor.lora.rank=4", "actor.lora.rank"),
 ])
 def test_a_configuration_a_trained_role_cannot_run_with_is_refused_naming_its_key(override, key):
     with pytest.raises(ConfigError) as info:
@@ -192,3 +191,15 @@ def test_agentrl_train_with_a_trained_verifier_records_each_policys_version_and_
     again = _steps(run / "metrics.jsonl")[-1]
     same = {k: v for k, v in steps[-1].items() if "timing" not in k and not k.startswith(("tokens/per_s", "perf/", "engine/busy"))}
     assert again["step"] == 3.0 and {k: again.get(k) for k in same} == same
+
+
+def test_a_trained_role_with_lora_trains_its_own_adapter_and_the_engine_serves_it_merged(tmp_path):
+    from agentrl.trainer.run import train
+
+    args = [*RUN, "trainer.total_steps=2", "trainer.save_freq=0", "trainer.export_hf=false", "actor.lora.rank=4",
+            "actor.optim.lr=0.01"]  # a step that moves the logprobs: an engine left with the old weights shows 1e-2, not 1e-7
+    run = train(load_config("train", [*args, f"trainer.runs_root={tmp_path}", "trainer.run_name=r"])).run_dir
+    steps = _steps(run / "metrics.jsonl")
+    assert [s["policy/verifier/weight_version"] for s in steps] == [1.0, 2.0]
+    # at version 1 the adapters differ from the start: the engine sampled with the role's merged weights
+    assert steps[1]["policy/verifier/health/mismatch_tokens"] > 0 and steps[1]["policy/verifier/health/logprob_mismatch"] < 1e-4
