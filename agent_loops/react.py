@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from agentrl.agent.call_stats import count_turn
 from agentrl.agent.loop import AgentLoop, Episode, LoopContext
+from agentrl.agent.tool_parsers import parse_turn
 from agentrl.data.row import Row
 from agentrl.engines.base import FinishReason
 from agentrl.trajectory import TrajectoryFinish
@@ -69,8 +71,11 @@ class ReactLoop(AgentLoop):
             segment += text
             if result.finish_reason is FinishReason.LENGTH:
                 return TrajectoryFinish.LENGTH
-            parsed = episode.parser.parse(segment)
+            parsed = parse_turn(episode.parser, segment, episode.tools.schemas())
             if parsed.final_answer is not None or episode.last_stopped_on_eos:
+                # the parse rate counts a segment once, where it ends: with calls, or with the
+                # answer (an Action line never completed there is an unparsed attempt)
+                count_turn(episode.counts, episode.parser, segment, parsed, episode.tools.schemas())
                 episode.final_answer = parsed.final_answer
                 if not episode.last_stopped_on_eos:
                     episode.builder.append_template([renderer.eos_id] + renderer.separator_ids)
@@ -78,6 +83,7 @@ class ReactLoop(AgentLoop):
             if not parsed.calls:
                 continue_turn = True  # the line was a thought: keep writing the same turn
                 continue
+            count_turn(episode.counts, episode.parser, segment, parsed, episode.tools.schemas())
             outcomes = await episode.call_tools(turn_index, parsed)
             observation = "".join(f"Observation: {episode.truncate_tool_text(o.text)}\n" for o in outcomes)
             episode.observe_ids(renderer.encode(observation), "tool", [])

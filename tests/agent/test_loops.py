@@ -185,3 +185,17 @@ def test_a_tool_results_metrics_are_kept_on_its_call_record_and_aggregated_per_t
     assert [c.metrics["timed_out"] for c in t.tool_calls] == [0.0, 0.0]
     m = trajectory_metrics([t])
     assert m["tool/python/calls"] == 2.0 and m["tool/python/exit_code"] == 1.5 and m["tool/python/timed_out"] == 0.0
+
+
+def test_react_segments_count_in_the_parse_rate_once_each(run_rows):
+    """A ReAct segment is parsed at every line; it is counted once, where it ends: a call read
+    whole, a call to an unknown tool, and an Action that never got its input before the answer."""
+    script = {"r0": [
+        "Thought: use the tool\nAction: calculator\nAction Input: 12 * 34\n",
+        "Action: abacus\nAction Input: 12 * 34\n",
+        "Action: calculator\nFinal Answer: #### 408\n",
+    ]}
+    [t], *_ = run_rows(script, [("r0", make_row(agent="react"))])
+    assert t.finish_reason == "stop"
+    counted = {k: v for k, v in t.metrics.items() if k.startswith("tool_calls/")}
+    assert counted == {"tool_calls/parsed": 1, "tool_calls/malformed/unknown_tool": 1, "tool_calls/unparsed_turns": 1}
