@@ -23,6 +23,10 @@ The rules (AReaL's, counted in groups; docs/training.md "Asynchronous training")
   (earliest deadline first; the admission rule makes it feasible once everything running ends).
 * each step trains exactly ``B`` groups, the oldest first; weight versions count the actor updates,
   as in the synchronous trainer (version k: the policy after k updates).
+* nothing is dispatched that the run cannot train: no batch while the groups running or finished
+  already fill the steps left (``trainer.total_steps``); a dropped group makes room for another.
+  (Without it the last eta steps ran beside up to eta batches nobody would train, which on a
+  machine without spare cores took their compute from the groups that were.)
 """
 
 from __future__ import annotations
@@ -139,11 +143,17 @@ class AsyncDriver:
                 "correction: set actor.rollout_correction.level=token (truncated importance sampling against the "
                 "engine's logprobs), with actor.rollout_correction.method=decoupled for decoupled PPO (docs/training.md)")
 
-    def admit(self) -> None:
+    def admit(self, step: int | None = None) -> None:
+        """Dispatch what the admission rule allows (and, from step ``step`` on, what the run's steps
+        left can train)."""
         t = self.trainer
         cfg: TrainConfig = t.cfg
-        for _ in range(batches_to_admit(dispatched=self.dispatched, retired=self.retired, batch_size=self.batch_size,
-                                        max_staleness=self.eta)):
+        room = batches_to_admit(dispatched=self.dispatched, retired=self.retired, batch_size=self.batch_size,
+                                max_staleness=self.eta)
+        if step is not None:  # the groups the steps left will train, less those running or finished
+            wanted = (cfg.trainer.total_steps - step) * self.batch_size - len(self.in_flight) - len(self.finished)
+            room = min(room, max(0, -(-wanted // self.batch_size)))
+        for _ in range(room):
             if self.pending:
                 rows, self.pending = self.pending[: self.batch_size], self.pending[self.batch_size :]
             else:
@@ -182,7 +192,7 @@ class AsyncDriver:
         waited = 0.0
         since = time.monotonic()
         while True:
-            self.admit()
+            self.admit(step)
             selection = select_groups(self.finished, self.in_flight, version=version, next_version=next_version,
                                       max_staleness=self.eta, batch_size=self.batch_size, mode=self.mode)
             if selection.dropped:

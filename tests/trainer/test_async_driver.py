@@ -187,13 +187,13 @@ class _Actor:
         return [FinishedGroup(g, kwargs.get("version", 0), group(g, 0).trajectories) for g, _ in done]
 
 
-def _trainer(dataset):
+def _trainer(dataset, *overrides: str):
     from types import SimpleNamespace
 
     from agentrl.config import load_config
 
     cfg = load_config("train", ["rollout.max_staleness=1", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
-                                "actor.rollout_correction.level=token"],
+                                "actor.rollout_correction.level=token", *overrides],
                       check_files=False)
     return SimpleNamespace(cfg=cfg, actor=_Actor(), dataset=dataset, weight_version=0, log=SimpleNamespace(console=print))
 
@@ -237,3 +237,37 @@ def test_a_resumed_driver_dispatches_the_rows_in_flight_at_the_checkpoint_first_
         trained += trained_ids(second, step)
     assert sorted(trained) == sorted(row_id for row_id, _ in rows) and len(trained) == 8
     assert second.batches > state["batches"] and all(g.startswith("train") for g in second.in_flight)
+
+
+def test_nothing_is_dispatched_beyond_what_the_steps_left_can_train():
+    """eta 4 admits 5 batches at the start of a long run; a run of 3 steps dispatches 3 batches in
+    all, and a dropped group makes room for one more batch (a whole batch or none)."""
+    from agentrl.trainer.async_driver import AsyncDriver
+
+    class Data:
+        def __init__(self):
+            self.batches = 0
+
+        def next_batch(self):
+            self.batches += 1
+            return [(f"r{self.batches}-{i}", None) for i in range(2)]
+
+    long = AsyncDriver(_trainer(Data(), "rollout.max_staleness=4", "trainer.total_steps=40"))
+    long.admit(0)
+    assert long.dispatched == 10  # (eta + 1) x B
+    short = AsyncDriver(_trainer(Data(), "rollout.max_staleness=4", "trainer.total_steps=3"))
+    for step in range(3):
+        groups, dropped, _ = short.take(step)
+        assert len(groups) == 2 and not dropped
+        for g in groups:
+            short.rows.pop(g.group_id)
+        assert (short.dispatched, short.trainer.dataset.batches) == (6, 3)
+    short.admit(3)
+    assert short.dispatched == 6  # no step left
+    dropping = AsyncDriver(_trainer(Data(), "rollout.max_staleness=4", "trainer.total_steps=2"))
+    dropping.admit(0)
+    assert dropping.dispatched == 4
+    dropping.in_flight.pop(next(iter(dropping.in_flight)))  # a group dropped as stale: retired, not trained
+    dropping.retired += 1
+    dropping.admit(0)
+    assert dropping.dispatched == 6
