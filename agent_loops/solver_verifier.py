@@ -1,11 +1,16 @@
 """``solver_verifier``: two roles of one policy, a solver and a verifier (docs/roles.md).
 
 The solver answers the row's question as ``tool_agent`` does (calculator calls, then an answer
-ending ``#### <number>``). The verifier sees the question and the solver's answer and gives a
-verdict as a number, ``#### 1`` (right) or ``#### 0`` (wrong): the tiny model writes
-``#### <number>`` best (it may call the calculator too). Rewards by role:
-the solver 1.0 for a right answer (the GSM8K rule against the row's ground truth), the verifier
-1.0 for a right verdict on that answer; 0.0 otherwise.
+ending ``#### <number>``). The verifier sees the question and an answer and gives its verdict as
+how far the answer is off: ``#### 0`` (right) or ``#### <another integer>`` (wrong). Checking
+with the calculator (the question's expression minus the answer), that is the call's result,
+written as the solver writes a calculator's result. The answer it checks is the solver's when that is of the kind the row asks for
+(``extra_info.verifier.checks_right``), else one the loop supplies (the ground truth or
+``extra_info.verifier.wrong_answer``), so a row's verifier checks a right answer or a wrong one
+whatever the solver said (``data_prep/solver_verifier.py``); a row without ``verifier`` has its
+verifier check the solver's answer. Rewards by role: the solver 1.0 for a right answer (the GSM8K
+rule against the row's ground truth), the verifier 1.0 for a right verdict on the answer it
+checked; 0.0 otherwise.
 
 Both roles are ``shared`` (trained by one policy, each compared with its own role's samples).
 With ``agent.roles.verifier=frozen`` a scripted verifier judges by the rule instead, and only the
@@ -15,6 +20,7 @@ solver trains (a solver with a scripted judge).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from agentrl.agent.roles import RolePolicy, RolesEpisode, RolesLoop
@@ -22,18 +28,32 @@ from agentrl.data.row import Row
 from agentrl.rewards import gsm8k_strict
 from agentrl.trajectory import TrajectoryFinish
 
-__all__ = ["SolverVerifierLoop", "VERIFIER_PROMPT", "verdict_of"]
+__all__ = ["SolverVerifierLoop", "VERIFIER_PROMPT", "checked_answer", "verdict_of"]
 
-VERIFIER_PROMPT = ("Check the answer to the question. Use the calculator tool for arithmetic. "
-                   "End with #### 1 if the answer is right, #### 0 if it is wrong.")
-_VERDICT = re.compile(r"####\s*([01])\s*$")
+VERIFIER_PROMPT = ("Check the answer to the question: use the calculator tool for the question minus the answer. "
+                   "End with #### <how far the answer is off>: #### 0 if it is right.")
+_VERDICT = re.compile(r"####\s*(-?\d+)\s*$")
 
 
 def verdict_of(text: str) -> bool | None:
-    """The verdict of a verifier's answer ending ``#### 1`` (True: right) or ``#### 0`` (False:
-    wrong); None: no verdict."""
+    """The verdict of a verifier's answer ending ``#### <integer>``, how far the answer is off:
+    True (right) for 0, False (wrong) for any other; None: no verdict."""
     found = _VERDICT.search(text.strip())
-    return None if found is None else found.group(1) == "1"
+    return None if found is None else int(found.group(1)) == 0
+
+
+def checked_answer(row: Row, answer: str, right: bool) -> tuple[str, bool]:
+    """The answer the verifier checks and whether it is right: the solver's ``answer`` (right or
+    not, ``right``) when it is of the kind the row asks for (``extra_info.verifier``), else the
+    ground truth or the row's wrong answer; the solver's when the row asks for none."""
+    wanted = getattr(row.extra_info, "verifier", None)
+    if wanted is not None and not (isinstance(wanted, Mapping) and {"checks_right", "wrong_answer"} <= wanted.keys()):
+        raise ValueError(f"extra_info.verifier must hold checks_right and wrong_answer, got {wanted!r}")
+    if wanted is None or bool(wanted["checks_right"]) == right:
+        return answer, right
+    if wanted["checks_right"]:
+        return f"#### {row.ground_truth}", True
+    return f"#### {wanted['wrong_answer']}", False
 
 
 class SolverVerifierLoop(RolesLoop):
@@ -44,11 +64,13 @@ class SolverVerifierLoop(RolesLoop):
         if role == "solver":
             return row.messages()
         question = next((m["content"] for m in reversed(row.messages()) if m["role"] == "user"), "")
-        return [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": f"Question: {question}"}]
+        # the question as the solver sees it: the shared policy's calculator habit carries over
+        return [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": question}]
 
     def shown(self, viewer: str, speaker: str, text: str) -> dict[str, Any] | None:
-        # the verifier reads the solver's answer; the solver never sees the verdict (it is scored before)
-        return {"role": "user", "content": f"Answer: {text}"} if viewer == "verifier" else None
+        # the loop tells the verifier the answer it checks (checked_answer); the solver never sees
+        # the verdict (it is scored before)
+        return None
 
     async def play_roles(self, game: RolesEpisode) -> TrajectoryFinish:
         truth = str(game.row.ground_truth)
@@ -56,12 +78,14 @@ class SolverVerifierLoop(RolesLoop):
         answer = await self._answer(game, "solver")
         right = gsm8k_strict(game.row.data_source, answer, truth) == 1.0
         game.rewards["solver"] = 1.0 if right else 0.0
+        checked, checked_right = checked_answer(game.row, answer, right)
         if game.is_sampled("verifier"):
+            game.tell("verifier", {"role": "user", "content": f"Answer: {checked}"})
             verdict = verdict_of(await self._answer(game, "verifier"))
         else:  # the scripted judge
-            verdict = right
-            game.say("verifier", f"#### {int(right)}")
-        game.rewards["verifier"] = 1.0 if verdict == right else 0.0
+            verdict = checked_right
+            game.say("verifier", "#### 0" if checked_right else "#### 1")
+        game.rewards["verifier"] = 1.0 if verdict == checked_right else 0.0
         return TrajectoryFinish.STOP
 
     async def _answer(self, game: RolesEpisode, role: str) -> str:

@@ -121,6 +121,10 @@ def _row(task: str, problem: Problem, index: int, split: str) -> dict[str, Any]:
             "expected_steps": [value for _, value in problem.steps], "step_reward": STEP_REWARD}
     if task == "arith_retry":
         extra["interaction_kwargs"] = {"name": "gsm8k", "query": problem.question, "ground_truth": str(problem.answer)}
+    if task == "solver_verifier":  # which kind of answer the verifier checks, right or wrong in turn
+        from agentrl_data_prep.solver_verifier import verifier_extra
+
+        extra["verifier"] = verifier_extra(problem.question, problem.answer, index)
     return {
         "data_source": data_source,
         "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem.question}],

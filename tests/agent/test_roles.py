@@ -40,7 +40,7 @@ def roll(tiny_tokenizer, make_ctx, answers, *, n=1, agent=None, reward=None):
 
 
 def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenizer, make_ctx):
-    trajectories, ctx, engine = roll(tiny_tokenizer, make_ctx, {"solver": [CALL_12x34, "#### 408"], "verifier": ["#### 1"]})
+    trajectories, ctx, engine = roll(tiny_tokenizer, make_ctx, {"solver": [CALL_12x34, "#### 408"], "verifier": ["#### 0"]})
     solver, verifier = trajectories
     r = ctx.renderer
     tools = ctx.toolbox.session("x", ROW.extra_info.tools_kwargs).schemas()
@@ -51,10 +51,10 @@ def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenize
     assert [x.role for x in solver.turns] == ["assistant", "tool", "assistant"]
     assert solver.messages[-1] == {"role": "assistant", "content": "#### 408"}
     # the verifier: the solver's answer in its prompt as a user message, then its own verdict only
-    seen = [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": "Question: What is 12 * 34?"},
+    seen = [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": "What is 12 * 34?"},
             {"role": "user", "content": "Answer: #### 408"}]
-    assert verifier.messages == seen + [{"role": "assistant", "content": "#### 1"}]
-    verdict = tiny_tokenizer.encode("#### 1", add_special_tokens=False) + [r.eos_id]
+    assert verifier.messages == seen + [{"role": "assistant", "content": "#### 0"}]
+    verdict = tiny_tokenizer.encode("#### 0", add_special_tokens=False) + [r.eos_id]
     assert verifier.prompt_ids == r.prompt_ids(seen, tools)
     assert verifier.response_ids == verdict + r.separator_ids
     assert verifier.response_mask == [1] * len(verdict) + [0] * len(r.separator_ids)
@@ -69,7 +69,7 @@ def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenize
 
 
 def test_a_wrong_answer_and_the_verdicts_on_it_are_rewarded_by_role(tiny_tokenizer, make_ctx):
-    answers = {"solver/0": ["#### 407"], "solver/1": ["#### 407"], "verifier/0": ["#### 1"], "verifier/1": ["#### 0"]}
+    answers = {"solver/0": ["#### 407"], "solver/1": ["#### 407"], "verifier/0": ["#### 0"], "verifier/1": ["#### 1"]}
     trajectories, _, _ = roll(tiny_tokenizer, make_ctx, answers, n=2)
     assert [(t.role, t.sample_index, t.reward) for t in trajectories] == [
         ("solver", 0, 0.0), ("verifier", 0, 0.0), ("solver", 1, 0.0), ("verifier", 1, 1.0)]
@@ -123,7 +123,8 @@ def test_a_reward_function_may_answer_by_role(tiny_tokenizer, make_ctx, monkeypa
 
 
 def test_verdicts_are_read_from_the_end():
-    assert [verdict_of(t) for t in ["#### 1", "so #### 0 \n", "#### 1 then", "#### 10", "1"]] == [True, False, None, None, None]
+    texts = ["#### 0", "so #### 1 \n", "#### 0 then", "#### 10", "0", "#### -3000", "#### 0.5", "#### -0"]
+    assert [verdict_of(t) for t in texts] == [True, False, None, False, None, False, None, True]
 
 
 def test_the_store_keeps_the_role_and_reads_older_shards_without_one(tiny_tokenizer, make_ctx, tmp_path):

@@ -18,11 +18,11 @@ from agentrl.config.schema import TrainConfig
 from agentrl.trainer.step import Groups, LocalGroup, TrainingStep
 from tests.agent.agent_helpers import make_row
 
-# sample 0: a right answer judged correct; sample 1: a wrong answer judged wrong. Solver rewards
+# sample 0: a right answer judged correct (off by 0); sample 1: a wrong answer judged wrong. Solver rewards
 # [1, 0], verifier rewards [1, 1]: one pooled group of four would give the verifier's samples
 # advantages too, per-role groups give the verifier none (a group all alike).
 ANSWERS = {("solver", "0"): "#### 408", ("solver", "1"): "#### 407",
-           ("verifier", "0"): "#### 1", ("verifier", "1"): "#### 0"}
+           ("verifier", "0"): "#### 0", ("verifier", "1"): "#### 1"}
 
 
 def script(row_id, index, request):
@@ -67,8 +67,8 @@ def test_both_roles_train_in_one_loss_each_with_its_own_role_group_advantage(tin
     expected = {  # role, sample -> (sampled ids, advantage on each of them)
         ("solver", 0): (tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [eot], grpo),
         ("solver", 1): (tiny_tokenizer.encode("#### 407", add_special_tokens=False) + [eot], -grpo),
-        ("verifier", 0): (tiny_tokenizer.encode("#### 1", add_special_tokens=False) + [eot], 0.0),
-        ("verifier", 1): (tiny_tokenizer.encode("#### 0", add_special_tokens=False) + [eot], 0.0),
+        ("verifier", 0): (tiny_tokenizer.encode("#### 0", add_special_tokens=False) + [eot], 0.0),
+        ("verifier", 1): (tiny_tokenizer.encode("#### 1", add_special_tokens=False) + [eot], 0.0),
     }
     prompts = {(t.role, t.sample_index): t.prompt_ids for t in trajectories}
     rows = {}
@@ -107,7 +107,7 @@ def test_an_agent_program_with_roles_trains_each_role_with_its_own_advantage(tin
         verdict = client.chat.completions.create(model="verifier", messages=[
             {"role": "user", "content": f"Check: {answer}"}]).choices[0].message.content
         right = answer == "#### 408"
-        return AgentResult(final_answer=answer, reward={"solver": float(right), "verifier": float((verdict == "#### 1") == right)})
+        return AgentResult(final_answer=answer, reward={"solver": float(right), "verifier": float((verdict == "#### 0") == right)})
 
     cfg = TrainConfig.model_validate({"data": {"train_batch_size": 2, "max_response_length": 64},
                                       "actor": {"ppo_mini_batch_size": 1}, "rollout": {"n": 2},
