@@ -33,7 +33,7 @@ from agentrl.config.trained_roles import trained_roles
 from agentrl.engines.policies import MAIN_POLICY, PolicyEngines
 from agentrl.errors import CheckpointError, ConfigError
 from agentrl.trainer.health import HealthMonitor, HealthStop, step_health_metrics
-from agentrl.trainer.step import Groups, TrainingStep, check_weight_versions
+from agentrl.trainer.step import Groups, TrainingStep, check_weight_versions, failure_metrics
 from agentrl.trainer.workers import ActorWorker, _bounded_sync
 from agentrl.trajectory import Trajectory
 
@@ -124,15 +124,24 @@ class RolePolicies:
             (own[t.role] if t.role in own else main).append(t)
         return main, own
 
+    def check_rollout(self, own: Mapping[str, list[Trajectory]], *, step: int) -> None:
+        """Before any update of the step: each role's trajectories were sampled at its policy's
+        version, and its infrastructure failures stay within ``trainer.max_failure_rate``
+        (``RolloutFailed`` naming the policy; the run's checkpoint is then of the step before)."""
+        for role, trajectories in own.items():
+            where = f"step {step + 1}, role {role!r}'s policy"
+            check_weight_versions(trajectories, self.versions[role], where=where)
+            failure_metrics(trajectories, max_rate=self.cfg.trainer.max_failure_rate, where=where)
+
     def train(self, main_actor: Any, own: Mapping[str, list[Trajectory]], *, step: int) -> dict[str, float]:
-        """Each trained role's step on its own trajectories, then its sync; its metrics under ``policy/<role>/``."""
+        """Each trained role's step on its own trajectories, then its sync; its metrics under
+        ``policy/<role>/``. (``check_rollout`` first.)"""
         metrics: dict[str, float] = {}
-        where = f"step {step + 1}"
+        self.check_rollout(own, step=step)
         for role, trajectories in own.items():
             if not trajectories:
                 continue
             sampled_by = self.versions[role]
-            check_weight_versions(trajectories, sampled_by, where=f"{where}, role {role!r}'s policy")
             result = self.steps[role].online(trajectories, step=step)
             part = {**result.metrics, **step_health_metrics(trajectories, result.batch, sampled_by,
                                                             estimator=self.cfg.algorithm.adv_estimator)}

@@ -158,7 +158,8 @@ class Trainer:
         plan = {} if self.in_process else plan_groups(cfg, actor_cpus=cpus / cfg.actor.world_size * 0.5)
         say(workers_line(cfg, in_process=self.in_process), log)
         self.actor = Group(
-            RolesActorWorker if "trained" in cfg.agent.roles.values() else ActorWorker, world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
+            RolesActorWorker if "trained" in cfg.agent.roles.values() else ActorWorker,  # trained roles: an engine per policy
+            world_size=cfg.actor.world_size, env=env, name="actor", **placed(plan, "actor"),
             model_path=self.model_path, config=cfg.actor, total_steps=max(1, self.total_steps), rollout_setup=setup,
             gradient_checkpointing=cfg.model.gradient_checkpointing, temperature=cfg.rollout.temperature,
             share_prompts=cfg.model.share_prompt_forward, wait=False, **dist,
@@ -274,6 +275,8 @@ class Trainer:
             trajectories, own = self.policies.split(trajectories)
         try:
             check_weight_versions(trajectories, self.weight_version, where=f"step {step + 1}")
+            if self.policies is not None:  # every policy's rollout checked before any policy is updated
+                self.policies.check_rollout(own, step=step)
             result = self.step.online(trajectories, step=step)
             roles_metrics = self.policies.train(self.actor, own, step=step) if self.policies is not None else {}
         except RolloutFailed:
@@ -359,8 +362,8 @@ class Trainer:
                 self.critic.call_all("save", str(directory))
             if self.policies is not None:  # each trained role's actor, and its weight version
                 extra["policy_versions"] = self.policies.save(directory)
-            state = {**extra, "step": step, "data": self.dataset.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": torch.get_rng_state().tolist(),
-                     "weight_version": self.weight_version}
+            state = {**extra, "step": step, "data": self.dataset.state_dict(), "kl_coef": self.kl_ctrl.value,
+                     "rng": torch.get_rng_state().tolist(), "weight_version": self.weight_version}
             if self.driver is not None:  # asynchronous: the rows in flight, dispatched again at resume
                 state["async"] = self.driver.state_dict()
             (directory / TRAINER_STATE).write_text(json.dumps(state))

@@ -8,6 +8,7 @@ configurations not built are refused naming their key."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 
@@ -26,6 +27,7 @@ from agentrl.trainer.health import HealthStop
 from agentrl.trainer.role_policies import RolePolicies
 from agentrl.trainer.step import Groups, LocalGroup, RolloutFailed, TrainingStep
 from agentrl.trainer.workers import ActorWorker
+from agentrl.trajectory import TrajectoryFinish
 from tests.agent.agent_helpers import make_row
 
 # sample 0: a right answer and the verdict "right"; sample 1: a wrong answer and the verdict "wrong"
@@ -133,6 +135,16 @@ def test_each_policy_trains_on_its_own_roles_rows_exactly_as_a_single_policy_ste
     with pytest.raises(RolloutFailed, match=r"step 2, role 'verifier''s policy: 2 trajectories were sampled by engine weights "
                                             r"older than version 1"):
         policies.train(engine, own, step=1)
+
+
+def test_a_roles_failed_rollout_stops_the_step_before_any_policy_is_updated(tiny_tokenizer):
+    _, own = RolePolicies(CFG, {"verifier": None}, {}, say=print).split(rollout(tiny_tokenizer))
+    failed = [dataclasses.replace(t, finish_reason=TrajectoryFinish.ENGINE_ERROR) for t in own["verifier"]]
+    policies = RolePolicies(CFG, {"verifier": None}, {}, say=print)
+    with pytest.raises(RolloutFailed, match=r"step 4, role 'verifier''s policy: 2 of 2 trajectories failed .* above "
+                                            r"trainer\.max_failure_rate=0\.5"):
+        policies.check_rollout({"verifier": failed}, step=3)
+    policies.check_rollout(own, step=3)  # sampled at version 0, the policy's: nothing to say
 
 
 def test_a_policys_health_stop_names_the_policy():
