@@ -40,6 +40,23 @@ samples' reward measures what was learnt per sample without the lag of ``reward_
 (whose samples, in asynchronous training, come from policies up to eta versions older).
 ``--correction`` picks the asynchronous runs' off-policy correction (``tis`` or ``decoupled``),
 ``--stale-groups`` what they do with a group that finished too old (``drop``, the default, or ``wait``).
+
+``--workload compute`` (issue 49): the compute-heavy preset. The calculator-skilled base on the
+multi-step word problems (``data=word_steps``: two or three calculator calls a problem, each call
+that reaches one of the problem's intermediate values rewarded on its turn, with
+``algorithm.grpo_turn_credit=true``, so the samples of a group differ and every step has a gradient
+to compute). Its responses are the model's own: a tool call a turn (about 30 tokens each) and the
+calculator's results between them, 100 to 150 tokens an episode on average (50 to 200), 2 to 3
+calls (the runs report ``response_length`` and ``tool_calls`` per episode). The synchronous run,
+eta 1 and eta 4 (partial rollouts on) run with the latency on and off (``--latency on,off``: off is
+``latency_median_s=0``, the compute ceiling), the configurations in alternating order over
+``--seeds`` (the repeats). ``summary`` adds, per configuration, ``x_ceiling``: its trajectories/s
+over the synchronous latency-off run's; its ``speedup`` is over the synchronous run of its own
+latency; ``meets_floors`` holds eta 4 to ``COMPUTE_FLOORS`` (latency off: at least 0.95x the
+synchronous run; latency on: at least 0.8 of the ceiling), on the training steps' wall time.
+Every run also reports ``steady_trajectories_per_s`` (the steps after the first) and
+``end_to_end_trajectories_per_s`` (the trained samples over the whole process, start-up included),
+with the summary's ratios of both.
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,25 +74,39 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "overrides", "summarize_run", "summarize", "run_order", "reward_by_version", "last_complete_version", "FLOORS"]
+__all__ = ["main", "overrides", "summarize_run", "summarize", "run_order", "reward_by_version", "last_complete_version",
+           "apply_workload", "configurations", "FLOORS", "COMPUTE_FLOORS", "WORKLOADS"]
 
 # issue 36: the least speed-up over the synchronous trajectories/s, per max_staleness
 FLOORS = {1: 1.5, 2: 1.5, 4: 2.5}
+# issue 49, --workload compute: eta 4's least trajectories/s over the synchronous latency-off run's
+# (the compute ceiling), with the latency off and on
+COMPUTE_FLOORS = {"off": 0.95, "on": 0.80}
+# each workload's defaults of the options left unset on the command line
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "calculator": {"etas": "1,2,4", "partial": "off,on", "seeds": "0", "steps": 6, "latency": "on"},
+    "compute": {"etas": "1,4", "partial": "on", "seeds": "0,1", "steps": 8, "latency": "on,off"},
+}
 
 
-def overrides(*, eta: int, partial: bool, seed: int, args: argparse.Namespace) -> list[str]:
-    """The ``agentrl train`` overrides of one configuration."""
+def overrides(*, eta: int, partial: bool, seed: int, args: argparse.Namespace, latency: bool = True) -> list[str]:
+    """The ``agentrl train`` overrides of one configuration (``latency``: the calculator's on, else 0)."""
     calc = "agent.tool_config.calculator"
+    median = args.latency_median_s if latency else 0.0
+    learning = getattr(args, "workload", "calculator") == "calculator"  # the compute preset measures speed only
     out = [
         f"trainer.total_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0", "trainer.export_hf=false",
-        "trainer.final_validation=true", "trainer.val_before_train=false", "trainer.save_rollouts=true", "logging.progress=false",
+        f"trainer.final_validation={str(learning).lower()}", "trainer.val_before_train=false",
+        f"trainer.save_rollouts={str(learning).lower()}", "logging.progress=false",
         f"data.train_batch_size={args.batch_size}", f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.batch_size}",
         f"actor.ppo_micro_batch_size_per_gpu={math.gcd(8, args.batch_size * args.n)}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"data.max_response_length={args.max_response_length}",
         f"agent.max_assistant_turns={args.max_turns}", "sft.enable=false",
-        f"+{calc}.latency_median_s={args.latency_median_s}", f"+{calc}.latency_p99_s={args.latency_p99_s}",
+        f"+{calc}.latency_median_s={median}", f"+{calc}.latency_p99_s={args.latency_p99_s}",
         f"+{calc}.latency_seed={seed}", f"trainer.seed={seed}", f"rollout.max_staleness={eta}",
     ]
+    if not learning:  # the word problems with turn credit (the module docstring)
+        out += ["data=word_steps", "algorithm.grpo_turn_credit=true"]
     if getattr(args, "warm_start", None):
         out.append(f"model.path={args.warm_start}")
     if getattr(args, "val_n", 0):  # the final validation sampled: n answers a problem at val_temperature
@@ -106,6 +138,11 @@ def summarize_run(rows: list[dict[str, Any]], *, eta: int, samples_per_step: int
         "reward_per_sample": statistics.fmean(r["reward/mean"] for r in rows),
         "interrupted_requests": sum(r.get("engine/interrupted_requests", 0.0) for r in rows),
         "dropped_groups": sum(r.get("async/dropped_groups", 0.0) for r in rows), "curve": curve,
+        # the steps after the first (whose wait for the first groups is part of start-up)
+        "steady_trajectories_per_s": (samples_per_step * (len(rows) - 1) / (wall - rows[0]["timing/step_s"])
+                                      if len(rows) > 1 else None),
+        "response_length": statistics.fmean(r.get("response_length/mean", 0.0) for r in rows),
+        "tool_calls": statistics.fmean(r.get("tool_calls/mean", 0.0) for r in rows),
     }
 
 
@@ -168,9 +205,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      "tokens_per_s": statistics.fmean(g["tokens_per_s"] for g in group),
                      "reward_per_sample": statistics.fmean(rewards),
                      "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0, "seeds": len(group)}
+        for key in ("steady_trajectories_per_s", "end_to_end_trajectories_per_s", "cpu_s_per_trajectory"):
+            values = [g[key] for g in group if g.get(key) is not None]
+            if values:
+                out[name][key] = statistics.fmean(values)
         heldout = [g["heldout_success_after"] for g in group if g.get("heldout_success_after") is not None]
         out[name]["heldout_success_after"] = statistics.fmean(heldout) if heldout else None
         out[name]["heldout_std"] = statistics.stdev(heldout) if len(heldout) > 1 else 0.0
+    if any(run.get("latency") == "off" for run in runs):
+        return _with_ceiling(out, runs)
     sync = out.get("sync")
     etas = {run["config"]: run["eta"] for run in runs}
     for name, s in out.items():
@@ -188,6 +231,53 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _with_ceiling(out: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary of runs with the latency on and off (``--latency on,off``): each configuration's
+    speed-ups over the synchronous run of its latency (``sync`` or ``sync_nolat``), on the steps'
+    wall time, the steps after the first and the whole process; ``x_ceiling`` over the synchronous
+    latency-off run's; eta 4 held to ``COMPUTE_FLOORS``."""
+    meta = {run["config"]: (run["eta"], run.get("latency", "on")) for run in runs}
+    ceiling = out.get("sync_nolat")
+    for name, s in out.items():
+        eta, latency = meta[name]
+        base = out.get("sync" if latency == "on" else "sync_nolat")
+        for prefix in ("", "steady_", "end_to_end_"):  # the steps; the steps after the first; the whole process
+            key = prefix + "trajectories_per_s"
+            if base and s.get(key) is not None and base.get(key):
+                s[prefix + "speedup"] = s[key] / base[key]
+            if ceiling and s.get(key) is not None and ceiling.get(key):
+                s[prefix + "x_ceiling"] = s[key] / ceiling[key]
+        if base and s.get("cpu_s_per_trajectory") and base.get("cpu_s_per_trajectory"):  # the CPU a trajectory costs, x sync's
+            s["cpu_ratio"] = s["cpu_s_per_trajectory"] / base["cpu_s_per_trajectory"]
+        s["latency"] = latency
+        if eta == 4 and ceiling:
+            s["floor"] = COMPUTE_FLOORS[latency]
+            s["meets_floors"] = s["x_ceiling"] >= s["floor"]
+    return out
+
+
+def apply_workload(args: argparse.Namespace) -> argparse.Namespace:
+    """The workload's defaults (``WORKLOADS``) of the options left unset."""
+    for key, value in WORKLOADS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def configurations(etas: str, partial: str, latency: str) -> list[tuple[str, int, bool, str]]:
+    """(name, eta, partial, latency) of every configuration: the synchronous one, then each eta with
+    each partial setting, all of it for each latency setting (``_nolat``: the latency off)."""
+    if not latency or set(latency.split(",")) - {"on", "off"}:
+        raise SystemExit(f"--latency must be on, off or on,off, got {latency!r}")
+    out = []
+    for lat in latency.split(","):
+        suffix = "" if lat == "on" else "_nolat"
+        out += [("sync" + suffix, 0, False, lat)] + [
+            (f"eta{eta}" + ("_partial" if p == "on" else "") + suffix, eta, p == "on", lat)
+            for eta in (int(e) for e in etas.split(",") if e) for p in partial.split(",") if p]
+    return out
+
+
 def run_order(configs: list[Any], seeds: list[int]) -> list[tuple[int, Any]]:
     """(seed, configuration) in running order: the configurations as listed for the first seed,
     reversed for the second, and so on."""
@@ -199,6 +289,12 @@ BESIDE = {
     "busy": "while True: pass",
     "torch": "import torch\nx = torch.randn(512, 512)\nwhile True: x = torch.tanh(x @ x)",
 }
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process's finished children (an ``agentrl train`` with its engine process)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -217,10 +313,14 @@ def _train(args: argparse.Namespace, name: str, extra: list[str], root: Path) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench async", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")
-    parser.add_argument("--etas", default="1,2,4", help="max_staleness values to run beside the synchronous trainer")
-    parser.add_argument("--partial", default="off,on", help="partial rollouts for each eta: off, on or off,on")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds (the issue's measurement uses 0,1,2)")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="calculator",
+                        help="calculator: the quickstart's arithmetic; compute: the word problems, longer episodes "
+                             "(the module docstring); sets the defaults of the four options below and --latency")
+    parser.add_argument("--etas", default=None, help="max_staleness values to run beside the synchronous trainer")
+    parser.add_argument("--partial", default=None, help="partial rollouts for each eta: off, on or off,on")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (the issue's measurement uses 0,1,2)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--latency", default=None, help="the calculator's latency in every configuration: on, off or on,off")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -246,10 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-temperature", type=float, default=1.0, help="with --val-n: rollout.val_temperature")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (0: inherit)")
-    args = parser.parse_args(argv)
-    configs = [("sync", 0, False)] + [
-        (f"eta{eta}" + ("_partial" if p == "on" else ""), eta, p == "on")
-        for eta in (int(e) for e in args.etas.split(",") if e) for p in args.partial.split(",") if p]
+    args = apply_workload(parser.parse_args(argv))
+    configs = configurations(args.etas, args.partial, args.latency)
     seeds = [int(s) for s in args.seeds.split(",")]
     beside_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's default thread count
     busy = subprocess.Popen([sys.executable, "-c", BESIDE[args.beside_cpu_job]], env=beside_env) if args.beside_cpu_job else None
@@ -264,16 +362,22 @@ def main(argv: list[str] | None = None) -> int:
                                       "trainer.val_before_train=false", "trainer.export_hf=false",
                                       "trainer.save_rollouts=false", "logging.progress=false"], Path(tmp))
                 args.warm_start = str(Path(tmp) / "warm" / "sft_policy")
-            for seed, (name, eta, partial) in run_order(configs, seeds):
-                start = time.perf_counter()
-                rows, summary = _train(args, f"{name}-s{seed}", overrides(eta=eta, partial=partial, seed=seed, args=args),
-                                       Path(tmp))
+            for seed, (name, eta, partial, latency) in run_order(configs, seeds):
+                start, load, cpu = time.perf_counter(), os.getloadavg()[0], _cpu_s()
+                rows, summary = _train(args, f"{name}-s{seed}", overrides(eta=eta, partial=partial, seed=seed, args=args,
+                                                                          latency=latency == "on"), Path(tmp))
+                wall, cpu = time.perf_counter() - start, _cpu_s() - cpu
                 run = summarize_run(rows, eta=eta, samples_per_step=args.batch_size * args.n)
                 run["heldout_success_after"] = summary.get("heldout_success_after")  # the final validation
-                run["reward_by_version"] = reward_by_version(_stored_rewards(Path(tmp) / f"{name}-s{seed}"),
-                                                             complete_up_to=last_complete_version(run["steps"], eta))
-                runs.append({"config": name, "eta": eta, "partial": partial, "seed": seed,
-                             "process_wall_s": time.perf_counter() - start, "load_average_after": os.getloadavg()[0], **run})
+                if args.workload == "calculator":  # the compute preset keeps no rollout store
+                    run["reward_by_version"] = reward_by_version(_stored_rewards(Path(tmp) / f"{name}-s{seed}"),
+                                                                 complete_up_to=last_complete_version(run["steps"], eta))
+                runs.append({"config": name, "eta": eta, "partial": partial, "latency": latency, "seed": seed,
+                             "process_wall_s": wall, "end_to_end_trajectories_per_s": args.batch_size * args.n * run["steps"] / wall,
+                             "load_average_before": load, "load_average_after": os.getloadavg()[0],
+                             # the CPU the run took (trainer and engine processes, start-up included): what a
+                             # machine whose other jobs leave it one core's share of time charges it for
+                             "cpu_s": cpu, "cpu_s_per_trajectory": cpu / (args.batch_size * args.n * run["steps"]), **run})
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # each run as it ends
     finally:
         if busy is not None:

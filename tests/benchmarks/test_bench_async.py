@@ -139,3 +139,55 @@ def test_the_reward_at_the_same_versions_compares_the_versions_every_run_has():
     assert summary["sync"].get("reward_same_versions") is None
     without = summarize([run("sync", 0, {}), run("eta1", 1, {0: 0.2})])  # runs without a store: nothing to compare
     assert without["eta1"]["reward_same_versions"] is None
+
+
+def test_the_compute_workload_runs_sync_eta1_and_eta4_with_the_latency_on_and_off_on_the_word_problems():
+    from agentrl.config import load_config
+    from agentrl_benchmarks.async_training import apply_workload, configurations
+
+    args = apply_workload(_args(workload="compute", etas=None, partial=None, seeds=None, steps=None, latency=None))
+    assert (args.etas, args.partial, args.seeds, args.steps, args.latency) == ("1,4", "on", "0,1", 8, "on,off")
+    assert apply_workload(_args(workload="calculator", etas="2", partial=None, seeds=None, steps=3, latency=None)).partial == "off,on"
+    assert configurations(args.etas, args.partial, args.latency) == [
+        ("sync", 0, False, "on"), ("eta1_partial", 1, True, "on"), ("eta4_partial", 4, True, "on"),
+        ("sync_nolat", 0, False, "off"), ("eta1_partial_nolat", 1, True, "off"), ("eta4_partial_nolat", 4, True, "off")]
+    with pytest.raises(SystemExit, match="--latency must be on, off or on,off, got 'slow'"):
+        configurations("1", "on", "slow")
+    off = load_config("train", overrides(eta=4, partial=True, seed=1, args=args, latency=False), check_files=False)
+    assert (off.data.task, off.algorithm.grpo_turn_credit, off.rollout.max_staleness, off.rollout.partial) == (
+        "word_steps", True, 4, True)
+    assert off.agent.tool_config["calculator"] == {"latency_median_s": 0.0, "latency_p99_s": 6.2, "latency_seed": 1}
+    assert not off.trainer.final_validation and not off.trainer.save_rollouts  # speed only: no store, no validation
+    on = load_config("train", overrides(eta=0, partial=False, seed=1, args=args), check_files=False)
+    assert on.agent.tool_config["calculator"]["latency_median_s"] == 0.3 and on.model.tiny.skills == "calculator"
+
+
+def test_the_compute_summary_holds_eta4_to_the_latency_off_ceiling():
+    def run(config, eta, latency, per_s, steady, end_to_end, cpu):
+        return {"config": config, "eta": eta, "latency": latency, "trajectories_per_s": per_s, "tokens_per_s": 1.0,
+                "reward_per_sample": 0.0, "steady_trajectories_per_s": steady,
+                "end_to_end_trajectories_per_s": end_to_end, "cpu_s_per_trajectory": cpu}
+
+    summary = summarize([run("sync", 0, "on", 4.0, 4.0, 2.0, 0.5), run("sync_nolat", 0, "off", 20.0, 25.0, 10.0, 0.5),
+                         run("sync_nolat", 0, "off", 20.0, 15.0, 10.0, 0.5),
+                         run("eta4_partial", 4, "on", 16.0, 18.0, 6.0, 0.6), run("eta1_partial_nolat", 1, "off", 18.0, 18.0, 9.0, 0.5),
+                         run("eta4_partial_nolat", 4, "off", 19.0, 24.0, 8.0, 0.75)])
+    lat, nolat = summary["eta4_partial"], summary["eta4_partial_nolat"]
+    assert (lat["speedup"], lat["x_ceiling"], lat["floor"], lat["meets_floors"]) == (4.0, 0.8, 0.8, True)
+    assert (nolat["speedup"], nolat["x_ceiling"], nolat["floor"], nolat["meets_floors"]) == (0.95, 0.95, 0.95, True)
+    assert (nolat["steady_speedup"], nolat["end_to_end_speedup"], nolat["cpu_ratio"]) == (1.2, 0.8, 1.5)
+    assert lat["steady_x_ceiling"] == 0.9 and lat["end_to_end_x_ceiling"] == 0.6
+    assert summary["sync"]["x_ceiling"] == 0.2 and summary["sync_nolat"]["speedup"] == 1.0
+    assert "floor" not in summary["eta1_partial_nolat"] and summary["eta1_partial_nolat"]["speedup"] == 0.9
+    slower = summarize([run("sync_nolat", 0, "off", 20.0, 20.0, 10.0, 0.4), run("eta4_partial_nolat", 4, "off", 18.0, 18.0, 9.0, 0.6)])
+    assert slower["eta4_partial_nolat"]["x_ceiling"] == 0.9 and not slower["eta4_partial_nolat"]["meets_floors"]
+
+
+def test_a_run_reports_its_steady_speed_and_episode_shape():
+    rows = [{"timing/step_s": 4.0, "tokens/per_s": 1.0, "reward/mean": 0.0, "response_length/mean": 120.0, "tool_calls/mean": 2.0},
+            {"timing/step_s": 2.0, "tokens/per_s": 1.0, "reward/mean": 0.0, "response_length/mean": 140.0, "tool_calls/mean": 3.0},
+            {"timing/step_s": 2.0, "tokens/per_s": 1.0, "reward/mean": 0.0, "response_length/mean": 130.0, "tool_calls/mean": 2.5}]
+    run = summarize_run(rows, eta=0, samples_per_step=8)
+    assert (run["trajectories_per_s"], run["steady_trajectories_per_s"]) == (24 / 8, 16 / 4)
+    assert (run["response_length"], run["tool_calls"]) == (130.0, 2.5)
+    assert summarize_run(rows[:1], eta=0, samples_per_step=8)["steady_trajectories_per_s"] is None
