@@ -28,6 +28,7 @@ from agentrl.agent.tools_runtime import InteractionPool, ToolBox
 from agentrl.config.schema import RewardConfig
 from agentrl.data.row import Row
 from agentrl.engines.base import Engine
+from agentrl.engines.policies import serves
 from agentrl.errors import ConfigError, PluginError
 from agentrl.plugins import PluginRegistry
 from agentrl.rewards import data_source_reward, resolve_reward
@@ -129,6 +130,10 @@ def build_context(
             f"tool_agent shows tool results through the chat template, and this one cannot: {renderer.tool_message_problem}. "
             "Use agent.default_loop=react (tool results as text in the conversation) or a chat template that renders role 'tool'"
         ))])
+    unserved = [role for role, policy in setup.roles.items() if policy == "trained" and not serves(engine, role)]
+    if unserved:  # before any rollout: a trained role's turns would otherwise fail one by one
+        raise ConfigError([(f"agent.roles.{role}", "trained: no engine here serves the role's own policy (agentrl train "
+                            "builds one; elsewhere use shared or frozen, docs/roles.md)") for role in unserved])
     sampling = setup.val_sampling if validation else setup.sampling
     if not sampling.stop_token_ids:  # end-of-turn, eos and generation_config eos ids of the family
         sampling = dataclasses.replace(sampling, stop_token_ids=stop_tokens(tokenizer, renderer).ids)

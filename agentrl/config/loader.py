@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 from pydantic import BaseModel, ValidationError
 
 from agentrl.config.schema import TrainConfig
-from agentrl.config.trained_roles import trained_roles, trained_roles_problems
+from agentrl.config.trained_roles import trained_roles_problems
 from agentrl.config.verl import translate
 from agentrl.config.verl_files import read_interaction_config, read_tool_config
 from agentrl.errors import ConfigError, PluginError
@@ -237,9 +237,6 @@ def _check_files(cfg: TrainConfig, *, training: bool = True) -> list[tuple[str, 
         problems.append(("trainer.resume", f"run directory not found: {cfg.trainer.resume}"))
     if not cfg.data.train_files and cfg.data.task is None:
         problems.append(("data.train_files", "empty, and data.task is null: give training files or a built-in task"))
-    if not training:  # a trained role's own policy is the trainer's (agentrl.trainer.role_policies)
-        problems += [(f"agent.roles.{role}", "trained: a role's own policy exists in agentrl train only; here use shared or "
-                      "frozen (docs/roles.md)") for role in trained_roles(cfg)]
     return problems
 
 

@@ -22,7 +22,7 @@ from agentrl.engines.base import GenerateRequest, GenerateResult
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MAIN_POLICY", "PolicyEngines"]
+__all__ = ["MAIN_POLICY", "PolicyEngines", "serves"]
 
 MAIN_POLICY = ""  # the trained policy every shared role samples from
 
@@ -91,3 +91,8 @@ class PolicyEngines:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def serves(engine: Any, policy: str) -> bool:
+    """Whether ``engine`` samples requests naming ``policy`` (a single engine: the main policy only)."""
+    return policy == MAIN_POLICY or (isinstance(engine, PolicyEngines) and policy in engine.engines)

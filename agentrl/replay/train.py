@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from agentrl.config import TrainConfig
-from agentrl.errors import DataError
+from agentrl.config.trained_roles import trained_roles
+from agentrl.errors import ConfigError, DataError
 from agentrl.rundir import RunDir
 from agentrl.trainer.algorithms.kl import AdaptiveKLController, FixedKLController
 from agentrl.trainer.step import Groups, TrainingStep, truncated_importance_weights
@@ -97,6 +98,9 @@ def train_from_store(
     from agentrl.trainer.groups import WorkerGroup
     from agentrl.trainer.workers import ActorWorker, CriticWorker, ReferenceWorker
 
+    if trained_roles(cfg):  # one policy here: a trained role's rows would train the main policy (docs/roles.md)
+        raise ConfigError([(f"agent.roles.{role}", "trained: replay retraining trains one policy; a role's own policy "
+                            "is trained by agentrl train only (here use shared)") for role in trained_roles(cfg)])
     stored_steps, skipped = batches_to_train(store, split=split, steps=steps, include_dropped=include_dropped)
     if not stored_steps:
         raise DataError(f"no stored {split} trajectories in steps {_steps_text(steps)}", file=str(store.root))

@@ -137,15 +137,15 @@ def test_the_store_keeps_the_role_and_reads_older_shards_without_one(tiny_tokeni
     assert list(store.iter_trajectories()) == [dataclasses.replace(t, role=None) for t in trajectories]
 
 
-def test_a_trained_role_is_a_training_config_and_refused_where_nothing_trains():
+def test_a_trained_role_is_refused_where_no_engine_serves_its_policy(tiny_tokenizer, make_ctx):
     from agentrl.config import compose, validate_config
 
     cfg = validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=trained"]))
     assert cfg.agent.roles == {"verifier": "trained"}
-    with pytest.raises(ConfigError) as info:  # agentrl rollout and the other commands that train nothing
-        validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=trained"]), training=False)
-    assert info.value.problems == [("agent.roles.verifier", "trained: a role's own policy exists in agentrl train only; "
-                                    "here use shared or frozen (docs/roles.md)")]
+    with pytest.raises(ConfigError) as info:  # agentrl rollout, replay rerun: one engine, the main policy's
+        make_ctx(ScriptedEngine(tiny_tokenizer, {}), agent={"roles": {"verifier": "trained"}})
+    assert info.value.problems == [("agent.roles.verifier", "trained: no engine here serves the role's own policy (agentrl "
+                                    "train builds one; elsewhere use shared or frozen, docs/roles.md)")]
     cfg = validate_config(compose("train", ["data=solver_verifier", "agent.roles.verifier=frozen"]))
     assert (cfg.data.task, cfg.agent.roles) == ("solver_verifier", {"verifier": "frozen"})
 

@@ -21,6 +21,7 @@ from agentrl.agent.scripted import ScriptedEngine
 from agentrl.agent.setup import RolloutSetup
 from agentrl.config import compose, load_config, validate_config
 from agentrl.config.schema import TrainConfig
+from agentrl.engines.policies import PolicyEngines
 from agentrl.errors import ConfigError
 from agentrl.trainer.dist import free_port
 from agentrl.trainer.health import HealthStop
@@ -90,7 +91,9 @@ def make_actor(tiny_model_dir):
 
 
 def rollout(tiny_tokenizer):
-    ctx = build_context(ScriptedEngine(tiny_tokenizer, script), tiny_tokenizer, RolloutSetup.from_config(CFG), tool_names=[])
+    scripted = ScriptedEngine(tiny_tokenizer, script)  # one script answers both policies' requests
+    ctx = build_context(PolicyEngines({"": scripted, "verifier": scripted}), tiny_tokenizer, RolloutSetup.from_config(CFG),
+                        tool_names=[])
     row = make_row(agent="duel")
     return [t for i in range(2) for t in asyncio.run(Duel().run(row, ctx, row_id="r0", group_id="0:r0", sample_index=i))]
 
@@ -169,6 +172,16 @@ def test_a_configuration_a_trained_role_cannot_run_with_is_refused_naming_its_ke
     [message] = [m for k, m in info.value.problems if k == key]
     assert message.startswith(f"{key}=") and "is not supported with agent.roles.verifier=trained: a trained role's own policy is " \
                                               "built for one actor rank in the trainer's process" in message
+
+
+
+def test_replay_retraining_refuses_a_trained_role_before_reading_the_store(tmp_path):
+    from agentrl.replay.train import train_from_store
+
+    with pytest.raises(ConfigError) as info:
+        train_from_store(None, CFG, tmp_path)  # type: ignore[arg-type]  # never read: refused first
+    assert info.value.problems == [("agent.roles.verifier", "trained: replay retraining trains one policy; a role's own "
+                                    "policy is trained by agentrl train only (here use shared)")]
 
 
 RUN = ["data=solver_verifier", "agent.roles.verifier=trained", "sft.enable=false", "trainer.total_steps=3", "trainer.save_freq=1",
