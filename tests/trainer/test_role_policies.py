@@ -175,6 +175,14 @@ def test_a_configuration_a_trained_role_cannot_run_with_is_refused_naming_its_ke
 
 
 
+def test_a_job_whose_workers_run_under_ray_is_refused_naming_trainer_workers():
+    with pytest.raises(ConfigError) as info:  # RAY_ADDRESS or engine.placement=ray: the config check cannot see it
+        RolePolicies.start(CFG, object, in_process=False, policy_source="unused", total_steps=1, env={}, dist={}, reference=None,
+                           pad_token_id=0, say=print)
+    assert info.value.problems == [("trainer.workers", "agent.roles.verifier=trained runs in the trainer's process only; this "
+                                    "job runs its workers under Ray (RAY_ADDRESS or engine.placement=ray)")]
+
+
 def test_replay_retraining_refuses_a_trained_role_before_reading_the_store(tmp_path):
     from agentrl.replay.train import train_from_store
 
