@@ -27,6 +27,12 @@ BOUNDS: dict[str, str] = {
     "agent_loops/openenv_env.py::_play_text::episode.generate": TRAJECTORY,
     "agentrl/engines/sglang.py::_send::server.client.generate": "engine.request_timeout_s (the httpx client's), engine.max_retries",
     "agentrl/engines/builtin.py::close::worker.join": "the engine thread ends at its next step after the closed flag",
+    # PolicyEngines hands each call to one policy's engine: bounded where the call is made
+    "agentrl/engines/policies.py::generate::engine.generate": TRAJECTORY + " (the loops' engine calls, through it)",
+    "agentrl/engines/policies.py::update_weights::self.engine(policy).update_weights":
+        "engine.sync_timeout_s: the actor's _bounded_sync around every weight update",
+    "agentrl/engines/policies.py::weights_changed::self.engine(policy).weights_changed":
+        "engine.sync_timeout_s: the actor's _bounded_sync around every weight update",
     "agentrl/engines/launch.py::stop::self.process.wait": "after SIGKILL to the server's process group",
     "agentrl/engines/process.py::close::self._process.wait": "after kill(), once engine.sync_timeout_s (at most 30 s) passed",
     "agentrl/engines/process.py::_read::self._conn.recv": "the reader thread: EOF when the child exits; each call's waiter "
@@ -68,8 +74,6 @@ BOUNDS: dict[str, str] = {
 
 # waits with no bound found (each a defect: the wait can last forever)
 KNOWN_GAPS: dict[str, str] = {
-    "agentrl/agent/tools_runtime.py::score::self.interaction.calculate_score":
-        "the interaction's score runs after play(), outside agent.trajectory_timeout_s",
     "agentrl/agent/tools_cli.py::call_tool::tool.create": "agentrl tool call (by hand): no timeout",
     "agentrl/agent/tools_cli.py::call_tool::tool.execute": "agentrl tool call (by hand): no timeout",
     "agentrl/agent/tools_cli.py::call_tool::tool.calc_reward": "agentrl tool call (by hand): no timeout",
