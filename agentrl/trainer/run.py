@@ -84,6 +84,8 @@ def _seed_for(seed: int, step: int, purpose: str) -> int:
 
 
 class Trainer:
+    policies: RolePolicies | None = None  # the trained roles' own policies (role_policies.py), when any
+
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, log: MetricsLogger, startup: StartupClock | None = None):
         self.servers: ManagedServers | None = None
         self.startup = startup or StartupClock()  # train() laps the validation before step 1 and reports it

@@ -15,6 +15,7 @@ class FakeTrainer:
     """What ``_train_once`` asks of a Trainer, recording the steps it validated at."""
 
     validated: list[int] = []
+    policies = None  # no trained roles
 
     def __init__(self, cfg, run_dir, *, log, startup):
         self.start_step, self.driver, self.startup = 0, None, startup
