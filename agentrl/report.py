@@ -374,12 +374,14 @@ def _headline(summary: dict[str, Any]) -> str:
 
 
 def _stopped(summary: dict[str, Any]) -> str:
-    """A run a health check stopped (``summary["stopped"]``, trainer/health.py): why, first."""
+    """A run that stopped early (``summary["stopped"]``: a health check, trainer/health.py, or a
+    rollout's failures above ``trainer.max_failure_rate``): why, first."""
     stop = summary.get("stopped")
     if not isinstance(stop, dict):
         return ""
-    return (f'<section class="stopped err"><h2>Stopped at step {html.escape(str(stop.get("step")))} by a health check</h2>'
-            f'<p>{html.escape(str(stop.get("reason", "")))}</p></section>')
+    by = f" by {stop['key']}" if stop.get("key") else ""
+    return (f'<section class="stopped err"><h2>Stopped after {html.escape(str(stop.get("step")))} steps'
+            f'{html.escape(by)}</h2><p>{html.escape(str(stop.get("reason", "")))}</p></section>')
 
 
 def _filtered(filters: str | None, whole_run: Collection[str]) -> str:

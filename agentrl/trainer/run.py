@@ -336,7 +336,7 @@ class Trainer:
         from it) and the stop in the summary (and so in the report)."""
         self.save(stop.step)
         summary["stopped"] = stop.record()
-        self.log.console(f"agentrl train: stopped at step {stop.step}: {stop}")
+        self.log.console(f"agentrl train: stopped after {stop.step} steps: {stop}")
 
     def validate(self, step: int) -> dict[str, float]:
         if not self.val_rows:
@@ -501,7 +501,12 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             # numbered as the metrics and checkpoints are: step N is the N-th update (step_N)
             trainer.during(f"step {step + 1} of {cfg.trainer.total_steps}")
             rows = trainer.dataset.next_batch() if trainer.driver is None else None
-            metrics = trainer.train_step(step, rows)
+            try:
+                metrics = trainer.train_step(step, rows)
+            except RolloutFailed as failed:  # checkpointed at the step before (train_step): resumable
+                summary["stopped"] = failed.record(step)
+                log.console(f"agentrl train: {failed}")
+                return trainer  # as a health stop: the summary and the report say why, no export
             done = step + 1
             if cfg.trainer.test_freq and done % cfg.trainer.test_freq == 0 and done != cfg.trainer.total_steps:
                 metrics.update(trainer.validate(done))
@@ -557,8 +562,8 @@ def cli_main(argv: list[str]) -> int:
     result = train(cfg, command=shlex.join(["agentrl", "train", *argv]))
     print(json.dumps(result.summary, indent=2))
     print(f"run directory: {result.run_dir}")
-    if "stopped" in result.summary:  # a health check stopped it (trainer/health.py): not a success
-        print(f"agentrl train: stopped at step {result.summary['stopped']['step']}: {result.summary['stopped']['reason']}",
+    if "stopped" in result.summary:  # a health check or the rollout's failures stopped it: not a success
+        print(f"agentrl train: stopped after {result.summary['stopped']['step']} steps: {result.summary['stopped']['reason']}",
               file=sys.stderr)
         return 1
     return 0

@@ -118,7 +118,17 @@ INFRA_FAILURES = frozenset({TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.ABOR
 
 
 class RolloutFailed(AgentrlError):
-    """Too many trajectories of one step failed for infrastructure reasons (``trainer.max_failure_rate``)."""
+    """Too many trajectories of one step failed for infrastructure reasons (``trainer.max_failure_rate``),
+    or some were sampled by weights a sync should have replaced. ``measure`` / ``value`` / ``key``:
+    what was measured and the setting it broke, for the run's summary (``stopped``)."""
+
+    def __init__(self, message: str, *, measure: str, value: float, key: str | None = None):
+        super().__init__(message)
+        self.measure, self.value, self.key = measure, value, key
+
+    def record(self, step: int) -> dict[str, Any]:
+        """What ``summary.json`` keeps (``stopped``), as for a health stop: ``step`` is the steps done."""
+        return {"step": step, "measure": self.measure, "value": self.value, "key": self.key, "reason": str(self)}
 
 
 def usable_trajectories(trajectories: Sequence[Trajectory], where: str) -> list[Trajectory]:
@@ -141,7 +151,8 @@ def failure_metrics(trajectories: Sequence[Trajectory], *, max_rate: float | Non
         raise RolloutFailed(
             f"{where}: {len(failed)} of {len(trajectories)} trajectories failed ({dict(kinds)}), above "
             f"trainer.max_failure_rate={max_rate}. First failure, trajectory {first.group_id} "
-            f"({first.finish_reason}):\n{first.reward_info.get('error', '(no error recorded)')}"
+            f"({first.finish_reason}):\n{first.reward_info.get('error', '(no error recorded)')}",
+            measure="failures/rate", value=rate, key="trainer.max_failure_rate",
         )
     return {"failures/rate": rate, **{f"failures/{kind}": float(count) for kind, count in sorted(kinds.items())}}
 
@@ -155,7 +166,8 @@ def check_weight_versions(trajectories: Sequence[Trajectory], expected: int, whe
         raise RolloutFailed(
             f"{where}: {len(stale)} trajectories were sampled by engine weights older than version {expected} "
             f"(first: {t.group_id}, versions {t.metrics['weight_version_min']:.0f}..{t.metrics['weight_version_max']:.0f}): "
-            "a weight sync did not reach every server"
+            "a weight sync did not reach every server",
+            measure="stale_trajectories", value=float(len(stale)),
         )
 
 

@@ -5,6 +5,7 @@ real-SGLang runs are in test_sglang_train.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -221,9 +222,14 @@ def test_a_rollout_that_fails_above_the_rate_stops_the_run_with_the_first_error_
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert done.returncode == 1, done.stderr[-3000:]
-    assert ("agentrl train: step 1: 4 of 4 trajectories failed ({'engine_error': 4}), above trainer.max_failure_rate=0.5. "
-            "First failure, trajectory train0/") in done.stderr
+    assert ("agentrl train: stopped after 0 steps: step 1: 4 of 4 trajectories failed ({'engine_error': 4}), above "
+            "trainer.max_failure_rate=0.5. First failure, trajectory train0/") in done.stderr
     assert f"(engine_error):\nno healthy SGLang server among ['http://127.0.0.1:{port}']: http://127.0.0.1:{port}/generate: unreachable" in done.stderr
     assert "Traceback" not in done.stderr
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_0"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # the stop, kept as a health stop is
+    assert summary["steps"] == 0 and (tmp_path / "run" / "report.html").is_file()
+    assert {k: summary["stopped"][k] for k in ("step", "measure", "value", "key")} == {
+        "step": 0, "measure": "failures/rate", "value": 1.0, "key": "trainer.max_failure_rate"}
+    assert summary["stopped"]["reason"].startswith("step 1: 4 of 4 trajectories failed")

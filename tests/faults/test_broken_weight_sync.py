@@ -38,7 +38,7 @@ def _assert_stopped(result, step: int) -> dict:
     assert stopped["step"] == step == result.summary["steps"]
     assert json.loads((result.run_dir / "summary.json").read_text())["stopped"] == stopped
     assert (result.run_dir / "checkpoints" / f"step_{step}").is_dir()  # trainer.resume=auto goes on from here
-    assert f"Stopped at step {step} by a health check" in (result.run_dir / "report.html").read_text()
+    assert f"Stopped after {step} steps by {stopped['key']}" in (result.run_dir / "report.html").read_text()
     return stopped
 
 

@@ -90,7 +90,7 @@ def test_agentrl_train_exits_1_with_the_reason_when_a_health_check_stopped_the_r
                "reason": "step 3: uniform_groups = 1, at or above trainer.health.uniform_groups.stop=1.0"}
     monkeypatch.setattr(run, "train", lambda cfg, command: run.RunResult(tmp_path, {"stopped": stopped}))
     assert run.cli_main(["trainer.total_steps=3"]) == 1
-    assert capsys.readouterr().err.endswith(f"agentrl train: stopped at step 3: {stopped['reason']}\n")
+    assert capsys.readouterr().err.endswith(f"agentrl train: stopped after 3 steps: {stopped['reason']}\n")
     monkeypatch.setattr(run, "train", lambda cfg, command: run.RunResult(tmp_path, {}))
     assert run.cli_main(["trainer.total_steps=3"]) == 0
 
@@ -99,11 +99,16 @@ def test_the_report_opens_with_the_stop_and_plots_the_health_measures():
     from agentrl.report import render_report
 
     rows = [{"step": s, "health/uniform_groups": 0.25 * s, "health/tool_error_rate/timeout": 0.5} for s in (1, 2)]
-    page = render_report(rows, [], "run", summary={"stopped": {"step": 2, "reason": "step 2: uniform_groups = 0.5 <x>"}})
-    assert '<h2>Stopped at step 2 by a health check</h2><p>step 2: uniform_groups = 0.5 &lt;x&gt;</p>' in page
-    assert page.index("Stopped at step 2") < page.index("Over steps")  # first, above the plots
+    stopped = {"step": 2, "key": "trainer.health.uniform_groups.stop", "reason": "step 2: uniform_groups = 0.5 <x>"}
+    page = render_report(rows, [], "run", summary={"stopped": stopped})
+    assert ('<h2>Stopped after 2 steps by trainer.health.uniform_groups.stop</h2>'
+            '<p>step 2: uniform_groups = 0.5 &lt;x&gt;</p>') in page
+    assert page.index("Stopped after 2 steps") < page.index("Over steps")  # first, above the plots
     assert "run health (shares per step)" in page and "health/tool_error_rate/timeout" in page
-    assert "by a health check" not in render_report(rows, [], "run", summary={"steps": 2})
+    assert "Stopped after" not in render_report(rows, [], "run", summary={"steps": 2})
+    # a stop with no setting to name (weights a sync should have replaced): why, without "by"
+    no_key = render_report(rows, [], "run", summary={"stopped": {"step": 0, "key": None, "reason": "stale"}})
+    assert "<h2>Stopped after 0 steps</h2><p>stale</p>" in no_key
 
 
 def test_the_malformed_call_warning_names_the_parser_and_shows_a_malformed_call():
