@@ -208,7 +208,14 @@ class EngineProcess:
         return self._version
 
     def stats(self) -> EngineStats:
-        """The child engine's counters (a round trip, bounded by ``sync_timeout_s``)."""
+        """The child engine's counters (a round trip, bounded by ``sync_timeout_s``); all zero at
+        version 0 while the child still loads (nothing has run in it), so a caller that takes a
+        baseline at start-up (the actor's ``engine_stats``) does not wait for the load."""
+        if not self._ready.is_set() and not self._dead:
+            from agentrl.engines.builtin import EngineStats
+
+            return EngineStats(steps=0, running=0, waiting=0, generated_tokens=0, prefill_tokens=0, reused_tokens=0,
+                               weight_version=0, kv_cache_bytes=0)
         self.wait_ready()
         done = threading.Event()
         box: list[object] = []

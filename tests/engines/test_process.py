@@ -283,3 +283,16 @@ async def test_engine_steps_in_their_own_process_never_hold_the_tools_event_loop
     print(f"tool sleep overruns (s): engine process {apart}, engine on the tool's loop {together}")
     assert max(together) > 0.05, together  # the load is real: on one loop a step delays the tool
     assert max(apart) < 0.05, apart
+
+
+def test_stats_before_the_child_has_loaded_are_zero_and_do_not_wait_for_it():
+    """The actor takes its engine-stats baseline right after starting the child: that must not
+    hold the trainer's start-up until the child has imported torch and loaded the model."""
+    import threading
+
+    from agentrl.engines.builtin import EngineStats
+
+    loading = EngineProcess.__new__(EngineProcess)  # a child still loading: not ready, not dead
+    loading._ready, loading._dead, loading._start_timeout_s = threading.Event(), None, 0.01
+    assert loading.stats() == EngineStats(steps=0, running=0, waiting=0, generated_tokens=0, prefill_tokens=0,
+                                          reused_tokens=0, weight_version=0, kv_cache_bytes=0)
