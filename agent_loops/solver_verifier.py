@@ -1,10 +1,11 @@
 """``solver_verifier``: two roles of one policy, a solver and a verifier (docs/roles.md).
 
 The solver answers the row's question as ``tool_agent`` does (calculator calls, then an answer
-ending ``#### <number>``). The verifier sees the question and an answer and gives its verdict as
-how far the answer is off: ``#### 0`` (right) or ``#### <another integer>`` (wrong). Checking
-with the calculator (the question's expression minus the answer), that is the call's result,
-written as the solver writes a calculator's result. The answer it checks is the solver's when that is of the kind the row asks for
+ending ``#### <number>``). The verifier first works the question out exactly as the solver does,
+from the same messages (so the one policy's calculator skill, which copies the question's
+expression into its call, serves both roles alike), then is told an answer to check and gives its
+verdict: ``#### 0`` if the answer is the one it worked out (right), ``#### 1`` (any other integer)
+if not. The answer it checks is the solver's when that is of the kind the row asks for
 (``extra_info.verifier.checks_right``), else one the loop supplies (the ground truth or
 ``extra_info.verifier.wrong_answer``), so a row's verifier checks a right answer or a wrong one
 whatever the solver said (``data_prep/solver_verifier.py``); a row without ``verifier`` has its
@@ -28,18 +29,21 @@ from agentrl.data.row import Row
 from agentrl.rewards import gsm8k_strict
 from agentrl.trajectory import TrajectoryFinish
 
-__all__ = ["SolverVerifierLoop", "VERIFIER_PROMPT", "checked_answer", "verdict_of"]
+__all__ = ["SolverVerifierLoop", "checked_answer", "told_answer", "verdict_of"]
 
-VERIFIER_PROMPT = ("Check the answer to the question: use the calculator tool for the question minus the answer. "
-                   "End with #### <how far the answer is off>: #### 0 if it is right.")
 _VERDICT = re.compile(r"####\s*(-?\d+)\s*$")
 
 
 def verdict_of(text: str) -> bool | None:
-    """The verdict of a verifier's answer ending ``#### <integer>``, how far the answer is off:
-    True (right) for 0, False (wrong) for any other; None: no verdict."""
+    """The verdict of a verifier's answer ending ``#### <integer>``: True (right) for 0, False
+    (wrong) for any other; None: no verdict."""
     found = _VERDICT.search(text.strip())
     return None if found is None else int(found.group(1)) == 0
+
+
+def told_answer(answer: str) -> dict[str, Any]:
+    """The message that tells the verifier, after its own working, the answer it checks."""
+    return {"role": "user", "content": f"Answer: {answer}"}
 
 
 def checked_answer(row: Row, answer: str, right: bool) -> tuple[str, bool]:
@@ -61,11 +65,10 @@ class SolverVerifierLoop(RolesLoop):
     roles: dict[str, RolePolicy] = {"solver": "shared", "verifier": "shared"}
 
     def role_messages(self, role: str, row: Row, tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if role == "solver":
-            return row.messages()
-        question = next((m["content"] for m in reversed(row.messages()) if m["role"] == "user"), "")
-        # the question as the solver sees it: the shared policy's calculator habit carries over
-        return [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": question}]
+        # both roles start from the row's messages, token for token: the tiny policy copies the
+        # question's expression into its call only where the question sits as in its training
+        # (an extra message or a longer system prompt before it, and it miscopies: docs/roles.md)
+        return row.messages()
 
     def shown(self, viewer: str, speaker: str, text: str) -> dict[str, Any] | None:
         # the loop tells the verifier the answer it checks (checked_answer); the solver never sees
@@ -80,7 +83,8 @@ class SolverVerifierLoop(RolesLoop):
         game.rewards["solver"] = 1.0 if right else 0.0
         checked, checked_right = checked_answer(game.row, answer, right)
         if game.is_sampled("verifier"):
-            game.tell("verifier", {"role": "user", "content": f"Answer: {checked}"})
+            await self._answer(game, "verifier")  # its own working, as the solver's
+            game.tell("verifier", told_answer(checked))
             verdict = verdict_of(await self._answer(game, "verifier"))
         else:  # the scripted judge
             verdict = checked_right

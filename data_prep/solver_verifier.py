@@ -10,14 +10,13 @@ answer when it is of the row's kind, else the loop supplies one that is (the gro
 and held out, whatever the solver's skill: a verdict that ignores the answer (a base rate) is
 right half the time, and only checking does better.
 
-The warm start's demonstrations (``demonstrations``) hold both roles, three solvers to one
-verifier: a solver as ``arith``'s demonstrator (the calculator at ``tool_rate``, else a "mental"
-answer one digit wrong) and a verifier, on answers right or one digit wrong in equal shares,
-that checks at ``CHECK_FACTOR`` times ``tool_rate`` and otherwise guesses its verdict (``#### 0``,
-right, or ``#### 1``, wrong). It sees the question as the solver does, checks with one calculator
-call for how far the answer is off, the question's expression minus the answer (``check_call``),
-and answers ``#### <that difference>``: what the solver does with a calculator's result, so the
-two roles share their skill. RL then has, for each role, the tool to discover.
+The warm start's demonstrations (``demonstrations``) hold both roles in equal shares: a solver
+as ``arith``'s demonstrator (the calculator at ``tool_rate``, else a "mental" answer one digit
+wrong) and a verifier, on answers right or one digit wrong in equal shares, that first works the
+question out as the solver does (the same messages; the calculator at ``CHECK_FACTOR`` times
+``tool_rate``, else a "mental" answer), is told the answer (``told_answer``) and says ``#### 0``
+if it is the one it worked out, else ``#### 1``. RL then has, for each role, the tool to
+discover: a verifier that worked the question out with the calculator judges by the truth.
 """
 
 from __future__ import annotations
@@ -25,11 +24,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-__all__ = ["CHECK_FACTOR", "DATA_SOURCE", "check_call", "demonstrations", "verifier_extra", "verifier_messages"]
+__all__ = ["CHECK_FACTOR", "DATA_SOURCE", "demonstrations", "verifier_demonstration", "verifier_extra"]
 
 DATA_SOURCE = "agentrl/solver_verifier"
-VERIFIER_EVERY = 4  # one demonstration in four is the verifier's
-CHECK_FACTOR = 3.0  # the verifier's demonstrations check at this many times sft.tool_rate (at most always)
+VERIFIER_EVERY = 2  # one demonstration in two is the verifier's
+CHECK_FACTOR = 3.0  # the verifier's own working uses the calculator at this many times sft.tool_rate (at most always)
 
 
 def verifier_extra(question: str, answer: int, index: int) -> dict[str, Any]:
@@ -40,22 +39,23 @@ def verifier_extra(question: str, answer: int, index: int) -> dict[str, Any]:
     return {"checks_right": index % 2 == 0, "wrong_answer": mental_slip(answer, random.Random(f"wrong:{question}"))}
 
 
-def verifier_messages(question: str, answer_text: str) -> list[dict[str, Any]]:
-    """What the verifier sees: its instructions, the question, and the answer it checks."""
-    from agentrl_agent_loops.solver_verifier import VERIFIER_PROMPT
+def verifier_demonstration(question: str, expression: str, value: int, *, computed: bool, own: int, shown: int) -> list[dict[str, Any]]:
+    """A verifier's demonstration: the question as the solver's, its own working (the calculator
+    on ``expression`` when ``computed``, then ``#### <own>``), the answer ``shown`` told, and its
+    verdict, ``#### 0`` when ``shown`` is its own answer, else ``#### 1``."""
+    from agentrl_agent_loops.solver_verifier import told_answer
+    from agentrl_data_prep.tasks import SYSTEM_PROMPT
 
-    return [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": question},
-            {"role": "user", "content": f"Answer: {answer_text}"}]
-
-
-def check_call(expression: str, shown: int) -> dict[str, Any]:
-    """The verifier's check of answer ``shown`` to ``expression``: a calculator call for how far it
-    is off, ``expression`` minus ``shown`` (0: right)."""
-    return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{expression} - {shown}"}}}
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    if computed:
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": str(value)}]
+    return messages + [{"role": "assistant", "content": f"#### {own}"}, told_answer(f"#### {shown}"),
+                       {"role": "assistant", "content": "#### 0" if own == shown else "#### 1"}]
 
 
 def demonstrations(n: int, seed: int, split: str, *, tool_rate: float, informal_rate: float) -> list[list[dict[str, Any]]]:
-    """``n`` conversations over ``arith``'s problems, every fourth a verifier's, the others a solver's."""
+    """``n`` conversations over ``arith``'s problems, every other a verifier's, the others a solver's."""
     from agentrl_data_prep.tasks import mental_slip, problems, sft_conversations
 
     solver = iter(sft_conversations("arith", n - n // VERIFIER_EVERY, seed, split, informal_rate=informal_rate,
@@ -67,16 +67,9 @@ def demonstrations(n: int, seed: int, split: str, *, tool_rate: float, informal_
         if k % VERIFIER_EVERY != VERIFIER_EVERY - 1:
             out.append(next(solver))
             continue
-        right = style.random() < 0.5
-        shown = problem.answer if right else mental_slip(problem.answer, style)
-        messages = verifier_messages(problem.question, f"#### {shown}")
-        if style.random() < check_rate:
-            (expression, value), = problem.steps
-            messages += [{"role": "assistant", "content": "", "tool_calls": [check_call(expression, shown)]},
-                         {"role": "tool", "content": str(value - shown)}]
-            verdict = f"#### {value - shown}"  # the check's result, as the solver writes one
-        else:  # a guess: right (off by 0) or wrong
-            verdict = "#### 0" if style.random() < 0.5 else "#### 1"
-        messages.append({"role": "assistant", "content": verdict})
-        out.append(messages)
+        (expression, value), = problem.steps
+        shown = problem.answer if style.random() < 0.5 else mental_slip(problem.answer, style)
+        computed = style.random() < check_rate
+        own = value if computed else mental_slip(value, style)
+        out.append(verifier_demonstration(problem.question, expression, value, computed=computed, own=own, shown=shown))
     return out

@@ -14,7 +14,7 @@ from agentrl.agent.runner import LoopTable, RolloutRunner
 from agentrl.agent.scripted import ScriptedEngine
 from agentrl.data.rollout_store import RolloutStore
 from agentrl.errors import ConfigError
-from agentrl_agent_loops.solver_verifier import VERIFIER_PROMPT, verdict_of
+from agentrl_agent_loops.solver_verifier import verdict_of
 from tests.agent.agent_helpers import CALL_12x34, make_row
 
 ROW = make_row(agent="solver_verifier")
@@ -40,7 +40,8 @@ def roll(tiny_tokenizer, make_ctx, answers, *, n=1, agent=None, reward=None):
 
 
 def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenizer, make_ctx):
-    trajectories, ctx, engine = roll(tiny_tokenizer, make_ctx, {"solver": [CALL_12x34, "#### 408"], "verifier": ["#### 0"]})
+    answers = {"solver": [CALL_12x34, "#### 408"], "verifier": ["#### 408", "#### 0"]}
+    trajectories, ctx, engine = roll(tiny_tokenizer, make_ctx, answers)
     solver, verifier = trajectories
     r = ctx.renderer
     tools = ctx.toolbox.session("x", ROW.extra_info.tools_kwargs).schemas()
@@ -50,33 +51,39 @@ def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenize
     assert solver.prompt_ids + solver.response_ids == r.template_ids(solver.messages, tools, add_generation_prompt=False)
     assert [x.role for x in solver.turns] == ["assistant", "tool", "assistant"]
     assert solver.messages[-1] == {"role": "assistant", "content": "#### 408"}
-    # the verifier: the solver's answer in its prompt as a user message, then its own verdict only
-    seen = [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": "What is 12 * 34?"},
-            {"role": "user", "content": "Answer: #### 408"}]
-    assert verifier.messages == seen + [{"role": "assistant", "content": "#### 0"}]
+    # the verifier: the row's messages as the solver's, its own working, the solver's answer told
+    # as a user message (masked), then its verdict
+    told = [{"role": "assistant", "content": "#### 408"}, {"role": "user", "content": "Answer: #### 408"}]
+    assert verifier.messages == ROW.messages() + told + [{"role": "assistant", "content": "#### 0"}]
+    assert verifier.prompt_ids == r.prompt_ids(ROW.messages(), tools) == solver.prompt_ids
+    own = tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [r.eos_id]
     verdict = tiny_tokenizer.encode("#### 0", add_special_tokens=False) + [r.eos_id]
-    assert verifier.prompt_ids == r.prompt_ids(seen, tools)
-    assert verifier.response_ids == verdict + r.separator_ids
-    assert verifier.response_mask == [1] * len(verdict) + [0] * len(r.separator_ids)
-    assert verifier.logprobs == [-0.5] * len(verdict) + [0.0] * len(r.separator_ids)
-    assert [x.role for x in verifier.turns] == ["assistant"]
+    before_verdict = r.prompt_ids(ROW.messages() + told, tools)
+    shown = before_verdict[len(verifier.prompt_ids) + len(own):]  # separator, the told message, the next turn's start
+    assert verifier.response_ids == own + shown + verdict + r.separator_ids
+    assert verifier.response_mask == [1] * len(own) + [0] * len(shown) + [1] * len(verdict) + [0] * len(r.separator_ids)
+    assert verifier.prompt_ids + verifier.response_ids == r.template_ids(verifier.messages, tools, add_generation_prompt=False)
+    assert [x.role for x in verifier.turns] == ["assistant", "user", "assistant"]
     # the engine saw each role's own context, in its own session, with its own seed
     by_session = [(q.session_id, q.input_ids) for q in engine.requests]
-    assert [s for s, _ in by_session] == ["r0#0@solver", "r0#0@solver", "r0#0@verifier"]
-    assert by_session[2][1] == verifier.prompt_ids
+    assert [s for s, _ in by_session] == ["r0#0@solver", "r0#0@solver", "r0#0@verifier", "r0#0@verifier"]
+    assert by_session[2][1] == verifier.prompt_ids and by_session[3][1] == before_verdict
     assert engine.requests[0].sampling.seed != engine.requests[2].sampling.seed
     assert verifier.reward_info["role_rewards"] == {"solver": 1.0, "verifier": 1.0}
 
 
 def test_a_wrong_answer_and_the_verdicts_on_it_are_rewarded_by_role(tiny_tokenizer, make_ctx):
-    answers = {"solver/0": ["#### 407"], "solver/1": ["#### 407"], "verifier/0": ["#### 0"], "verifier/1": ["#### 1"]}
+    answers = {"solver/0": ["#### 407"], "solver/1": ["#### 407"], "verifier/0": ["#### 407", "#### 0"],
+               "verifier/1": ["#### 408", "#### 1"]}
     trajectories, _, _ = roll(tiny_tokenizer, make_ctx, answers, n=2)
     assert [(t.role, t.sample_index, t.reward) for t in trajectories] == [
         ("solver", 0, 0.0), ("verifier", 0, 0.0), ("solver", 1, 0.0), ("verifier", 1, 1.0)]
-    sampled = {text: len(tiny_tokenizer.encode(text, add_special_tokens=False)) + 1 for text in ["#### 407", "#### 1", "#### 0"]}
+    sampled = {text: len(tiny_tokenizer.encode(text, add_special_tokens=False)) + 1
+               for text in ["#### 407", "#### 408", "#### 1", "#### 0"]}
     assert role_metrics(trajectories) == {
         "role/solver/reward": 0.0, "role/solver/tokens": sampled["#### 407"], "role/solver/tool_calls": 0.0,
-        "role/verifier/reward": 0.5, "role/verifier/tokens": (sampled["#### 1"] + sampled["#### 0"]) / 2,
+        "role/verifier/reward": 0.5,
+        "role/verifier/tokens": (sampled["#### 407"] + sampled["#### 0"] + sampled["#### 408"] + sampled["#### 1"]) / 2,
         "role/verifier/tool_calls": 0.0}
 
 
@@ -128,7 +135,7 @@ def test_verdicts_are_read_from_the_end():
 
 
 def test_the_store_keeps_the_role_and_reads_older_shards_without_one(tiny_tokenizer, make_ctx, tmp_path):
-    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 408"], "verifier": ["#### 1"]})
+    trajectories, _, _ = roll(tiny_tokenizer, make_ctx, {"solver": ["#### 408"], "verifier": ["#### 408", "#### 1"]})
     store = RolloutStore(tmp_path)
     path = store.write_step(1, trajectories)
     assert list(store.iter_trajectories()) == trajectories
@@ -207,7 +214,7 @@ def test_the_run_report_plots_each_roles_reward():
 def test_asynchronous_rollouts_return_a_rows_group_whole_with_every_roles_trajectories(tiny_tokenizer, make_ctx):
     from agentrl.agent.async_rollout import BackgroundRollout
 
-    engine = ScriptedEngine(tiny_tokenizer, script_by_role({"solver": ["#### 408"], "verifier": ["#### 1"]}))
+    engine = ScriptedEngine(tiny_tokenizer, script_by_role({"solver": ["#### 408"], "verifier": ["#### 408", "#### 1"]}))
     background = BackgroundRollout(RolloutRunner(make_ctx(engine), LoopTable("tool_agent")))
     try:
         ids = background.submit([("r0", ROW), ("r1", ROW)], n=3, seed=0, group_prefix="train0/", version=2)

@@ -1,7 +1,7 @@
 """The main job of roles, ``data=solver_verifier`` (data_prep/solver_verifier.py,
 agent_loops/solver_verifier.py): rows whose verifiers check right and wrong answers in equal
-shares, the answer each verifier checks and its reward by hand, and the warm start's
-demonstrations of both roles."""
+shares, the verifier's own working, the answer it checks and its reward by hand, and the warm
+start's demonstrations of both roles."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from agentrl.agent.runner import LoopTable, RolloutRunner
 from agentrl.agent.scripted import ScriptedEngine
-from agentrl_agent_loops.solver_verifier import VERIFIER_PROMPT, checked_answer, verdict_of
+from agentrl_agent_loops.solver_verifier import checked_answer, verdict_of
 from tests.agent.agent_helpers import make_row
 from tests.agent.test_roles import script_by_role
 
@@ -57,19 +57,22 @@ def test_the_answer_checked_is_the_solvers_when_of_the_rows_kind_else_a_supplied
     (False, "#### 408", "#### 418", ["#### 0", "#### -10"], [0.0, 1.0]),  # the solver right: the wrong answer supplied
     (False, "#### 407", "#### 407", ["#### 1", "no verdict"], [1.0, 0.0]),  # the solver's own wrong answer
 ])
-def test_the_verifier_is_rewarded_for_its_verdict_on_the_answer_it_checked(
+def test_the_verifier_works_the_question_out_then_is_rewarded_for_its_verdict_on_the_answer_it_checked(
         tiny_tokenizer, make_ctx, checks_right, solver, shown, verdicts, rewards):
     row = make_row(agent="solver_verifier", verifier={"checks_right": checks_right, "wrong_answer": 418})
-    answers = {"solver": [solver], "verifier/0": [verdicts[0]], "verifier/1": [verdicts[1]]}
+    answers = {"solver": [solver], "verifier/0": ["#### 408", verdicts[0]], "verifier/1": ["#### 400", verdicts[1]]}
     ctx = make_ctx(ScriptedEngine(tiny_tokenizer, script_by_role(answers)))
     trajectories = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r0", row)], n=2))
     solver_reward = float(solver == "#### 408")
     assert [(t.role, t.reward) for t in trajectories] == [
         ("solver", solver_reward), ("verifier", rewards[0]), ("solver", solver_reward), ("verifier", rewards[1])]
-    seen = [{"role": "system", "content": VERIFIER_PROMPT}, {"role": "user", "content": "What is 12 * 34?"},
-            {"role": "user", "content": f"Answer: {shown}"}]
-    assert [t.messages for t in trajectories[1::2]] == [seen + [{"role": "assistant", "content": v}] for v in verdicts]
-    assert trajectories[0].messages[-1] == {"role": "assistant", "content": solver}
+    # the verifier starts from the row's messages, as the solver does; its own working is not what
+    # it is rewarded for, only its verdict on the answer told after it
+    for t, own, verdict in zip(trajectories[1::2], ["#### 408", "#### 400"], verdicts):
+        assert t.messages == row.messages() + [{"role": "assistant", "content": own},
+                                               {"role": "user", "content": f"Answer: {shown}"},
+                                               {"role": "assistant", "content": verdict}]
+    assert trajectories[0].messages == row.messages() + [{"role": "assistant", "content": solver}]
 
 
 def test_a_frozen_verifier_judges_the_answer_of_the_rows_kind(tiny_tokenizer, make_ctx):
@@ -81,26 +84,28 @@ def test_a_frozen_verifier_judges_the_answer_of_the_rows_kind(tiny_tokenizer, ma
     assert verdict_of("#### 1") is False  # what the scripted judge says of the wrong answer it checked
 
 
-def test_the_demonstrations_every_fourth_a_verifier_whose_check_is_its_verdict():
+def test_the_demonstrations_every_other_a_verifier_who_works_the_question_out_then_compares():
     from agentrl_data_prep.solver_verifier import CHECK_FACTOR
     from agentrl_data_prep.tasks import SYSTEM_PROMPT, sft_conversations
     from agentrl_tools.calculator import evaluate
 
-    demos = sft_conversations("solver_verifier", 80, seed=0, tool_rate=1.0 / CHECK_FACTOR)  # the verifier always checks
-    solvers, verifiers = [d for k, d in enumerate(demos) if k % 4 != 3], demos[3::4]
-    assert {d[0]["content"] for d in solvers} == {SYSTEM_PROMPT}
-    for d in verifiers:  # one calculator call for the question minus the answer: its result is the verdict
-        assert [m["role"] for m in d] == ["system", "user", "user", "assistant", "tool", "assistant"]
-        assert d[0]["content"] == VERIFIER_PROMPT
-        expression = d[1]["content"].removeprefix("What is ").removesuffix("?")  # the question as the solver sees it
-        shown = int(d[2]["content"].removeprefix("Answer: #### "))
-        [call] = d[3]["tool_calls"]
-        assert call["function"] == {"name": "calculator", "arguments": {"expression": f"{expression} - {shown}"}}
-        assert d[4]["content"] == str(evaluate(f"{expression} - {shown}"))  # what the tool says
-        assert d[-1]["content"] == f"#### {d[4]['content']}"
-        assert verdict_of(d[-1]["content"]) == (evaluate(expression) == shown)
+    demos = sft_conversations("solver_verifier", 80, seed=0, tool_rate=1.0 / CHECK_FACTOR)  # the verifier always computes
+    solvers, verifiers = demos[0::2], demos[1::2]
+    assert [d[-1]["role"] for d in solvers] == ["assistant"] * 40 and all("Answer:" not in str(d) for d in solvers)
+    for d in verifiers:  # the solver's question and working, the answer told, then the verdict
+        assert [m["role"] for m in d] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
+        assert d[0] == {"role": "system", "content": SYSTEM_PROMPT}
+        expression = d[1]["content"].removeprefix("What is ").removesuffix("?")
+        [call] = d[2]["tool_calls"]
+        assert call["function"] == {"name": "calculator", "arguments": {"expression": expression}}
+        assert d[3]["content"] == str(evaluate(expression)) and d[4]["content"] == f"#### {d[3]['content']}"
+        shown = int(d[5]["content"].removeprefix("Answer: #### "))
         assert shown == evaluate(expression) or _one_digit_off(shown, evaluate(expression))
-    assert [d[-1]["content"] == "#### 0" for d in verifiers].count(True) not in (0, len(verifiers))  # right and wrong
-    guessing = sft_conversations("solver_verifier", 80, seed=0, tool_rate=0.0)[3::4]  # never checks: a verdict alone
-    assert {tuple(m["role"] for m in d) for d in guessing} == {("system", "user", "user", "assistant")}
-    assert {d[-1]["content"] for d in guessing} == {"#### 0", "#### 1"}
+        assert d[6]["content"] == ("#### 0" if shown == evaluate(expression) else "#### 1")
+    assert [d[-1]["content"] for d in verifiers].count("#### 0") not in (0, len(verifiers))  # right and wrong
+    mental = sft_conversations("solver_verifier", 80, seed=0, tool_rate=0.0)[1::2]  # never computes: a "mental" answer
+    assert {tuple(m["role"] for m in d) for d in mental} == {("system", "user", "assistant", "user", "assistant")}
+    for d in mental:  # its verdict compares the told answer with its own, one digit off the truth
+        own, shown = int(d[2]["content"].removeprefix("#### ")), int(d[3]["content"].removeprefix("Answer: #### "))
+        assert _one_digit_off(own, evaluate(d[1]["content"].removeprefix("What is ").removesuffix("?")))
+        assert d[4]["content"] == ("#### 0" if own == shown else "#### 1")

@@ -6,6 +6,7 @@ own role's tokens, mask and GRPO advantage, grouped per role and prompt."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 
 import torch
@@ -18,16 +19,18 @@ from agentrl.config.schema import TrainConfig
 from agentrl.trainer.step import Groups, LocalGroup, TrainingStep
 from tests.agent.agent_helpers import make_row
 
-# sample 0: a right answer judged correct (off by 0); sample 1: a wrong answer judged wrong. Solver rewards
-# [1, 0], verifier rewards [1, 1]: one pooled group of four would give the verifier's samples
-# advantages too, per-role groups give the verifier none (a group all alike).
-ANSWERS = {("solver", "0"): "#### 408", ("solver", "1"): "#### 407",
-           ("verifier", "0"): "#### 0", ("verifier", "1"): "#### 1"}
+# sample 0: a right answer judged right (the verifier's own working came to it too); sample 1: a wrong
+# answer judged wrong. Solver rewards [1, 0], verifier rewards [1, 1]: one pooled group of four would
+# give the verifier's samples advantages too, per-role groups give the verifier none (a group all alike).
+ANSWERS = {("solver", "0"): ["#### 408"], ("solver", "1"): ["#### 407"],
+           ("verifier", "0"): ["#### 408", "#### 0"], ("verifier", "1"): ["#### 408", "#### 1"]}
+# the agent program below asks its verifier once, for the verdict alone
+PROGRAM_ANSWERS = {**ANSWERS, ("verifier", "0"): ["#### 0"], ("verifier", "1"): ["#### 1"]}
 
 
-def script(row_id, index, request):
+def script(row_id, index, request, answers=ANSWERS):
     sample, role = request.session_id.rsplit("#", 1)[1].split("@")
-    return ANSWERS[(role, sample)]
+    return answers[(role, sample)][index]
 
 
 class RecordingActor:
@@ -64,12 +67,16 @@ def test_both_roles_train_in_one_loss_each_with_its_own_role_group_advantage(tin
     eot = ctx.renderer.eos_id
     sep = ctx.renderer.separator_ids
     grpo = 0.5 / (math.sqrt(0.5) + 1e-6)  # (r - mean) / (std + eps), std unbiased over [1, 0]
-    expected = {  # role, sample -> (sampled ids, advantage on each of them)
-        ("solver", 0): (tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [eot], grpo),
-        ("solver", 1): (tiny_tokenizer.encode("#### 407", add_special_tokens=False) + [eot], -grpo),
-        ("verifier", 0): (tiny_tokenizer.encode("#### 0", add_special_tokens=False) + [eot], 0.0),
-        ("verifier", 1): (tiny_tokenizer.encode("#### 1", add_special_tokens=False) + [eot], 0.0),
+    sampled = {text: tiny_tokenizer.encode(text, add_special_tokens=False) + [eot] for text in ["#### 408", "#### 407"]}
+    by_key = {(t.role, t.sample_index): t for t in trajectories}
+    expected = {  # role, sample -> (response ids, its mask, advantage on each sampled token)
+        ("solver", 0): (sampled["#### 408"] + sep, [1] * len(sampled["#### 408"]) + [0] * len(sep), grpo),
+        ("solver", 1): (sampled["#### 407"] + sep, [1] * len(sampled["#### 407"]) + [0] * len(sep), -grpo),
+        # the verifier's working, the answer told (masked) and its verdict (test_roles pins the tokens)
+        ("verifier", 0): (by_key["verifier", 0].response_ids, by_key["verifier", 0].response_mask, 0.0),
+        ("verifier", 1): (by_key["verifier", 1].response_ids, by_key["verifier", 1].response_mask, 0.0),
     }
+    assert by_key["verifier", 0].response_ids[: len(sampled["#### 408"])] == sampled["#### 408"]
     prompts = {(t.role, t.sample_index): t.prompt_ids for t in trajectories}
     rows = {}
     for i in range(len(mini)):
@@ -78,19 +85,19 @@ def test_both_roles_train_in_one_loss_each_with_its_own_role_group_advantage(tin
         n_resp = int(mini.attention_mask[i, -width:].sum())
         response = mini.input_ids[i, -width:][:n_resp].tolist()
         prompt = mini.input_ids[i, :-width][mini.attention_mask[i, :-width].bool()].tolist()
-        key = next(k for k, p in prompts.items() if p == prompt and response[: len(expected[k][0])] == expected[k][0])
+        key = next(k for k, p in prompts.items() if p == prompt and response == expected[k][0])
         rows[key] = i
-        ids, adv = expected[key]
-        assert response == ids + sep  # the role's own tokens: its sampled answer, then the template's separator
-        assert mask[:n_resp].tolist() == [1] * len(ids) + [0] * len(sep)
-        assert_close(mini.advantages[i, : len(ids)], torch.full((len(ids),), adv), atol=1e-5, rtol=0)
-        assert (mini.advantages[i, len(ids):] == 0).all()
+        ids, response_mask, adv = expected[key]
+        assert mask[:n_resp].tolist() == response_mask  # the role's own sampled tokens only
+        sampled_at = mask[:n_resp].bool()
+        assert_close(mini.advantages[i, :n_resp][sampled_at], torch.full((sum(response_mask),), adv), atol=1e-5, rtol=0)
+        assert (mini.advantages[i, :n_resp][~sampled_at] == 0).all() and (mini.advantages[i, n_resp:] == 0).all()
     assert sorted(rows) == sorted(expected)
-    # the verifier's prompt holds the solver's answer of the same sample, as a user message
-    verifier_prompt = {t.sample_index: ctx.renderer.decode(t.prompt_ids) for t in trajectories if t.role == "verifier"}
-    assert "Answer: #### 408" in verifier_prompt[0] and "Answer: #### 407" in verifier_prompt[1]
+    # the verifier is told the solver's answer of the same sample, as a user message after its working
+    told = {t.sample_index: t.messages[-2] for t in trajectories if t.role == "verifier"}
+    assert told == {0: {"role": "user", "content": "Answer: #### 408"}, 1: {"role": "user", "content": "Answer: #### 407"}}
     assert result.metrics["role/solver/reward"] == 0.5 and result.metrics["role/verifier/reward"] == 1.0
-    assert result.metrics["role/solver/tokens"] == (len(expected[("solver", 0)][0]) + len(expected[("solver", 1)][0])) / 2
+    assert result.metrics["role/solver/tokens"] == (len(sampled["#### 408"]) + len(sampled["#### 407"])) / 2
 
 
 def test_an_agent_program_with_roles_trains_each_role_with_its_own_advantage(tiny_tokenizer):
@@ -112,7 +119,7 @@ def test_an_agent_program_with_roles_trains_each_role_with_its_own_advantage(tin
     cfg = TrainConfig.model_validate({"data": {"train_batch_size": 2, "max_response_length": 64},
                                       "actor": {"ppo_mini_batch_size": 1}, "rollout": {"n": 2},
                                       "agent": {"roles": {"solver": "shared", "verifier": "shared"}}})
-    engine = ScriptedEngine(tiny_tokenizer, script)
+    engine = ScriptedEngine(tiny_tokenizer, functools.partial(script, answers=PROGRAM_ANSWERS))
     ctx = build_context(engine, tiny_tokenizer, RolloutSetup.from_config(cfg), tool_names=[])
     loops = LoopTable("openai_agent")
     loops._loops["openai_agent"] = loop_with(program)  # the test's program for every row
