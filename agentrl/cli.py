@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from collections.abc import MutableMapping
 
 from agentrl.errors import AgentrlError, NotAvailable
@@ -129,28 +130,54 @@ QUIET_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
 SPINNING_COMMANDS = ("train", "sft", "rollout", "replay")
 
 
+def busy_cores(window_s: float = 0.1) -> float | None:
+    """How many cores the machine's other work keeps busy now: the non-idle share of every CPU's
+    time over ``window_s`` (``/proc/stat``), this process sleeping meanwhile. ``None`` where there
+    is no ``/proc/stat`` (not Linux)."""
+
+    def times() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return sum(fields), fields[3] + fields[4]
+
+    try:
+        total0, idle0 = times()
+        time.sleep(window_s)
+        total1, idle1 = times()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return (total - (idle1 - idle0)) / total * (os.cpu_count() or 1) if total > 0 else None
+
+
 def shared_machine_wait_policy(environ: MutableMapping[str, str] | None = None, load: float | None = None) -> str | None:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` when the machine is already busy as the command starts (a
-    1-minute load average of at least 0.5: another job holds about half a core or more) and the
-    environment chooses no policy of its own (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``). Why:
-    libgomp's default has a waiting thread spin, and on cores shared with another job the spinning
-    threads take the cores the working ones need: beside a busy loop a training step is many times
-    slower at the default than passive. Idle the spin pays (decode forwards are faster at the
-    default), so an idle machine keeps it (the figures: docs/benchmarks.md).
-    libgomp reads the policy when torch loads: called before any import of torch. Returns the
-    policy set, if any."""
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` when the machine is busy as the command starts (other work
+    keeps half a core or more busy: ``busy_cores``, or the 1-minute load average where that cannot
+    be read; ``load`` given: that figure) and the environment chooses no policy of its own
+    (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``). Why: libgomp's default has a waiting thread spin,
+    and on cores shared with another job the spinning threads take the cores the working ones
+    need: beside a busy loop a training step is many times slower at the default than passive.
+    Idle the spin pays (decode forwards are faster at the default), so an idle machine keeps it
+    (the figures: docs/benchmarks.md). Busy *now*, not the load average: that average still counts
+    a job which ended a minute ago, and so made a command started just after it passive on a
+    machine gone idle. libgomp reads the policy when torch loads: called before any import of
+    torch. Returns the policy set, if any."""
     environ = os.environ if environ is None else environ
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return None
     if load is None:
+        load = busy_cores()
+    if load is None:
         try:
             load = os.getloadavg()[0]
-        except OSError:  # no load average (not a Unix): keep the default
+        except OSError:  # neither (not a Unix): keep the default
             return None
     if load < 0.5:
         return None
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
     return "PASSIVE"
+
+
 IMPORTING = ("importing its libraries (torch, transformers; the first run after an install also compiles their "
              "bytecode: a minute or more on a slow or shared machine)")
 RESUME_HINT = " (the same command with trainer.resume=auto goes on from the last checkpoint it saved, if it saved one)"

@@ -203,3 +203,22 @@ def test_agentrl_goes_passive_on_a_busy_machine_only_and_never_over_the_users_ch
         environ = dict(chosen)
         assert shared_machine_wait_policy(environ, load=8.0) is None and environ == chosen
     assert SPINNING_COMMANDS == ("train", "sft", "rollout", "replay")
+
+
+def test_busy_cores_sees_a_busy_loop_beside_it_now():
+    """What the policy reads when no figure is given: cores busy over a 0.1 s look, not the load
+    average (which kept counting a job that had ended, so a command started just after it on an
+    idle machine went passive: the trainer benchmark's agentrl side after each TRL side)."""
+    import subprocess
+    import sys
+    import time
+
+    from agentrl.cli import busy_cores
+
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # the loop is running
+        assert busy_cores(0.2) >= 0.8  # one core's worth (more if the machine has other work)
+    finally:
+        loop.kill()
+        loop.wait(timeout=30)
