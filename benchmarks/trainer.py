@@ -37,8 +37,8 @@ over agentrl's), ``e2e_ratio`` (the same end to end), ``order``, ``repeats``, ``
 ``eval_answers`` (with ``start_reward_se`` and ``*_reward_se``: a held-out figure's own binomial
 standard error over that many 0/1 answers), ``trl_version`` and the settings.
 
-agentrl's side starts as ``agentrl train`` does: on a machine already busy (a 1-minute load average
-of 0.5 or more) with ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy
+agentrl's side starts as ``agentrl train`` does: on a machine already busy (other work keeping half
+a core or more busy as it starts) with ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy
 (``agentrl.cli.shared_machine_wait_policy``); TRL's side keeps libgomp's default, as a TRL user
 gets it (``*_omp_wait_policy_all``: each run's). ``--beside-cpu-job``: a Python busy loop shares
 the cores for the whole benchmark.
