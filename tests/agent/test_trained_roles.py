@@ -36,7 +36,8 @@ def test_a_trained_roles_turns_are_sampled_by_its_own_policy_and_carry_its_versi
     solver, verifier = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r0", make_row(agent="solver_verifier"))], n=1))
     # each policy's engine answered its own role's requests only (PolicyEngines routed them by policy)
     assert [q.session_id for q in main.requests] == ["r0#0@solver"]
-    assert [q.session_id for q in verifier_engine.requests] == ["r0#0@verifier"]
+    # the verifier's two turns (solver_verifier: its own working, then its verdict on the told answer)
+    assert [q.session_id for q in verifier_engine.requests] == ["r0#0@verifier"] * 2
     sampled = {text: len(tiny_tokenizer.encode(text, add_special_tokens=False)) + 1 for text in ANSWERS.values()}
     assert (solver.role, solver.policy_version, solver.group_id) == ("solver", 3, "0:r0@solver")
     assert solver.token_versions[: sampled["#### 408"]] == [3] * sampled["#### 408"]
