@@ -209,8 +209,8 @@ class ToolSession:
                 # counted before the call: a create that fails half-way is released too
                 self._created.append(name)
                 # bounded as a call is (agent.tool_timeout_s): create runs before the trajectory's own timeout
-                await _tool_step(self.box.tools[name].create(self.instance_id, **self._kw(name, "create_kwargs")),
-                                 name, "create", self.box.tool_timeout_s)
+                await _bounded_step(self.box.tools[name].create(self.instance_id, **self._kw(name, "create_kwargs")),
+                                    f"tool {name!r}", "create", self.box.tool_timeout_s)
         except BaseException:
             await self._release()
             raise
@@ -224,9 +224,9 @@ class ToolSession:
         ``calc_reward_errors`` (the trajectory survives it)."""
         for name in self._created:
             try:
-                reward = await _tool_step(  # after the trajectory's timeout: bounded as a call is
+                reward = await _bounded_step(  # after the trajectory's timeout: bounded as a call is
                     self.box.tools[name].calc_reward(self.instance_id, **self._kw(name, "calc_reward_kwargs")),
-                    name, "calc_reward", self.box.tool_timeout_s)
+                    f"tool {name!r}", "calc_reward", self.box.tool_timeout_s)
             except Exception as exc:
                 self.calc_reward_errors[name] = f"{type(exc).__name__}: {exc}"
                 continue
@@ -294,12 +294,14 @@ class ToolSession:
         return CallOutcome(call, result.text, reward=result.reward, duration_s=time.perf_counter() - start, metrics=result.metrics)
 
 
-async def _tool_step(awaitable: Any, name: str, step: str, seconds: float) -> Any:
-    """A tool's ``create`` or ``calc_reward`` within ``agent.tool_timeout_s``, past it an error saying so."""
+async def _bounded_step(awaitable: Any, who: str, step: str, seconds: float) -> Any:
+    """A step outside the trajectory's timeout (a tool's ``create`` or ``calc_reward``, an
+    interaction's ``start``, ``calculate_score`` or ``finalize``) within ``agent.tool_timeout_s``;
+    past it an error naming ``who`` ("tool 'calculator'") and the step."""
     try:
         return await _with_timeout(awaitable, seconds)
     except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11 on
-        raise TimeoutError(f"tool {name!r}: {step} did not finish within agent.tool_timeout_s={seconds:g} s") from None
+        raise TimeoutError(f"{who}: {step} did not finish within agent.tool_timeout_s={seconds:g} s") from None
 
 
 async def _with_timeout(awaitable: Any, seconds: float) -> Any:
@@ -376,13 +378,8 @@ class InteractionSession:
         self.name, self.timeout_s = name or type(interaction).__name__, timeout_s
         self._started = False
 
-    async def _bounded(self, awaitable: Any, step: str) -> Any:
-        try:
-            return await _with_timeout(awaitable, self.timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11 on
-            raise TimeoutError(
-                f"interaction {self.name!r}: {step} did not finish within agent.tool_timeout_s={self.timeout_s:g} s"
-            ) from None
+    def _bounded(self, awaitable: Any, step: str) -> Any:
+        return _bounded_step(awaitable, f"interaction {self.name!r}", step, self.timeout_s)
 
     async def __aenter__(self) -> "InteractionSession":
         self._started = True  # before the call: a start that fails half-way is finalized too
