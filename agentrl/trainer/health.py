@@ -75,9 +75,10 @@ CAUSES: dict[str, str] = {
 
 
 class HealthStop(AgentrlError):
-    """A health check stopped the run (not an error of agentrl's: the run's data or setup)."""
+    """A health check stopped the run, or a rollout's failures did (``RolloutFailed``, as one): not an
+    error of agentrl's, the run's data or setup."""
 
-    def __init__(self, message: str, *, step: int, key: str, measure: str, value: float):
+    def __init__(self, message: str, *, step: int, key: str | None, measure: str, value: float):
         super().__init__(message)
         self.step, self.key, self.measure, self.value = step, key, measure, value
 

@@ -275,15 +275,12 @@ class Trainer:
         everything, own = trajectories, {}
         if self.policies is not None:  # trained roles' trajectories train their own policies (role_policies.py)
             trajectories, own = self.policies.split(trajectories)
-        try:
-            check_weight_versions(trajectories, self.weight_version, where=f"step {step + 1}")
-            if self.policies is not None:  # every policy's rollout checked before any policy is updated
-                self.policies.check_rollout(own, step=step)
-            result = self.step.online(trajectories, step=step)
-            roles_metrics = self.policies.train(self.actor, own, step=step) if self.policies is not None else {}
-        except RolloutFailed:
-            self.save(step)  # resumable: trainer.resume=<run dir> continues from here
-            raise
+        # a RolloutFailed from here comes before any update: _train_once ends the run as a stop
+        check_weight_versions(trajectories, self.weight_version, where=f"step {step + 1}")
+        if self.policies is not None:  # every policy's rollout checked before any policy is updated
+            self.policies.check_rollout(own, step=step)
+        result = self.step.online(trajectories, step=step)
+        roles_metrics = self.policies.train(self.actor, own, step=step) if self.policies is not None else {}
         sampled_by = self.weight_version
         if result.updated_actor:
             with timed(timings, "weight_sync"):
@@ -306,7 +303,7 @@ class Trainer:
             group = getattr(self, name, None)
             if group is not None:
                 group.during = label
-        if getattr(self, "policies", None) is not None:
+        if self.policies is not None:
             self.policies.during(label)
 
     def sync_weights(self, version: int) -> None:
@@ -416,7 +413,7 @@ class Trainer:
                 actor.call_all("close")  # stops the engine thread before the process goes
         except Exception:  # closing after a failure must not hide it
             pass
-        if getattr(self, "policies", None) is not None:
+        if self.policies is not None:
             self.policies.kill()
         for group in (actor, getattr(self, "reference", None), getattr(self, "critic", None)):
             if group is not None:
@@ -503,10 +500,11 @@ def _train_once(cfg: TrainConfig, run: RunDir, log: MetricsLogger, summary: dict
             rows = trainer.dataset.next_batch() if trainer.driver is None else None
             try:
                 metrics = trainer.train_step(step, rows)
-            except RolloutFailed as failed:  # checkpointed at the step before (train_step): resumable
-                summary["stopped"] = failed.record(step)
-                log.console(f"agentrl train: {failed}")
-                return trainer  # as a health stop: the summary and the report say why, no export
+            except RolloutFailed as failed:  # before the step's update: a stop as a health check's (a
+                # checkpoint of the steps done, trainer.resume goes on from it; the summary and report say why)
+                trainer.stop(HealthStop(str(failed), step=step, key=failed.key, measure=failed.measure,
+                                        value=failed.value), summary)
+                return trainer
             done = step + 1
             if cfg.trainer.test_freq and done % cfg.trainer.test_freq == 0 and done != cfg.trainer.total_steps:
                 metrics.update(trainer.validate(done))

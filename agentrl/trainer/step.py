@@ -120,15 +120,12 @@ INFRA_FAILURES = frozenset({TrajectoryFinish.ENGINE_ERROR, TrajectoryFinish.ABOR
 class RolloutFailed(AgentrlError):
     """Too many trajectories of one step failed for infrastructure reasons (``trainer.max_failure_rate``),
     or some were sampled by weights a sync should have replaced. ``measure`` / ``value`` / ``key``:
-    what was measured and the setting it broke, for the run's summary (``stopped``)."""
+    what was measured and the setting it broke; the trainer ends the run with them as a health stop
+    (``stopped`` in the summary)."""
 
     def __init__(self, message: str, *, measure: str, value: float, key: str | None = None):
         super().__init__(message)
         self.measure, self.value, self.key = measure, value, key
-
-    def record(self, step: int) -> dict[str, Any]:
-        """What ``summary.json`` keeps (``stopped``), as for a health stop: ``step`` is the steps done."""
-        return {"step": step, "measure": self.measure, "value": self.value, "key": self.key, "reason": str(self)}
 
 
 def usable_trajectories(trajectories: Sequence[Trajectory], where: str) -> list[Trajectory]:
