@@ -71,11 +71,12 @@ class ReactLoop(AgentLoop):
             segment += text
             if result.finish_reason is FinishReason.LENGTH:
                 return TrajectoryFinish.LENGTH
-            parsed = parse_turn(episode.parser, segment, episode.tools.schemas())
+            schemas = episode.tools.schemas()
+            parsed = parse_turn(episode.parser, segment, schemas)
             if parsed.final_answer is not None or episode.last_stopped_on_eos:
                 # the parse rate counts a segment once, where it ends: with calls, or with the
                 # answer (an Action line never completed there is an unparsed attempt)
-                count_turn(episode.counts, episode.parser, segment, parsed, episode.tools.schemas())
+                count_turn(episode.counts, episode.parser, segment, parsed, schemas)
                 episode.final_answer = parsed.final_answer
                 if not episode.last_stopped_on_eos:
                     episode.builder.append_template([renderer.eos_id] + renderer.separator_ids)
@@ -83,7 +84,7 @@ class ReactLoop(AgentLoop):
             if not parsed.calls:
                 continue_turn = True  # the line was a thought: keep writing the same turn
                 continue
-            count_turn(episode.counts, episode.parser, segment, parsed, episode.tools.schemas())
+            count_turn(episode.counts, episode.parser, segment, parsed, schemas)
             outcomes = await episode.call_tools(turn_index, parsed)
             observation = "".join(f"Observation: {episode.truncate_tool_text(o.text)}\n" for o in outcomes)
             episode.observe_ids(renderer.encode(observation), "tool", [])
