@@ -9,7 +9,9 @@ through the forward's keyword arguments (transformers passes unknown kwargs down
 
 The KV cache is a fixed set of *slots*: per layer a ``[slots, kv_heads, capacity, head_dim]``
 tensor. A request owns one slot for its lifetime and writes each token's K/V in place, so nothing
-is copied from step to step. Decode attention reads the slot range ``[:span]`` as a view, with a
+is copied from step to step. On the CPU in fp32, decode attention is one native call per layer
+that reads each row's K/V over its own length (``_decode_kernel.py``); elsewhere, or without a C
+compiler, it reads the slot range ``[:span]`` as a view through batched matrix products, with a
 mask for each row's length (free slots inside the range are masked rows whose output is
 discarded). A finished request's slot keeps its K/V, so the next turn of the same conversation can
 reuse the shared prefix (see ``_prefix_cache.py``). The capacity grows by doubling when a request needs
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from agentrl.engines import _decode_kernel
 
 # transformers' attention registries are imported where they are used: importing them loads its
 # quantization integrations (about 1.4 s), which a process that never runs a forward (the driver)
@@ -144,6 +148,9 @@ class StepLayout:
     short: ShortPrefills | None = None  # spans attended together
     # in-step prefix copies, as flat (dst slot, src slot, position) index tensors [N] each
     copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [num_decode] int64: each decode row's own context length (position + 1), set where the native
+    # decode kernel (``_decode_kernel.py``) attends the decode rows, each over its own length
+    decode_lengths: torch.Tensor | None = None
 
 
 # Spans up to this many tokens are batched (padding a batch to a long span would waste more than
@@ -176,6 +183,7 @@ def build_layout(
     lengths[slots_t] = positions_t + 1
     mask = torch.zeros((span, kv_len)).masked_fill_(torch.arange(kv_len)[None, :] >= lengths[:, None], float("-inf"))
     dense = len(decode_slots) == span and decode_slots == sorted(decode_slots)
+    native = device.type == "cpu" and _decode_kernel.kernel() is not None
     return StepLayout(
         cache=cache,
         num_decode=len(decode_slots),
@@ -187,6 +195,7 @@ def build_layout(
         prefills=prefills,
         short=short,
         copies=flat_copies,
+        decode_lengths=positions_t + 1 if native else None,
     )
 
 
@@ -259,7 +268,10 @@ def attend(
         cache_k[dst, :, positions] = cache_k[src, :, positions]
         cache_v[dst, :, positions] = cache_v[src, :, positions]
 
-    if n:
+    if n and layout.decode_lengths is not None and _decode_kernel.DecodeKernel.serves(query, cache_k):
+        # each row over its own length, in one native call (the kernel exists: build_layout asked)
+        _decode_kernel.kernel()(query[:n], cache_k, cache_v, layout.decode_slots, layout.decode_lengths, scaling, out[:n])
+    elif n:
         span, kv_len = layout.decode_span, layout.decode_mask.shape[-1]
         q = query[:n]  # [n, heads, head_dim]
         if not layout.decode_dense:

@@ -1,0 +1,234 @@
+"""Decode attention over the slot KV cache in one native call per layer (CPU, fp32).
+
+Why: a decode row has one query token per query head, so its attention is a matrix-vector
+product over its own K/V. Through torch that is a batched matrix product of a few query rows
+(the heads that share a K/V head) per slot, every slot padded to the step's longest row, then a
+mask, a softmax and a second batched product: the small products spend more time packing
+their operands than reading K/V, and the padding reads K/V no row needs (docs/benchmarks.md,
+"the roofline of each step"). This kernel walks each (row, K/V head) once over that row's own
+length: the scores of the group's query heads against each key, their softmax, and the
+weighted sum of the values, with nothing padded and nothing written but the output.
+
+It is C compiled on first use with the machine's C compiler (``$CC``, else ``cc``/``gcc``) for this
+CPU (``-march=native``), cached under ``$AGENTRL_CACHE/kernels`` (default ``~/.cache/agentrl``)
+by a hash of the source, the flags, the compiler's version and the CPU, and loaded with
+``ctypes``. Where there is no compiler, the build fails, the tensors are not CPU fp32, or
+``AGENTRL_DECODE_KERNEL=0`` is set, ``kernel()`` returns None and the engine keeps torch's batched
+products (``_ragged.attend``): the same attention, summed in another order.
+
+The source is compiled with ``-ffast-math`` (so the exponentials vectorise) but linked without
+it: linking a shared library with it adds a constructor that sets flush-to-zero for the whole
+process. Rows are spread over torch's OpenMP threads when torch runs on libgomp (its Linux
+builds), which the library then shares; elsewhere it runs on one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecodeKernel", "kernel"]
+
+WIDTH = 16  # floats per vector in the source below: head_dim must be a multiple of it
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define W 16
+typedef float vf __attribute__((vector_size(W * 4), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+static inline float hsum(vf a) {
+    vf8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* q: [n, heads, d]; ck, cv: [slots, kvh, cap, d]; row r attends positions [0, lengths[r]) of
+   slot slots[r]; out: [n, heads, d]. Query head h reads K/V head h / (heads / kvh). */
+int agentrl_decode_attention(const float *restrict q, const float *restrict ck, const float *restrict cv,
+                             const int64_t *restrict slots, const int64_t *restrict lengths,
+                             int64_t n, int64_t heads, int64_t kvh, int64_t cap, int64_t d, float scale,
+                             float *restrict out, int threads) {
+    const int64_t group = heads / kvh, nd = d / W;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < n; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+    const int64_t stride = (longest + W - 1) / W * W;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+    float *scores = malloc(sizeof(float) * group * stride);
+    vf *acc = malloc(sizeof(vf) * group * nd);
+    if (!scores || !acc) {
+        #pragma omp atomic write
+        failed = 1;
+    }
+    #pragma omp for schedule(static)
+    for (int64_t item = 0; item < n * kvh; item++) {
+        if (!scores || !acc) continue;
+        const int64_t r = item / kvh, h = item % kvh, len = lengths[r];
+        const int64_t padded = (len + W - 1) / W * W;
+        const float *K = ck + (slots[r] * kvh + h) * cap * d;
+        const float *V = cv + (slots[r] * kvh + h) * cap * d;
+        const float *Q = q + (r * heads + h * group) * d;
+        for (int64_t j = 0; j < len; j++) {
+            const vf *kj = (const vf *)(K + j * d);
+            for (int64_t g = 0; g < group; g++) {
+                const vf *qg = (const vf *)(Q + g * d);
+                vf a = qg[0] * kj[0];
+                for (int64_t c = 1; c < nd; c++) a += qg[c] * kj[c];
+                scores[g * stride + j] = hsum(a) * scale;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *s = scores + g * stride, top = s[0], total = 0.f;
+            for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
+            /* the tail up to a whole vector: finite and far below the top, so its exp is 0 */
+            for (int64_t j = len; j < padded; j++) s[j] = top - 200.f;
+            for (int64_t j = 0; j < padded; j++) { s[j] = expf(s[j] - top); total += s[j]; }
+            const float inv = 1.f / total;
+            for (int64_t j = 0; j < len; j++) s[j] *= inv;
+        }
+        for (int64_t c = 0; c < group * nd; c++) acc[c] = (vf){0};
+        for (int64_t j = 0; j < len; j++) {
+            const vf *vj = (const vf *)(V + j * d);
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * stride + j];
+                vf *a = acc + g * nd;
+                for (int64_t c = 0; c < nd; c++) a[c] += p * vj[c];
+            }
+        }
+        memcpy(out + (r * heads + h * group) * d, acc, sizeof(float) * group * d);
+    }
+    free(scores);
+    free(acc);
+    }
+    return failed;
+}
+"""
+
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=gnu11"]
+
+
+class DecodeKernel:
+    """The loaded library: ``__call__`` attends ``n`` decode rows of one layer into ``out``."""
+
+    def __init__(self, library: ctypes.CDLL, openmp: bool):
+        self._library = library  # kept alive with the function
+        self._fn = library.agentrl_decode_attention
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [pointer] * 5 + [size] * 5 + [ctypes.c_float, pointer, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        self.openmp = openmp
+
+    @staticmethod
+    def serves(query: torch.Tensor, cache_k: torch.Tensor) -> bool:
+        """CPU fp32 tensors, a contiguous cache and a head size the vectors divide."""
+        return (
+            query.device.type == "cpu"
+            and query.dtype == torch.float32
+            and cache_k.dtype == torch.float32
+            and cache_k.is_contiguous()
+            and query.shape[-1] % WIDTH == 0
+        )
+
+    def __call__(self, query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """query, out: [n, heads, head_dim]; cache_k, cache_v: [slots, kv_heads, capacity, head_dim];
+        slots, lengths: [n] int64 (row i attends positions [0, lengths[i]) of slot slots[i])."""
+        query = query.contiguous()
+        n, heads, head_dim = query.shape
+        _, kv_heads, capacity, _ = cache_k.shape
+        if not (out.is_contiguous() and cache_v.is_contiguous() and slots.is_contiguous() and lengths.is_contiguous()):
+            raise ValueError("decode kernel: out, cache_v, slots and lengths must be contiguous")
+        threads = torch.get_num_threads() if self.openmp else 1
+        failed = self._fn(query.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
+                          n, heads, kv_heads, capacity, head_dim, scale, out.data_ptr(), threads)
+        if failed:
+            raise MemoryError("decode kernel: could not allocate its scores buffer")
+
+
+_lock = threading.Lock()
+_loaded: list[DecodeKernel | None] = []  # empty until the first kernel() call
+
+
+def kernel() -> DecodeKernel | None:
+    """The compiled kernel, built on the first call of the process (cached on disk), or None."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load())
+    return _loaded[0]
+
+
+def _load() -> DecodeKernel | None:
+    if os.environ.get("AGENTRL_DECODE_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler or platform.system() != "Linux":
+        logger.info("decode attention through torch: no C compiler (or not Linux) for the native kernel")
+        return None
+    openmp = _torch_uses_libgomp()
+    link = ["-fopenmp", "-lm"] if openmp else ["-lm"]  # -lm: the vector exponentials (libmvec)
+    path = None
+    try:
+        path = _build(compiler, link)
+        return DecodeKernel(ctypes.CDLL(str(path)), openmp)
+    except (OSError, subprocess.SubprocessError) as exc:
+        if path is not None:
+            path.unlink(missing_ok=True)  # built but not loadable: the next process builds it again
+        logger.info("decode attention through torch: the native kernel did not build or load: %s", exc)
+        return None
+
+
+def _torch_uses_libgomp() -> bool:
+    """Whether torch's own OpenMP runtime is libgomp, which the kernel's library then shares
+    (the dynamic loader reuses a library already loaded under the same name)."""
+    return "OpenMP" in torch.__config__.parallel_info() and any((Path(torch.__file__).parent / "lib").glob("libgomp*"))
+
+
+def _build(compiler: str, link: list[str]) -> Path:
+    compile_flags = _COMPILE_FLAGS + (["-fopenmp"] if "-fopenmp" in link else [])
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE, *compile_flags, *link, version, _cpu()]).encode()).hexdigest()[:16]
+    directory = Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl")) / "kernels"
+    target = directory / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as work:
+        source, obj, lib = Path(work) / "decode.c", Path(work) / "decode.o", Path(work) / "decode.so"
+        source.write_text(SOURCE)
+        for command in ([compiler, *compile_flags, "-c", str(source), "-o", str(obj)], [compiler, "-shared", str(obj), "-o", str(lib), *link]):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[:2000]}")
+        os.replace(lib, target)  # atomic: a process building the same key at once writes the same bytes
+    return target
+
+
+def _cpu() -> str:
+    """The CPU's model and feature flags (``-march=native`` compiles for them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(lines))

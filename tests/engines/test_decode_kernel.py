@@ -1,0 +1,70 @@
+"""The native decode attention (``_decode_kernel.py``) against torch's batched products, and its fallbacks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from agentrl.engines import _decode_kernel, _ragged
+
+HAS_COMPILER = bool(shutil.which("cc") or shutil.which("gcc"))
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """kernel() built again into an empty cache directory, and forgotten afterwards."""
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(_decode_kernel, "_loaded", [])
+    return tmp_path
+
+
+def ragged_step(head_dim: int = 32):
+    """A cache of 6 slots with random K/V and 4 decode rows in scattered slots at unequal lengths."""
+    torch.manual_seed(0)
+    cache = _ragged.SlotKVCache(num_layers=2, slots=6, kv_heads=2, head_dim=head_dim, max_len=128, dtype=torch.float32,
+                                device=torch.device("cpu"), initial_len=64)
+    for tensor in cache.keys + cache.values:
+        tensor.normal_()
+    slots, positions = [4, 0, 2, 5], [50, 3, 0, 17]
+    n, heads = len(slots), 6
+    query, key, value = torch.randn(n, heads, head_dim), torch.randn(n, 2, head_dim), torch.randn(n, 2, head_dim)
+    return cache, slots, positions, query, key, value
+
+
+def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_torch_does(fresh_kernel):
+    kernel = _decode_kernel.kernel()
+    assert (kernel is not None) == HAS_COMPILER
+    if kernel is None:
+        return
+    assert list(fresh_kernel.joinpath("kernels").glob("decode_attention-*.so"))
+    cache, slots, positions, query, key, value = ragged_step()
+    layout = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
+    assert layout.decode_lengths.tolist() == [51, 4, 1, 18]
+    with torch.inference_mode():
+        native = [_ragged.attend(layer, query, key, value, layout, 0.125) for layer in range(2)]
+        layout.decode_lengths = None  # torch's batched products over the padded slot range
+        reference = [_ragged.attend(layer, query, key, value, layout, 0.125) for layer in range(2)]
+    for a, b in zip(native, reference):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()
+    # -ffast-math at compile time only: loading the library must not set flush-to-zero for the process
+    assert torch.tensor([1e-40]).mul(1.0).item() != 0.0
+
+
+def test_heads_the_vectors_do_not_divide_and_other_dtypes_take_torchs_path():
+    cache_k = torch.zeros(2, 2, 8, 16)
+    assert _decode_kernel.DecodeKernel.serves(torch.zeros(1, 4, 16), cache_k)
+    assert not _decode_kernel.DecodeKernel.serves(torch.zeros(1, 4, 24), torch.zeros(2, 2, 8, 24))
+    assert not _decode_kernel.DecodeKernel.serves(torch.zeros(1, 4, 16, dtype=torch.bfloat16), cache_k.bfloat16())
+
+
+def test_a_failed_build_or_the_switch_falls_back_to_torch_without_an_error(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert _decode_kernel.kernel() is None
+    cache, slots, positions, *_ = ragged_step()
+    assert _ragged.build_layout(cache, slots, positions, (), torch.device("cpu")).decode_lengths is None
+    monkeypatch.setattr(_decode_kernel, "_loaded", [])
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("AGENTRL_DECODE_KERNEL", "0")
+    assert _decode_kernel.kernel() is None
