@@ -128,6 +128,9 @@ def bench_main(argv: list[str]) -> int:
 QUIET_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
 # commands whose process runs torch's OpenMP threads for long: training and rollouts
 SPINNING_COMMANDS = ("train", "sft", "rollout", "replay")
+# commands whose start-up runs with the garbage collector paused (agentrl.trainer.startup.pause_collector),
+# each resuming it when its models are loaded
+COLLECTOR_PAUSED_COMMANDS = ("train",)
 
 
 def busy_cores(window_s: float = 0.1) -> float | None:
@@ -202,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(QUIET_BARS, "1")
     if command in SPINNING_COMMANDS:
         shared_machine_wait_policy()
+    if command in COLLECTOR_PAUSED_COMMANDS:
+        from agentrl.trainer.startup import pause_collector
+
+        pause_collector()
     try:
         if command in CONFIG_COMMANDS and ({"-h", "--help", "--cfg"} & set(rest)):
             from agentrl.config.help import config_command_main
@@ -217,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"agentrl {command}: interrupted{RESUME_HINT if command == 'train' else ''}", file=sys.stderr)
         return 130
+    finally:
+        if command in COLLECTOR_PAUSED_COMMANDS:  # ended before its start-up did (an error): the caller's collector as it was
+            from agentrl.trainer.startup import resume_collector
+
+            resume_collector()
 
 
 def skip_the_last_collection() -> None:

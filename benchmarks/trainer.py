@@ -39,8 +39,9 @@ standard error over that many 0/1 answers), ``trl_version`` and the settings.
 
 agentrl's side starts as ``agentrl train`` does: on a machine already busy (other work keeping half
 a core or more busy as it starts) with ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy
-(``agentrl.cli.shared_machine_wait_policy``); TRL's side keeps libgomp's default, as a TRL user
-gets it (``*_omp_wait_policy_all``: each run's). ``--beside-cpu-job``: a Python busy loop shares
+(``agentrl.cli.shared_machine_wait_policy``), and with Python's garbage collector paused until its
+models are loaded (``agentrl.trainer.startup.pause_collector``); TRL's side keeps libgomp's default
+and the collector as a TRL user gets them (``*_omp_wait_policy_all``: each run's policy). ``--beside-cpu-job``: a Python busy loop shares
 the cores for the whole benchmark.
 
     agentrl bench trainer --json [--task seven|calculator] [--steps 10] [--prompts 8] [--n 8] [--repeats 3] [--rl-seed S] [--skip-trl | --skip-agentrl] [--beside-cpu-job]
@@ -510,8 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.side:
         if args.side == "agentrl":  # what `agentrl train` does as it starts, before torch loads
             from agentrl.cli import shared_machine_wait_policy
+            from agentrl.trainer.startup import pause_collector
 
             shared_machine_wait_policy()
+            pause_collector()  # resumed by the trainer once its models are loaded, as in `agentrl train`
         return _side_main(args.side, args.start, args.work, settings)
     if not args.skip_trl:
         try:

@@ -50,7 +50,7 @@ from agentrl.trainer.algorithms.recipes import dynamic_sampling_filter
 from agentrl.trainer.async_driver import AsyncDriver
 from agentrl.agent.families import detect_tool_parser
 from agentrl.trainer.health import HealthMonitor, HealthStop, malformed_example, probe_served_policy, step_health_metrics
-from agentrl.trainer.startup import StartupClock
+from agentrl.trainer.startup import StartupClock, resume_collector
 from agentrl.trainer.progress import model_line, rl_line, say, workers_line
 from agentrl.trainer.checkpoint_io import read_json
 from agentrl.trainer.logging import MetricsLogger
@@ -168,6 +168,7 @@ class Trainer:
         )
         if warm_start:  # the reference and critic start from the SFT policy: after it
             self.actor.wait_ready()
+            resume_collector()  # the imports and the model's load are done: the SFT is work
             clock.lap("actor_workers")
             self.warm_start_sft()
             clock.lap("sft")
@@ -193,6 +194,7 @@ class Trainer:
                     if g is not None and g.name not in lapped and (g.starting or self.in_process)]
         for group in starting:
             group.wait_ready()
+        resume_collector()  # the collector paused for the process's start-up (agentrl.cli) runs again
         if starting:  # e.g. "actor_reference_workers": the groups that started together
             clock.lap("_".join(g.name for g in starting) + "_workers")
         # agent.roles.<role>=trained: an actor per role from the same policy, synced into the engine (version 0)

@@ -4,11 +4,45 @@ of the process (interpreter, imports and config count too), written to ``metrics
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
 
-__all__ = ["StartupClock", "seconds_since_process_start"]
+__all__ = ["StartupClock", "pause_collector", "resume_collector", "seconds_since_process_start"]
+
+# whether pause_collector turned the collector off (resume_collector turns on only what it turned off)
+_paused = False
+
+
+def pause_collector() -> bool:
+    """Turn Python's cyclic garbage collector off while the process starts: its imports (torch,
+    transformers' model code) and the model's load allocate hundreds of thousands of objects that
+    live as long as the process, and the collector's full passes over them, each one triggered as
+    the heap grows by a quarter, are a large part of a command's start-up (docs/benchmarks.md, the
+    trainer's end to end). Objects without cycles are still freed as they go. For a process about
+    to do a job (``agentrl train``), which calls ``resume_collector`` once its models are loaded.
+    Returns whether it turned the collector off (not when it was already off)."""
+    global _paused
+    if not gc.isenabled():
+        return False
+    gc.disable()
+    _paused = True
+    return True
+
+
+def resume_collector() -> bool:
+    """End ``pause_collector``'s pause: one full collection of what the start-up left (its
+    survivors go to the oldest generation, so the collections of the job's own objects do not
+    pass over them again), then the collector runs as usual. Nothing when no pause is on (a
+    library caller's process keeps its own collector settings). Returns whether it ended one."""
+    global _paused
+    if not _paused:
+        return False
+    _paused = False
+    gc.collect()
+    gc.enable()
+    return True
 
 
 def seconds_since_process_start() -> float | None:
