@@ -60,8 +60,50 @@ static inline float hsum(vf a) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+/* One (row, K/V head): the scores of its `group` query heads against each of its `len` keys,
+   their softmax, and the weighted sum of the values. Inlined with constant group and d / W in
+   the common cases (the dispatch below: head sizes 64 and 128), so that the loops over them unroll. */
+static inline __attribute__((always_inline)) void attend_item(
+        const float *restrict Q, const float *restrict K, const float *restrict V, int64_t len,
+        int64_t group, int64_t nd, float scale, float *restrict scores, int64_t stride,
+        vf *restrict acc, float *restrict O) {
+    const int64_t padded = (len + W - 1) / W * W;
+    for (int64_t j = 0; j < len; j++) {
+        const vf *kj = (const vf *)(K + j * nd * W);
+        for (int64_t g = 0; g < group; g++) {
+            const vf *qg = (const vf *)(Q + g * nd * W);
+            vf a = qg[0] * kj[0];
+            for (int64_t c = 1; c < nd; c++) a += qg[c] * kj[c];
+            scores[g * stride + j] = hsum(a) * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * stride, top = s[0], total = 0.f;
+        for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
+        /* the tail up to a whole vector: finite and far below the top, so its exp is 0 */
+        for (int64_t j = len; j < padded; j++) s[j] = top - 200.f;
+        for (int64_t j = 0; j < padded; j++) { s[j] = expf(s[j] - top); total += s[j]; }
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < len; j++) s[j] *= inv;
+    }
+    for (int64_t c = 0; c < group * nd; c++) acc[c] = (vf){0};
+    for (int64_t j = 0; j < len; j++) {
+        const vf *vj = (const vf *)(V + j * nd * W);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * stride + j];
+            vf *a = acc + g * nd;
+            for (int64_t c = 0; c < nd; c++) a[c] += p * vj[c];
+        }
+    }
+    memcpy(O, acc, sizeof(float) * group * nd * W);
+}
+
+#define CASE(G, ND) case (G) * 16 + (ND): attend_item(Q, K, V, len, G, ND, scale, scores, stride, acc, O); break;
+#define CASES(G) CASE(G, 4) CASE(G, 8)
+
 /* q: [n, heads, d]; ck, cv: [slots, kvh, cap, d]; row r attends positions [0, lengths[r]) of
-   slot slots[r]; out: [n, heads, d]. Query head h reads K/V head h / (heads / kvh). */
+   slot slots[r]; out: [n, heads, d]. Query head h reads K/V head h / (heads / kvh). Returns
+   nonzero when a buffer could not be allocated. */
 int agentrl_decode_attention(const float *restrict q, const float *restrict ck, const float *restrict cv,
                              const int64_t *restrict slots, const int64_t *restrict lengths,
                              int64_t n, int64_t heads, int64_t kvh, int64_t cap, int64_t d, float scale,
@@ -83,38 +125,13 @@ int agentrl_decode_attention(const float *restrict q, const float *restrict ck, 
     for (int64_t item = 0; item < n * kvh; item++) {
         if (!scores || !acc) continue;
         const int64_t r = item / kvh, h = item % kvh, len = lengths[r];
-        const int64_t padded = (len + W - 1) / W * W;
-        const float *K = ck + (slots[r] * kvh + h) * cap * d;
-        const float *V = cv + (slots[r] * kvh + h) * cap * d;
+        const float *K = ck + (slots[r] * kvh + h) * cap * d, *V = cv + (slots[r] * kvh + h) * cap * d;
         const float *Q = q + (r * heads + h * group) * d;
-        for (int64_t j = 0; j < len; j++) {
-            const vf *kj = (const vf *)(K + j * d);
-            for (int64_t g = 0; g < group; g++) {
-                const vf *qg = (const vf *)(Q + g * d);
-                vf a = qg[0] * kj[0];
-                for (int64_t c = 1; c < nd; c++) a += qg[c] * kj[c];
-                scores[g * stride + j] = hsum(a) * scale;
-            }
+        float *O = out + (r * heads + h * group) * d;
+        switch (group * 16 + nd) {
+            CASES(1) CASES(2) CASES(3) CASES(4) CASES(6) CASES(8)
+            default: attend_item(Q, K, V, len, group, nd, scale, scores, stride, acc, O);
         }
-        for (int64_t g = 0; g < group; g++) {
-            float *s = scores + g * stride, top = s[0], total = 0.f;
-            for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
-            /* the tail up to a whole vector: finite and far below the top, so its exp is 0 */
-            for (int64_t j = len; j < padded; j++) s[j] = top - 200.f;
-            for (int64_t j = 0; j < padded; j++) { s[j] = expf(s[j] - top); total += s[j]; }
-            const float inv = 1.f / total;
-            for (int64_t j = 0; j < len; j++) s[j] *= inv;
-        }
-        for (int64_t c = 0; c < group * nd; c++) acc[c] = (vf){0};
-        for (int64_t j = 0; j < len; j++) {
-            const vf *vj = (const vf *)(V + j * d);
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * stride + j];
-                vf *a = acc + g * nd;
-                for (int64_t c = 0; c < nd; c++) a[c] += p * vj[c];
-            }
-        }
-        memcpy(out + (r * heads + h * group) * d, acc, sizeof(float) * group * d);
     }
     free(scores);
     free(acc);
@@ -138,14 +155,13 @@ class DecodeKernel:
         self.openmp = openmp
 
     @staticmethod
-    def serves(query: torch.Tensor, cache_k: torch.Tensor) -> bool:
-        """CPU fp32 tensors, a contiguous cache and a head size the vectors divide."""
+    def serves(cache_k: torch.Tensor) -> bool:
+        """A contiguous CPU fp32 cache (queries come in its dtype) with a head size the vectors divide."""
         return (
-            query.device.type == "cpu"
-            and query.dtype == torch.float32
+            cache_k.device.type == "cpu"
             and cache_k.dtype == torch.float32
             and cache_k.is_contiguous()
-            and query.shape[-1] % WIDTH == 0
+            and cache_k.shape[-1] % WIDTH == 0
         )
 
     def __call__(self, query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,

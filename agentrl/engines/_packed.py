@@ -99,6 +99,10 @@ class PackedDecoderForward:
             positions = torch.arange(max_len, device=self.embed.weight.device)[None]
             cos, sin = base.rotary_emb(self.embed.weight[:1], positions)
         self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
+        # rotate_half(x) * sin == roll(x, half) * sin with the first half's sign moved onto the
+        # table: the same products, bit for bit, without rotate_half's slice, negation and cat
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
         self.linear = OneDNNLinear() if OneDNNLinear.serves(self.embed.weight) else plain_linear
 
     def weights_changed(self) -> None:
@@ -109,8 +113,9 @@ class PackedDecoderForward:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, layout, rows: torch.Tensor | None) -> torch.Tensor:
         total = ids.shape[0]
         cos = self.cos[positions][:, None, :]  # [T, 1, head_dim]
-        sin = self.sin[positions][:, None, :]
-        hidden = F.embedding(ids, self.embed.weight)  # [T, hidden]
+        sin = self.sin_signed[positions][:, None, :]
+        half = self.head_dim // 2
+        hidden = F.embedding(ids, self.embed.weight)  # [T, hidden], a new tensor: the residual adds go in place
         width = hidden.shape[-1]
         linear = self.linear
         for index, layer in enumerate(self.layers):
@@ -122,13 +127,13 @@ class PackedDecoderForward:
             if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
                 q = rms_norm(q, attn.q_norm, self.head_dim, self.eps)
                 k = rms_norm(k, attn.k_norm, self.head_dim, self.eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q = (q * cos).add_(torch.roll(q, half, -1).mul_(sin))
+            k = (k * cos).add_(torch.roll(k, half, -1).mul_(sin))
             attended = _ragged.attend(index, q, k, v, layout, self.scaling)  # [T, heads, head_dim]
-            hidden = hidden + linear(attended.view(total, -1), attn.o_proj)
+            hidden.add_(linear(attended.view(total, -1), attn.o_proj))
             x = rms_norm(hidden, layer.post_attention_layernorm, width, self.eps)
             gate = linear(x, mlp.gate_proj)
-            hidden = hidden + linear(F.silu(gate).mul_(linear(x, mlp.up_proj)), mlp.down_proj)
+            hidden.add_(linear(F.silu(gate).mul_(linear(x, mlp.up_proj)), mlp.down_proj))
         if rows is not None:
             hidden = hidden[rows]
         hidden = rms_norm(hidden, self.norm, width, self.eps)

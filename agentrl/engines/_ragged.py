@@ -143,7 +143,7 @@ class StepLayout:
     decode_positions: torch.Tensor | None  # [num_decode] int64: where each new K/V is written
     decode_span: int  # decode attention runs over slots [:decode_span]
     decode_dense: bool  # decode_slots == arange(decode_span): no scatter/gather needed
-    decode_mask: torch.Tensor | None  # [decode_span, 1, 1, kv_len] float: 0 where a row attends, -inf elsewhere
+    decode_mask: torch.Tensor | None  # [decode_span, 1, 1, kv_len] float: 0 where a row attends, -inf elsewhere (None: native)
     prefills: tuple[PrefillSpan, ...]  # spans attended one by one (the long ones)
     short: ShortPrefills | None = None  # spans attended together
     # in-step prefix copies, as flat (dst slot, src slot, position) index tensors [N] each
@@ -181,9 +181,10 @@ def build_layout(
     slots_t = torch.tensor(decode_slots, dtype=torch.int64)
     positions_t = torch.tensor(decode_positions, dtype=torch.int64)
     lengths[slots_t] = positions_t + 1
-    mask = torch.zeros((span, kv_len)).masked_fill_(torch.arange(kv_len)[None, :] >= lengths[:, None], float("-inf"))
+    # the native kernel reads each row's length and needs no mask (one per step, not per layer)
+    native = _decode_kernel.DecodeKernel.serves(cache.keys[0]) and _decode_kernel.kernel() is not None
+    mask = None if native else torch.zeros((span, kv_len)).masked_fill_(torch.arange(kv_len)[None, :] >= lengths[:, None], float("-inf"))
     dense = len(decode_slots) == span and decode_slots == sorted(decode_slots)
-    native = device.type == "cpu" and _decode_kernel.kernel() is not None
     return StepLayout(
         cache=cache,
         num_decode=len(decode_slots),
@@ -191,7 +192,7 @@ def build_layout(
         decode_positions=positions_t.to(device),
         decode_span=span,
         decode_dense=dense,
-        decode_mask=mask[:, None, None, :].to(device),
+        decode_mask=None if mask is None else mask[:, None, None, :].to(device),
         prefills=prefills,
         short=short,
         copies=flat_copies,
@@ -268,8 +269,8 @@ def attend(
         cache_k[dst, :, positions] = cache_k[src, :, positions]
         cache_v[dst, :, positions] = cache_v[src, :, positions]
 
-    if n and layout.decode_lengths is not None and _decode_kernel.DecodeKernel.serves(query, cache_k):
-        # each row over its own length, in one native call (the kernel exists: build_layout asked)
+    if n and layout.decode_lengths is not None:
+        # each row over its own length, in one native call (build_layout checked the kernel serves this cache)
         _decode_kernel.kernel()(query[:n], cache_k, cache_v, layout.decode_slots, layout.decode_lengths, scaling, out[:n])
     elif n:
         span, kv_len = layout.decode_span, layout.decode_mask.shape[-1]

@@ -33,7 +33,7 @@ def ragged_step(head_dim: int = 32):
     return cache, slots, positions, query, key, value
 
 
-def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_torch_does(fresh_kernel):
+def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_torch_does(fresh_kernel, monkeypatch):
     kernel = _decode_kernel.kernel()
     assert (kernel is not None) == HAS_COMPILER
     if kernel is None:
@@ -41,11 +41,14 @@ def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_tor
     assert list(fresh_kernel.joinpath("kernels").glob("decode_attention-*.so"))
     cache, slots, positions, query, key, value = ragged_step()
     layout = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
-    assert layout.decode_lengths.tolist() == [51, 4, 1, 18]
+    assert layout.decode_lengths.tolist() == [51, 4, 1, 18] and layout.decode_mask is None
     with torch.inference_mode():
         native = [_ragged.attend(layer, query, key, value, layout, 0.125) for layer in range(2)]
-        layout.decode_lengths = None  # torch's batched products over the padded slot range
-        reference = [_ragged.attend(layer, query, key, value, layout, 0.125) for layer in range(2)]
+    monkeypatch.setattr(_decode_kernel, "_loaded", [None])  # torch's batched products over the padded slot range
+    padded = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
+    assert padded.decode_lengths is None and padded.decode_mask.shape == (6, 1, 1, 51)
+    with torch.inference_mode():
+        reference = [_ragged.attend(layer, query, key, value, padded, 0.125) for layer in range(2)]
     for a, b in zip(native, reference):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()
     # -ffast-math at compile time only: loading the library must not set flush-to-zero for the process
@@ -54,9 +57,13 @@ def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_tor
 
 def test_heads_the_vectors_do_not_divide_and_other_dtypes_take_torchs_path():
     cache_k = torch.zeros(2, 2, 8, 16)
-    assert _decode_kernel.DecodeKernel.serves(torch.zeros(1, 4, 16), cache_k)
-    assert not _decode_kernel.DecodeKernel.serves(torch.zeros(1, 4, 24), torch.zeros(2, 2, 8, 24))
-    assert not _decode_kernel.DecodeKernel.serves(torch.zeros(1, 4, 16, dtype=torch.bfloat16), cache_k.bfloat16())
+    assert _decode_kernel.DecodeKernel.serves(cache_k)
+    assert not _decode_kernel.DecodeKernel.serves(torch.zeros(2, 2, 8, 24))
+    assert not _decode_kernel.DecodeKernel.serves(cache_k.bfloat16())
+    assert not _decode_kernel.DecodeKernel.serves(cache_k.transpose(0, 1))
+    cache, slots, positions, *_ = ragged_step(head_dim=24)
+    layout = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
+    assert layout.decode_lengths is None and layout.decode_mask.shape == (6, 1, 1, 51)
 
 
 def test_a_failed_build_or_the_switch_falls_back_to_torch_without_an_error(fresh_kernel, monkeypatch):
