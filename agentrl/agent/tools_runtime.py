@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import jsonschema
-
 from agentrl.agent.interaction import Interaction, InteractionResponse
 from agentrl.agent.tool import Tool, ToolResult
 from agentrl.agent.tool_parsers import ParsedCall
@@ -57,6 +55,8 @@ def schema_problem(name: str, parameters: Any, arguments: dict[str, Any]) -> str
     key = json.dumps(parameters, sort_keys=True, default=str)
     validator = _SCHEMA_VALIDATORS.get(key)
     if validator is None:
+        import jsonschema  # imported at the first validator built: a run without tool calls never needs it
+
         try:
             jsonschema.Draft202012Validator.check_schema(parameters)
         except jsonschema.SchemaError:
@@ -73,6 +73,8 @@ _VALIDATORS: dict[type, Any] = {}
 
 def _validator(cls: type[Tool]) -> Any:
     if cls not in _VALIDATORS:
+        import jsonschema
+
         schema = cls.parameters
         jsonschema.Draft202012Validator.check_schema(schema)
         _VALIDATORS[cls] = jsonschema.Draft202012Validator(schema)
@@ -168,6 +170,8 @@ class ToolBox:
             return validate_arguments(self.tools[name], arguments)
         validator = self._validators.get(name)
         if validator is None:
+            import jsonschema
+
             validator = self._validators[name] = jsonschema.Draft202012Validator(self.parameters_of(name))
         return _first_problem(validator, name, arguments)
 

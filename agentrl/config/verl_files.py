@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-
 from agentrl.errors import ConfigError
 
 __all__ = ["ToolSpec", "InteractionSpec", "read_tool_config", "read_interaction_config"]
@@ -75,6 +73,8 @@ def read_tool_config(path: str, key: str = "agent.tool_config_path") -> list[Too
             if not isinstance(name, str) or not name:
                 problems.append((key, f"{where}.tool_schema.function.name: missing"))
                 continue
+            import jsonschema  # here: every run loads this module, only a tool file with schemas needs it
+
             try:
                 jsonschema.Draft202012Validator.check_schema(function.get("parameters") or {"type": "object"})
             except jsonschema.SchemaError as exc:

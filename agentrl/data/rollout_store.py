@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from agentrl.data.row import Row
@@ -122,6 +121,8 @@ class TrajectoryFilter:
             TrajectoryFinish.parse(reason, where="TrajectoryFilter.finish_reason")
 
     def expression(self) -> ds.Expression | None:
+        import pyarrow.compute as pc  # when a store is read: a run that writes one (or none) does not load it
+
         parts: list[ds.Expression] = []
         for column, value in (("split", self.split), ("data_source", self.data_source), ("finish_reason", self.finish_reason)):
             if value is not None:

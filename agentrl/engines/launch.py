@@ -40,8 +40,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-import httpx
-
 from agentrl.engines.guard import API_KEY_ENV, auth_headers, new_api_key, require_key_off_loopback
 from agentrl.engines.lifeline import TMPDIR_ENV as LIFELINE_TMPDIR_ENV
 from agentrl.errors import EngineUnavailable
@@ -99,6 +97,8 @@ class ServerProcess:
             return ""
 
     def wait_ready(self, timeout_s: float) -> None:
+        import httpx  # here: a run on the built-in engine loads this module but waits on no server (httpx brings rich, click)
+
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=30.0, headers=auth_headers(self.api_key)) as client:
             while True:
