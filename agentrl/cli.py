@@ -242,6 +242,9 @@ def skip_the_last_collection() -> None:
 
 def console_main() -> int:
     """The ``agentrl`` console script: ``main``, then a process that ends at once."""
+    from agentrl.engines import preforked
+
+    preforked.allow()  # a fresh process: agentrl train may fork its engine's before computing anything
     code = main()
     skip_the_last_collection()
     return code

@@ -1,7 +1,8 @@
 """The child side of ``EngineProcess`` (``process.py``): a ``BuiltinEngine`` served over a socket.
 
 Started as ``python -m agentrl.engines._process_child FD`` with the thread counts and the OpenMP
-wait policy already in its environment (set by the parent before torch loads here). One asyncio
+wait policy already in its environment (set by the parent before torch loads here), or forked
+from ``agentrl train``'s process before its start-up (``preforked.py``), torch already loaded. One asyncio
 event loop on the main thread runs the engine's steps (``steps_on="event_loop"``: one OpenMP
 team) and the requests; a reader thread moves the parent's messages onto that loop, and answers
 stats calls itself (counters read between two of the GIL's switches, even while a step runs). The
@@ -35,6 +36,10 @@ def main(fd: int) -> None:
     conn = Connection(fd)
     kind, spec = conn.recv()
     assert kind == "start", kind
+    # a started child has these from its parent's environment already; a forked one
+    # (preforked.py) has its parent's, read by whatever loads after this
+    threads = str(spec["threads"])
+    os.environ.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
     import torch
 
     torch.set_num_threads(spec["threads"])

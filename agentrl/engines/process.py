@@ -14,6 +14,8 @@ The child is ``python -m agentrl.engines._process_child`` started with ``subproc
 ``multiprocessing``: nothing of the parent's ``__main__`` is imported again), its torch thread
 count and ``OMP_WAIT_POLICY=PASSIVE`` set in its environment before torch loads, so two processes
 sharing the cores do not spin against each other. It loads its own copy of the weights.
+``agentrl train`` forks it instead, before its start-up, where it can (``preforked.py``): the
+child then has torch and transformers' model code loaded already.
 
 Weight updates: ``update_weights(state_dict)`` copies the tensors into a file mapping shared with
 the child (created once per layout, unlinked as soon as both sides have mapped it: nothing is
@@ -42,6 +44,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from agentrl.engines import preforked
 from agentrl.engines.base import GenerateRequest, GenerateResult
 from agentrl.errors import EngineError, EngineTimeout, EngineUnavailable
 
@@ -88,17 +91,24 @@ class EngineProcess:
         self._dead: str | None = None  # why calls fail: the child ended, or close()
         self._map: tuple[Any, list[tuple[str, str, tuple[int, ...], int, int]], str] | None = None
         self._map_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        ours, theirs = socket.socketpair()
-        # PASSIVE: an OpenMP thread that waits sleeps at once instead of spinning on a core another
-        # process needs (the trainer, a job beside this one); "" leaves libgomp's default (measured
-        # against each other: docs/benchmarks.md)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-        env.pop("OMP_WAIT_POLICY", None)
-        if omp_wait_policy:
-            env["OMP_WAIT_POLICY"] = omp_wait_policy
-        self._process = subprocess.Popen([sys.executable, "-m", "agentrl.engines._process_child", str(theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), env=env)
-        theirs.close()
+        # a child forked before agentrl train's start-up (preforked.py) has torch and transformers
+        # loaded already; else a new interpreter
+        forked = preforked.take(threads=threads, wait_policy=omp_wait_policy)
+        if forked is not None:
+            self._process: subprocess.Popen | preforked.ForkedChild = forked
+            ours = forked.sock
+        else:
+            ours, theirs = socket.socketpair()
+            # PASSIVE: an OpenMP thread that waits sleeps at once instead of spinning on a core another
+            # process needs (the trainer, a job beside this one); "" leaves libgomp's default (measured
+            # against each other: docs/benchmarks.md)
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+            env.pop("OMP_WAIT_POLICY", None)
+            if omp_wait_policy:
+                env["OMP_WAIT_POLICY"] = omp_wait_policy
+            self._process = subprocess.Popen([sys.executable, "-m", "agentrl.engines._process_child", str(theirs.fileno())],
+                                             pass_fds=(theirs.fileno(),), env=env)
+            theirs.close()
         self.pid = self._process.pid
         self.name = f"{name} (pid {self.pid})"
         self._conn = Connection(ours.detach())

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["InProcessGroup", "runs_in_process"]
+__all__ = ["InProcessGroup", "runs_in_process", "prefork_engine"]
 
 
 def runs_in_process(cfg: Any) -> bool:
@@ -34,6 +34,19 @@ def runs_in_process(cfg: Any) -> bool:
         return cfg.trainer.workers == "local"
     return (not cfg.groups_of_several_ranks() and not os.environ.get("RAY_ADDRESS") and cfg.engine.placement != "ray"
             and cfg.trainer.max_restarts == 0)
+
+
+def prefork_engine(cfg: Any) -> bool:
+    """Fork the built-in engine's process now (``engines/preforked.py``) when this run will start
+    one from this process: the built-in engine in a process of its own (``engine.process``, by
+    default in asynchronous training) beside an actor in this process. For ``agentrl train``, after
+    reading the config and before anything else; returns whether a child now waits."""
+    from agentrl.engines import preforked
+
+    own_process = cfg.engine.process if cfg.engine.process is not None else cfg.rollout.max_staleness > 0
+    if cfg.engine.backend != "builtin" or not own_process or not runs_in_process(cfg):
+        return False
+    return preforked.prefork()
 
 
 class InProcessGroup:

@@ -559,7 +559,14 @@ def cli_main(argv: list[str]) -> int:
     cfg = load_config("train", argv)
     for override, why in inert_overrides(cfg, argv):  # before any work: a key this run would not read
         print(f"agentrl train: warning: {override} has no effect: {why}", file=sys.stderr)
-    result = train(cfg, command=shlex.join(["agentrl", "train", *argv]))
+    from agentrl.engines import preforked
+    from agentrl.trainer.in_process import prefork_engine
+
+    prefork_engine(cfg)  # before anything is computed here (engines/preforked.py)
+    try:
+        result = train(cfg, command=shlex.join(["agentrl", "train", *argv]))
+    finally:
+        preforked.discard()  # a child no engine took
     print(json.dumps(result.summary, indent=2))
     print(f"run directory: {result.run_dir}")
     if "stopped" in result.summary:  # a health check or the rollout's failures stopped it: not a success
