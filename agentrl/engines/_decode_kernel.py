@@ -138,6 +138,49 @@ int agentrl_decode_attention(const float *restrict q, const float *restrict ck, 
     }
     return failed;
 }
+
+/* The small elementwise steps around the linear layers, one pass each, rows over the threads. */
+
+/* hidden += delta (when delta is given), then out = hidden / sqrt(mean(hidden^2) + eps) * weight. */
+void agentrl_add_rms_norm(float *restrict hidden, const float *restrict delta, const float *restrict weight,
+                          int64_t rows, int64_t width, float eps, float *restrict out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = hidden + r * width, *o = out + r * width, total = 0.f;
+        if (delta) {
+            const float *y = delta + r * width;
+            for (int64_t i = 0; i < width; i++) x[i] += y[i];
+        }
+        for (int64_t i = 0; i < width; i++) total += x[i] * x[i];
+        const float inv = 1.f / sqrtf(total / (float)width + eps);
+        for (int64_t i = 0; i < width; i++) o[i] = x[i] * inv * weight[i];
+    }
+}
+
+/* gate = silu(gate) * up, in place. */
+void agentrl_silu_mul(float *restrict gate, const float *restrict up, int64_t count, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) gate[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+}
+
+/* x: [rows, heads, d], rotated in place at each row's position: the first half of each head
+   becomes x1 * cos - x2 * sin, the second x2 * cos + x1 * sin (cos, sin: [positions, d]). */
+void agentrl_rotary(float *restrict x, const float *restrict cos_table, const float *restrict sin_table,
+                    const int64_t *restrict positions, int64_t rows, int64_t heads, int64_t d, int threads) {
+    const int64_t half = d / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos_table + positions[r] * d, *s = sin_table + positions[r] * d;
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + (r * heads + h) * d, *b = a + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[half + i] + x1 * s[half + i];
+            }
+        }
+    }
+}
 """
 
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=gnu11"]
@@ -152,6 +195,14 @@ class DecodeKernel:
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [pointer] * 5 + [size] * 5 + [ctypes.c_float, pointer, ctypes.c_int]
         self._fn.restype = ctypes.c_int
+        self._add_rms_norm = library.agentrl_add_rms_norm
+        self._add_rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, pointer, ctypes.c_int]
+        self._silu_mul = library.agentrl_silu_mul
+        self._silu_mul.argtypes = [pointer, pointer, size, ctypes.c_int]
+        self._rotary = library.agentrl_rotary
+        self._rotary.argtypes = [pointer] * 4 + [size] * 3 + [ctypes.c_int]
+        for fn in (self._add_rms_norm, self._silu_mul, self._rotary):
+            fn.restype = None
         self.openmp = openmp
 
     @staticmethod
@@ -173,11 +224,47 @@ class DecodeKernel:
         _, kv_heads, capacity, _ = cache_k.shape
         if not (out.is_contiguous() and cache_v.is_contiguous() and slots.is_contiguous() and lengths.is_contiguous()):
             raise ValueError("decode kernel: out, cache_v, slots and lengths must be contiguous")
-        threads = torch.get_num_threads() if self.openmp else 1
         failed = self._fn(query.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
-                          n, heads, kv_heads, capacity, head_dim, scale, out.data_ptr(), threads)
+                          n, heads, kv_heads, capacity, head_dim, scale, out.data_ptr(), self._threads())
         if failed:
             raise MemoryError("decode kernel: could not allocate its scores buffer")
+
+    # The elementwise steps of the fast forward (``_packed.PackedDecoderForward``) on contiguous
+    # CPU fp32 tensors: one pass each instead of several torch ops.
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``hidden += delta`` in place (when given), then the RMS norm of ``hidden`` ([rows, width]) times ``weight``."""
+        _check(hidden, weight, *(() if delta is None else (delta,)))
+        out = torch.empty_like(hidden)
+        rows, width = hidden.shape
+        self._add_rms_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), rows, width, eps,
+                           out.data_ptr(), self._threads())
+        return out
+
+    def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``gate = silu(gate) * up`` in place."""
+        _check(gate, up)
+        self._silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self._threads())
+        return gate
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding of ``x`` ([rows, heads, head_dim]) in place, row i at ``positions[i]`` of the
+        ``cos``/``sin`` tables ([positions, head_dim])."""
+        _check(x, cos, sin)
+        if not positions.is_contiguous() or positions.dtype != torch.int64:
+            raise ValueError("decode kernel: positions must be contiguous int64")
+        rows, heads, head_dim = x.shape
+        self._rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), rows, heads, head_dim, self._threads())
+        return x
+
+    def _threads(self) -> int:
+        return torch.get_num_threads() if self.openmp else 1
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"decode kernel: needs contiguous CPU float32 tensors, got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}")
 
 
 _lock = threading.Lock()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from agentrl.engines import _ragged
+from agentrl.engines import _decode_kernel, _ragged
 
 __all__ = [
     "make_forward", "fast_decoder_supported", "PackedDecoderForward", "ModuleForward", "OneDNNLinear", "rms_norm", "rotate_half",
@@ -104,6 +104,11 @@ class PackedDecoderForward:
         half = self.head_dim // 2
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
         self.linear = OneDNNLinear() if OneDNNLinear.serves(self.embed.weight) else plain_linear
+        # CPU fp32: norms (with the residual add before them), rotary and SwiGLU's product in one
+        # native pass each (``_decode_kernel.py``); None: through torch's ops
+        weight = self.embed.weight
+        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32 and self.head_dim % 2 == 0
+        self.native = _decode_kernel.kernel() if cpu_fp32 else None
 
     def weights_changed(self) -> None:
         """The parameters were updated in place: forget the oneDNN copies of the old ones."""
@@ -112,32 +117,45 @@ class PackedDecoderForward:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, layout, rows: torch.Tensor | None) -> torch.Tensor:
         total = ids.shape[0]
-        cos = self.cos[positions][:, None, :]  # [T, 1, head_dim]
-        sin = self.sin_signed[positions][:, None, :]
-        half = self.head_dim // 2
+        native, half = self.native, self.head_dim // 2
+        if native is None:
+            cos = self.cos[positions][:, None, :]  # [T, 1, head_dim]
+            sin = self.sin_signed[positions][:, None, :]
         hidden = F.embedding(ids, self.embed.weight)  # [T, hidden], a new tensor: the residual adds go in place
-        width = hidden.shape[-1]
-        linear = self.linear
+        linear, norm = self.linear, self._add_norm
+        mlp_out = None  # the previous layer's MLP output: the next norm adds it to the residual
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = rms_norm(hidden, layer.input_layernorm, width, self.eps)
+            x = norm(hidden, mlp_out, layer.input_layernorm)
             q = linear(x, attn.q_proj).view(total, self.heads, self.head_dim)
             k = linear(x, attn.k_proj).view(total, self.kv_heads, self.head_dim)
             v = linear(x, attn.v_proj).view(total, self.kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
                 q = rms_norm(q, attn.q_norm, self.head_dim, self.eps)
                 k = rms_norm(k, attn.k_norm, self.head_dim, self.eps)
-            q = (q * cos).add_(torch.roll(q, half, -1).mul_(sin))
-            k = (k * cos).add_(torch.roll(k, half, -1).mul_(sin))
+            if native is not None:
+                native.rotary_(q, self.cos, self.sin, positions)
+                native.rotary_(k, self.cos, self.sin, positions)
+            else:
+                q = (q * cos).add_(torch.roll(q, half, -1).mul_(sin))
+                k = (k * cos).add_(torch.roll(k, half, -1).mul_(sin))
             attended = _ragged.attend(index, q, k, v, layout, self.scaling)  # [T, heads, head_dim]
-            hidden.add_(linear(attended.view(total, -1), attn.o_proj))
-            x = rms_norm(hidden, layer.post_attention_layernorm, width, self.eps)
-            gate = linear(x, mlp.gate_proj)
-            hidden.add_(linear(F.silu(gate).mul_(linear(x, mlp.up_proj)), mlp.down_proj))
+            x = norm(hidden, linear(attended.view(total, -1), attn.o_proj), layer.post_attention_layernorm)
+            gate, up = linear(x, mlp.gate_proj), linear(x, mlp.up_proj)
+            mlp_out = linear(native.silu_mul_(gate, up) if native is not None else F.silu(gate).mul_(up), mlp.down_proj)
+        if mlp_out is not None:
+            hidden.add_(mlp_out)
         if rows is not None:
             hidden = hidden[rows]
-        hidden = rms_norm(hidden, self.norm, width, self.eps)
-        return linear(hidden, self.lm_head).float()  # [n, vocab]
+        return linear(norm(hidden, None, self.norm), self.lm_head).float()  # [n, vocab]
+
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module) -> torch.Tensor:
+        """``hidden += delta`` in place (a residual add, when given), then ``norm`` of ``hidden``."""
+        if self.native is not None:
+            return self.native.add_rms_norm(hidden, delta, norm.weight, _eps(norm, self.eps))
+        if delta is not None:
+            hidden.add_(delta)
+        return rms_norm(hidden, norm, hidden.shape[-1], self.eps)
 
 
 class OneDNNLinear:
@@ -187,8 +205,12 @@ def plain_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
+def _eps(norm: torch.nn.Module, default: float) -> float:
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", default))
+
+
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, width: int, eps: float) -> torch.Tensor:
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", eps))
+    eps = _eps(norm, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (width,), norm.weight, eps)
     # Low precision: normalise in fp32 and scale after casting back, as transformers does.

@@ -75,3 +75,31 @@ def test_a_failed_build_or_the_switch_falls_back_to_torch_without_an_error(fresh
     monkeypatch.delenv("CC")
     monkeypatch.setenv("AGENTRL_DECODE_KERNEL", "0")
     assert _decode_kernel.kernel() is None
+
+
+def test_the_native_norm_rotary_and_swiglu_product_match_torchs_ops():
+    kernel = _decode_kernel.kernel()
+    assert (kernel is not None) == HAS_COMPILER
+    if kernel is None:
+        return
+    from agentrl.engines._packed import rotate_half
+
+    torch.manual_seed(1)
+    hidden, delta, weight = torch.randn(5, 48), torch.randn(5, 48), torch.randn(48)
+    expected_hidden = hidden + delta
+    expected = torch.nn.functional.rms_norm(expected_hidden, (48,), weight, 1e-6)
+    normed = kernel.add_rms_norm(hidden, delta, weight, 1e-6)
+    assert torch.equal(hidden, expected_hidden)  # the residual add lands in place
+    assert torch.allclose(normed, expected, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(kernel.add_rms_norm(hidden, None, weight, 1e-6), expected, atol=1e-6, rtol=1e-5)
+
+    gate, up = torch.randn(5, 40) * 4, torch.randn(5, 40)
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.allclose(kernel.silu_mul_(gate, up), expected, atol=1e-6, rtol=1e-5) and torch.allclose(gate, expected, atol=1e-6, rtol=1e-5)
+
+    x, cos, sin = torch.randn(5, 3, 8), torch.randn(20, 8), torch.randn(20, 8)
+    positions = torch.tensor([0, 19, 7, 7, 3])
+    expected = x * cos[positions][:, None] + rotate_half(x) * sin[positions][:, None]
+    assert torch.allclose(kernel.rotary_(x, cos, sin, positions), expected, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="contiguous CPU float32"):
+        kernel.silu_mul_(gate.t(), up.t())
