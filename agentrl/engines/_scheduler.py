@@ -179,7 +179,7 @@ class Scheduler:
             if admitted and len(seq.tokens) > budget:
                 break  # a long prompt waits for the next step rather than stretching this one
             self.waiting.popleft()
-            donor, available = self.slots.best_prefix(seq.tokens, live)
+            donor, available = self.slots.best_prefix(seq.tokens, live, seq.request.session_id)
             leader, in_step = longest_shared(seq.tokens, [(s.slot, s.tokens) for s in reversed(admitted)], len(seq.tokens) - 1)
             if in_step > available:  # K/V computed (or copied) for the leader in this very step
                 seq.slot, _ = self.slots.acquire(None, 0)
@@ -318,7 +318,8 @@ class Scheduler:
     def _release(self, seq: Sequence, *, keep: bool = True) -> None:
         self.running.remove(seq)
         # Retain the slot's K/V for a later request sharing the prefix (not after a failed step).
-        self.slots.release(seq.slot, seq.tokens[: seq.cached] if keep and seq.prefilled else [])
+        self.slots.release(seq.slot, seq.tokens[: seq.cached] if keep and seq.prefilled else [],
+                           session=seq.request.session_id, priority=seq.request.priority)
 
     def result(self, seq: Sequence, reason: FinishReason, matched: int | str | None = None) -> GenerateResult:
         return GenerateResult(
