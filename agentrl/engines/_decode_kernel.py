@@ -50,6 +50,10 @@ SOURCE = r"""
 #include <string.h>
 
 #define W 16
+/* Rows of up to this many keys prefetch (score_keys, sum_values): a short row ends before the
+   hardware prefetcher has caught up with its streams; a longer one streams well without it, and
+   was measured slower with it. */
+#define SHORT 64
 typedef float vf __attribute__((vector_size(W * 4), aligned(4)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -60,16 +64,15 @@ static inline float hsum(vf a) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-/* One (row, K/V head): the scores of its `group` query heads against each of its `len` keys,
-   their softmax, and the weighted sum of the values. Inlined with constant group and d / W in
-   the common cases (the dispatch below: head sizes 64 and 128), so that the loops over them unroll. */
-static inline __attribute__((always_inline)) void attend_item(
+/* The two passes over one (row, K/V head)'s keys and values; `ahead` (a constant where inlined)
+   prefetches, one key at a time, the values while scoring the keys and the next item's keys
+   while summing the values. */
+static inline __attribute__((always_inline)) void score_keys(
         const float *restrict Q, const float *restrict K, const float *restrict V, int64_t len,
-        int64_t group, int64_t nd, float scale, float *restrict scores, int64_t stride,
-        vf *restrict acc, float *restrict O) {
-    const int64_t padded = (len + W - 1) / W * W;
+        int64_t group, int64_t nd, float scale, float *restrict scores, int64_t stride, int ahead) {
     for (int64_t j = 0; j < len; j++) {
         const vf *kj = (const vf *)(K + j * nd * W);
+        if (ahead) for (int64_t c = 0; c < nd; c++) __builtin_prefetch(V + (j * nd + c) * W);
         for (int64_t g = 0; g < group; g++) {
             const vf *qg = (const vf *)(Q + g * nd * W);
             vf a = qg[0] * kj[0];
@@ -77,6 +80,33 @@ static inline __attribute__((always_inline)) void attend_item(
             scores[g * stride + j] = hsum(a) * scale;
         }
     }
+}
+
+static inline __attribute__((always_inline)) void sum_values(
+        const float *restrict V, int64_t len, int64_t group, int64_t nd, const float *restrict scores,
+        int64_t stride, vf *restrict acc, const float *next_k, int64_t next_len, int ahead) {
+    for (int64_t c = 0; c < group * nd; c++) acc[c] = (vf){0};
+    for (int64_t j = 0; j < len; j++) {
+        const vf *vj = (const vf *)(V + j * nd * W);
+        if (ahead && j < next_len) for (int64_t c = 0; c < nd; c++) __builtin_prefetch(next_k + (j * nd + c) * W);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * stride + j];
+            vf *a = acc + g * nd;
+            for (int64_t c = 0; c < nd; c++) a[c] += p * vj[c];
+        }
+    }
+}
+
+/* One (row, K/V head): the scores of its `group` query heads against each of its `len` keys,
+   their softmax, and the weighted sum of the values. Inlined with constant group and d / W in
+   the common cases (the dispatch below: head sizes 64 and 128), so that the loops over them unroll. */
+static inline __attribute__((always_inline)) void attend_item(
+        const float *restrict Q, const float *restrict K, const float *restrict V, int64_t len,
+        int64_t group, int64_t nd, float scale, float *restrict scores, int64_t stride,
+        vf *restrict acc, float *restrict O, const float *next_k, int64_t next_len) {
+    const int64_t padded = (len + W - 1) / W * W;
+    if (len <= SHORT) score_keys(Q, K, V, len, group, nd, scale, scores, stride, 1);
+    else score_keys(Q, K, V, len, group, nd, scale, scores, stride, 0);
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * stride, top = s[0], total = 0.f;
         for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
@@ -86,19 +116,12 @@ static inline __attribute__((always_inline)) void attend_item(
         const float inv = 1.f / total;
         for (int64_t j = 0; j < len; j++) s[j] *= inv;
     }
-    for (int64_t c = 0; c < group * nd; c++) acc[c] = (vf){0};
-    for (int64_t j = 0; j < len; j++) {
-        const vf *vj = (const vf *)(V + j * nd * W);
-        for (int64_t g = 0; g < group; g++) {
-            const float p = scores[g * stride + j];
-            vf *a = acc + g * nd;
-            for (int64_t c = 0; c < nd; c++) a[c] += p * vj[c];
-        }
-    }
+    if (next_len <= SHORT) sum_values(V, len, group, nd, scores, stride, acc, next_k, next_len, 1);
+    else sum_values(V, len, group, nd, scores, stride, acc, next_k, next_len, 0);
     memcpy(O, acc, sizeof(float) * group * nd * W);
 }
 
-#define CASE(G, ND) case (G) * 16 + (ND): attend_item(Q, K, V, len, G, ND, scale, scores, stride, acc, O); break;
+#define CASE(G, ND) case (G) * 16 + (ND): attend_item(Q, K, V, len, G, ND, scale, scores, stride, acc, O, next_k, next_len); break;
 #define CASES(G) CASE(G, 4) CASE(G, 8)
 
 /* q: [n, heads, d]; ck, cv: [slots, kvh, cap, d]; row r attends positions [0, lengths[r]) of
@@ -128,9 +151,12 @@ int agentrl_decode_attention(const float *restrict q, const float *restrict ck, 
         const float *K = ck + (slots[r] * kvh + h) * cap * d, *V = cv + (slots[r] * kvh + h) * cap * d;
         const float *Q = q + (r * heads + h * group) * d;
         float *O = out + (r * heads + h * group) * d;
+        const int64_t nr = (item + 1) / kvh, nh = (item + 1) % kvh;  /* the next item this thread takes */
+        const float *next_k = item + 1 < n * kvh ? ck + (slots[nr] * kvh + nh) * cap * d : K;
+        const int64_t next_len = item + 1 < n * kvh ? lengths[nr] : 0;
         switch (group * 16 + nd) {
             CASES(1) CASES(2) CASES(3) CASES(4) CASES(6) CASES(8)
-            default: attend_item(Q, K, V, len, group, nd, scale, scores, stride, acc, O);
+            default: attend_item(Q, K, V, len, group, nd, scale, scores, stride, acc, O, next_k, next_len);
         }
     }
     free(scores);

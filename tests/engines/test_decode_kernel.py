@@ -42,8 +42,14 @@ def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_tor
     cache, slots, positions, query, key, value = ragged_step()
     layout = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
     assert layout.decode_lengths.tolist() == [51, 4, 1, 18] and layout.decode_mask is None
+    threads = torch.get_num_threads()
     with torch.inference_mode():
         native = [_ragged.attend(layer, query, key, value, layout, 0.125) for layer in range(2)]
+        torch.set_num_threads(2)  # rows spread over two OpenMP threads: each row's sums are the same
+        try:
+            assert all(torch.equal(_ragged.attend(layer, query, key, value, layout, 0.125), native[layer]) for layer in range(2))
+        finally:
+            torch.set_num_threads(threads)
     monkeypatch.setattr(_decode_kernel, "_loaded", [None])  # torch's batched products over the padded slot range
     padded = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
     assert padded.decode_lengths is None and padded.decode_mask.shape == (6, 1, 1, 51)
