@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
 
-__all__ = ["TINY_SIZES", "SKILLS", "skilled_model_path", "shipped_skilled_model", "skill_recipe_key", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model", "model_dir_arg"]
+__all__ = ["TINY_SIZES", "SKILLS", "SKILL_BASES", "skilled_model_path", "shipped_skilled_model", "skill_recipe_key", "SPECIAL_TOKENS", "TOOL_TOKENS", "CHAT_TEMPLATE", "build_tiny_model", "tiny_model_dir", "resolve_model", "model_dir_arg"]
 
 BUILDER_VERSION = "1"
 VOCAB_SIZE = 2048
@@ -227,7 +227,17 @@ def build_tiny_model(out_dir: str | Path, *, size: str = "1m", seed: int = 0, co
 # docs/learning.md. The build: agentrl/trainer/skilled_base.py.
 SKILLS: dict[str, tuple[tuple[str, int, int, float, int], ...]] = {
     "calculator": (("word", 17, 16, 2e-3, 1500), ("arith", 17, 16, 3e-4, 200)),
+    # solver_verifier's verifier checks an answer it is told against its own with the calculator
+    # (`<own> - <told>`): copying two numbers from the context into a call, which the calculator
+    # base does not do from a user message (docs/roles.md)
+    "checking": (("solver_verifier", 17, 16, 1e-3, 2000),),
 }
+# a skill built on another skill's model (its stages continue from that model, shipped or built)
+SKILL_BASES: dict[str, str] = {"checking": "calculator"}
+# a skill whose stages train all their steps instead of stopping at the held-out check: the
+# checking stage's demonstrations end in a copy of a tool result that is right only as far as the
+# check call before it is, so its greedy exactness stays below the target of the others
+SKILLS_UNCHECKED = frozenset({"checking"})
 SKILLS_VERSION = "3"
 
 
@@ -254,6 +264,8 @@ def skill_recipe_key(skill: str, size: str = "1m", seed: int = 0) -> str:
     if skill not in SKILLS:
         raise ValueError(f"unknown skill {skill!r}; skills: {', '.join(SKILLS)}")
     recipe = f"{SKILLS_VERSION}|{skill}|{SKILLS[skill]}|{BUILDER_VERSION}|{size}|{seed}|{CHAT_TEMPLATE}"
+    if skill in SKILL_BASES:
+        recipe += f"|on {skill_recipe_key(SKILL_BASES[skill], size, seed)}|unchecked {skill in SKILLS_UNCHECKED}"
     return hashlib.sha256(recipe.encode()).hexdigest()[:12]
 
 

@@ -14,9 +14,11 @@ The warm start's demonstrations (``demonstrations``) hold both roles in equal sh
 as ``arith``'s demonstrator (the calculator at ``tool_rate``, else a "mental" answer one digit
 wrong) and a verifier, on answers right or one digit wrong in equal shares, that first works the
 question out as the solver does (the same messages; the calculator at ``CHECK_FACTOR`` times
-``tool_rate``, else a "mental" answer), is told the answer (``told_answer``) and says ``#### 0``
-if it is the one it worked out, else ``#### 1``. RL then has, for each role, the tool to
-discover: a verifier that worked the question out with the calculator judges by the truth.
+``tool_rate``, else a "mental" answer), is told the answer (``told_answer``) and checks it with the
+calculator: ``<its own answer> - <the told answer>``, whose result is its verdict (``#### 0``: the
+told answer is its own). The check is a skill of the base (``model.tiny.skills=checking``); RL then
+has, for each role, the tool to discover for the working: a verifier that worked the question out
+with the calculator judges by the truth.
 """
 
 from __future__ import annotations
@@ -42,16 +44,20 @@ def verifier_extra(question: str, answer: int, index: int) -> dict[str, Any]:
 def verifier_demonstration(question: str, expression: str, value: int, *, computed: bool, own: int, shown: int) -> list[dict[str, Any]]:
     """A verifier's demonstration: the question as the solver's, its own working (the calculator
     on ``expression`` when ``computed``, then ``#### <own>``), the answer ``shown`` told, and its
-    verdict, ``#### 0`` when ``shown`` is its own answer, else ``#### 1``."""
+    check with the calculator, ``<own> - <shown>``, whose result is its verdict (0: right)."""
     from agentrl_agent_loops.solver_verifier import told_answer
     from agentrl_data_prep.tasks import SYSTEM_PROMPT
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     if computed:
-        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-        messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": str(value)}]
+        messages += _calculator(expression, value)
     return messages + [{"role": "assistant", "content": f"#### {own}"}, told_answer(f"#### {shown}"),
-                       {"role": "assistant", "content": "#### 0" if own == shown else "#### 1"}]
+                       *_calculator(f"{own} - {shown}", own - shown), {"role": "assistant", "content": f"#### {own - shown}"}]
+
+
+def _calculator(expression: str, value: int) -> list[dict[str, Any]]:
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": str(value)}]
 
 
 def demonstrations(n: int, seed: int, split: str, *, tool_rate: float, informal_rate: float) -> list[list[dict[str, Any]]]:

@@ -56,8 +56,27 @@ def test_a_build_short_of_the_target_is_an_error_and_leaves_nothing_cached(fast_
 
 
 def test_an_unknown_skill_is_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match="unknown skill 'juggling'; skills: calculator"):
+    with pytest.raises(ValueError, match="unknown skill 'juggling'; skills: calculator, checking$"):
         skilled_base.skilled_model_dir("juggling")
+
+
+def test_a_skill_built_on_another_continues_from_its_model_and_an_unchecked_stage_trains_every_step(fast_skills, monkeypatch):
+    import agentrl.tiny as tiny
+    import agentrl.trainer.prefix as prefix
+
+    recipes = {"calculator": (("arith", 17, 2, 1e-3, 4),), "checking": (("solver_verifier", 17, 2, 1e-3, 6),)}
+    monkeypatch.setattr(skilled_base, "SKILLS", recipes)
+    monkeypatch.setattr(tiny, "SKILLS", recipes)  # the recipe keys: neither is the shipped base now
+    monkeypatch.setattr(skilled_base, "TARGET", 0.0)  # a checked stage stops at its first check (step 2)
+    starts, steps = [], []
+    train, forward = skilled_base._train, prefix.response_logprobs
+    monkeypatch.setattr(skilled_base, "_train", lambda base, out, skill, seed: (starts.append((skill, base)), train(base, out, skill, seed)))
+    monkeypatch.setattr(prefix, "response_logprobs", lambda model, batch: (steps.append(1), forward(model, batch))[1])
+    checking = skilled_base.skilled_model_dir("checking", cache_root=fast_skills)
+    calculator = skilled_base.skilled_model_path("calculator", cache_root=fast_skills)  # not shipped: that recipe changed
+    assert starts == [("calculator", skilled_base._start_of("calculator", "1m", 0, fast_skills)), ("checking", calculator)]
+    assert len(steps) == 2 + 6  # calculator's arith stopped at its check, checking's stage trained all its steps
+    assert checking.name.startswith("1m-seed0-checking-") and (checking / "config.json").is_file()
 
 
 def test_the_shipped_base_was_built_by_the_current_recipe():
@@ -69,6 +88,9 @@ def test_the_shipped_base_was_built_by_the_current_recipe():
         "with scripts/build_skilled_base.py")
     assert shipped_skilled_model("calculator") == SHIPPED_MODELS / "1m-seed0-calculator"
     assert shipped_skilled_model("calculator", seed=3) is None  # not shipped: built on the machine
+    checking = json.loads((SHIPPED_MODELS / "1m-seed0-checking" / "recipe.json").read_text())
+    assert checking == {"skill": "checking", "size": "1m", "seed": 0, "key": skill_recipe_key("checking")}, (
+        "rebuild the shipped checking base: scripts/build_skilled_base.py --skill checking")
 
 
 def test_the_shipped_base_passes_its_recipes_last_check():
@@ -87,9 +109,10 @@ def test_the_shipped_base_passes_its_recipes_last_check():
 def test_a_recipe_change_makes_the_shipped_base_unused(monkeypatch):
     import agentrl.tiny as tiny
 
-    assert tiny.shipped_skilled_model("calculator") is not None
-    monkeypatch.setattr(tiny, "SKILLS", {"calculator": (("arith", 17, 16, 3e-4, 201),)})
+    assert tiny.shipped_skilled_model("calculator") is not None and tiny.shipped_skilled_model("checking") is not None
+    monkeypatch.setattr(tiny, "SKILLS", {**tiny.SKILLS, "calculator": (("arith", 17, 16, 3e-4, 201),)})
     assert tiny.shipped_skilled_model("calculator") is None
+    assert tiny.shipped_skilled_model("checking") is None  # built on the calculator base, whose recipe changed
 
 
 def test_the_training_commands_and_rollout_use_the_shipped_base_without_building(monkeypatch, tmp_path):

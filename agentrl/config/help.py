@@ -88,8 +88,8 @@ def _groups(config_name: str) -> dict[str, tuple[list[str], str | None]]:
 
     defaults: dict[str, str] = {}
     for entry in OmegaConf.load(config_dir() / f"{config_name}.yaml").get("defaults", []):
-        if isinstance(entry, dict) or OmegaConf.is_dict(entry):
-            defaults.update({str(k): str(v) for k, v in dict(entry).items()})
+        if isinstance(entry, dict) or OmegaConf.is_dict(entry):  # unresolved: `${data}` picks a hidden group's option
+            defaults.update({str(k): str(v) for k, v in OmegaConf.to_container(entry, resolve=False).items()})
     groups = {}
     for folder in sorted(p for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_")):
         options = sorted(p.stem for p in folder.glob("*.yaml"))

@@ -62,8 +62,10 @@ class TinyModelConfig(Section):
     size: Literal["1m", "5m", "18m", "100m"] = "1m"
     seed: int = 0
     # "calculator": the tiny model after demonstrations of calculator use on word problems (built
-    # once per machine, agentrl/trainer/skilled_base.py), the stand-in for a pretrained instruct model
-    skills: Literal["none", "calculator"] = "none"
+    # once per machine, agentrl/trainer/skilled_base.py), the stand-in for a pretrained instruct model;
+    # "checking": that model after demonstrations of checking an answer with the calculator as
+    # well (solver_verifier's verifier, docs/roles.md)
+    skills: Literal["none", "calculator", "checking"] = "none"
 
 
 class ModelConfig(Section):

@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentrl.tiny import SKILLS, build_once, resolve_model, shipped_skilled_model, skilled_model_path
+from agentrl.tiny import SKILL_BASES, SKILLS, SKILLS_UNCHECKED, build_once, resolve_model, shipped_skilled_model, skilled_model_path
 
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
@@ -39,13 +39,22 @@ TARGET = 0.97
 def skilled_model_dir(skill: str, size: str = "1m", seed: int = 0, cache_root: str | Path | None = None) -> Path:
     """The tiny model of ``size`` after ``skill``'s demonstrations (``agentrl.tiny.SKILLS``), built
     once into the cache beside the tiny model and reused afterwards."""
-    from agentrl.tiny import tiny_model_dir
-
     final = skilled_model_path(skill, size, seed, cache_root)  # refuses an unknown skill
     if (final / "config.json").is_file():
         return final
-    base = tiny_model_dir(size, seed=seed, cache_root=cache_root)
+    base = _start_of(skill, size, seed, cache_root)
     return build_once(final, lambda staging: _train(base, staging, skill, seed))
+
+
+def _start_of(skill: str, size: str, seed: int, cache_root: str | Path | None) -> Path:
+    """The model ``skill``'s stages start from: the tiny model, or the model of the skill it is
+    built on (``SKILL_BASES``), shipped or built."""
+    from agentrl.tiny import tiny_model_dir
+
+    on = SKILL_BASES.get(skill)
+    if on is None:
+        return tiny_model_dir(size, seed=seed, cache_root=cache_root)
+    return shipped_skilled_model(on, size, seed) or skilled_model_dir(on, size, seed, cache_root)
 
 
 def ensure_model(cfg: "TrainConfig") -> Path:
@@ -125,10 +134,13 @@ def _train(base: Path, out: Path, skill: str, seed: int) -> None:
             if step % CHECK_EVERY == 0:
                 exact = greedy_exact(model, check)
                 bar.set_postfix(heldout_exact=f"{exact:.2f}")
-                if exact >= TARGET:
+                if exact >= TARGET and skill not in SKILLS_UNCHECKED:
                     break
         else:
-            raise RuntimeError(f"the {skill} skills did not reach {TARGET:.0%} held-out exactness on {task} within {steps} steps")
+            if skill not in SKILLS_UNCHECKED:
+                raise RuntimeError(f"the {skill} skills did not reach {TARGET:.0%} held-out exactness on {task} within {steps} steps")
+            print(f"{skill} skills: {task} trained {steps} steps, held-out exactness {greedy_exact(model, check):.2f}",
+                  file=sys.stderr, flush=True)
         bar.close()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -84,7 +84,14 @@ def test_a_frozen_verifier_judges_the_answer_of_the_rows_kind(tiny_tokenizer, ma
     assert verdict_of("#### 1") is False  # what the scripted judge says of the wrong answer it checked
 
 
-def test_the_demonstrations_every_other_a_verifier_who_works_the_question_out_then_compares():
+def _check(messages: list[dict], own: int, shown: int) -> None:
+    """The verifier's check: the calculator on ``<own> - <shown>``, its result, the verdict that result."""
+    [call] = messages[0]["tool_calls"]
+    assert call["function"] == {"name": "calculator", "arguments": {"expression": f"{own} - {shown}"}}
+    assert messages[1:] == [{"role": "tool", "content": str(own - shown)}, {"role": "assistant", "content": f"#### {own - shown}"}]
+
+
+def test_the_demonstrations_every_other_a_verifier_who_works_the_question_out_then_checks_with_the_calculator():
     from agentrl_data_prep.solver_verifier import CHECK_FACTOR
     from agentrl_data_prep.tasks import SYSTEM_PROMPT, sft_conversations
     from agentrl_tools.calculator import evaluate
@@ -92,8 +99,8 @@ def test_the_demonstrations_every_other_a_verifier_who_works_the_question_out_th
     demos = sft_conversations("solver_verifier", 80, seed=0, tool_rate=1.0 / CHECK_FACTOR)  # the verifier always computes
     solvers, verifiers = demos[0::2], demos[1::2]
     assert [d[-1]["role"] for d in solvers] == ["assistant"] * 40 and all("Answer:" not in str(d) for d in solvers)
-    for d in verifiers:  # the solver's question and working, the answer told, then the verdict
-        assert [m["role"] for m in d] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
+    for d in verifiers:  # the solver's question and working, the answer told, then the check and its verdict
+        assert [m["role"] for m in d] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant", "tool", "assistant"]
         assert d[0] == {"role": "system", "content": SYSTEM_PROMPT}
         expression = d[1]["content"].removeprefix("What is ").removesuffix("?")
         [call] = d[2]["tool_calls"]
@@ -101,11 +108,11 @@ def test_the_demonstrations_every_other_a_verifier_who_works_the_question_out_th
         assert d[3]["content"] == str(evaluate(expression)) and d[4]["content"] == f"#### {d[3]['content']}"
         shown = int(d[5]["content"].removeprefix("Answer: #### "))
         assert shown == evaluate(expression) or _one_digit_off(shown, evaluate(expression))
-        assert d[6]["content"] == ("#### 0" if shown == evaluate(expression) else "#### 1")
+        _check(d[6:], evaluate(expression), shown)
     assert [d[-1]["content"] for d in verifiers].count("#### 0") not in (0, len(verifiers))  # right and wrong
     mental = sft_conversations("solver_verifier", 80, seed=0, tool_rate=0.0)[1::2]  # never computes: a "mental" answer
-    assert {tuple(m["role"] for m in d) for d in mental} == {("system", "user", "assistant", "user", "assistant")}
-    for d in mental:  # its verdict compares the told answer with its own, one digit off the truth
+    assert {tuple(m["role"] for m in d) for d in mental} == {("system", "user", "assistant", "user", "assistant", "tool", "assistant")}
+    for d in mental:  # its check compares the told answer with its own, one digit off the truth
         own, shown = int(d[2]["content"].removeprefix("#### ")), int(d[3]["content"].removeprefix("Answer: #### "))
         assert _one_digit_off(own, evaluate(d[1]["content"].removeprefix("What is ").removesuffix("?")))
-        assert d[4]["content"] == ("#### 0" if own == shown else "#### 1")
+        _check(d[4:], own, shown)
