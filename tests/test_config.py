@@ -31,6 +31,14 @@ def test_group_override_switches_to_ppo_with_a_critic():
     assert cfg.critic.enable is True
 
 
+def test_a_data_config_brings_its_base_after_the_trainers_defaults_and_a_key_on_the_command_line_wins():
+    # configs/_data_defaults/solver_verifier.yaml: its verifier needs the checking base, which
+    # trainer=quickstart (applied after the data group) would otherwise set back to calculator
+    assert compose("train", ["data=solver_verifier"])["model"]["tiny"]["skills"] == "checking"
+    assert compose("train", ["data=arith"])["model"]["tiny"]["skills"] == "calculator"  # no specialisation
+    assert compose("train", ["data=solver_verifier", "model.tiny.skills=calculator"])["model"]["tiny"]["skills"] == "calculator"
+
+
 def test_dotted_override_sets_a_key_no_yaml_mentions():
     cfg = load_config("train", ["actor.clip_ratio_high=0.28", "agent.tool_config.calculator.precision=4"])
     assert cfg.actor.clip_ratio_high == 0.28
