@@ -98,8 +98,8 @@ static inline __attribute__((always_inline)) void sum_values(
 }
 
 /* One (row, K/V head): the scores of its `group` query heads against each of its `len` keys,
-   their softmax, and the weighted sum of the values. Inlined with constant group and d / W in
-   the common cases (the dispatch below: head sizes 64 and 128), so that the loops over them unroll. */
+   their softmax, and the weighted sum of the values. Inlined with constant group and d / W where
+   the library is built for a model's shape (AGENTRL_GROUP, AGENTRL_ND), so that their loops unroll. */
 static inline __attribute__((always_inline)) void attend_item(
         const float *restrict Q, const float *restrict K, const float *restrict V, int64_t len,
         int64_t group, int64_t nd, float scale, float *restrict scores, int64_t stride,
@@ -120,9 +120,6 @@ static inline __attribute__((always_inline)) void attend_item(
     else sum_values(V, len, group, nd, scores, stride, acc, next_k, next_len, 0);
     memcpy(O, acc, sizeof(float) * group * nd * W);
 }
-
-#define CASE(G, ND) case (G) * 16 + (ND): attend_item(Q, K, V, len, G, ND, scale, scores, stride, acc, O, next_k, next_len); break;
-#define CASES(G) CASE(G, 4) CASE(G, 8)
 
 /* q: [n, heads, d]; ck, cv: [slots, kvh, cap, d]; row r attends positions [0, lengths[r]) of
    slot slots[r]; out: [n, heads, d]. Query head h reads K/V head h / (heads / kvh). Returns
@@ -154,10 +151,12 @@ int agentrl_decode_attention(const float *restrict q, const float *restrict ck, 
         const int64_t nr = (item + 1) / kvh, nh = (item + 1) % kvh;  /* the next item this thread takes */
         const float *next_k = item + 1 < n * kvh ? ck + (slots[nr] * kvh + nh) * cap * d : K;
         const int64_t next_len = item + 1 < n * kvh ? lengths[nr] : 0;
-        switch (group * 16 + nd) {
-            CASES(1) CASES(2) CASES(3) CASES(4) CASES(6) CASES(8)
-            default: attend_item(Q, K, V, len, group, nd, scale, scores, stride, acc, O, next_k, next_len);
-        }
+#ifdef AGENTRL_GROUP  /* the library built for one model's shape: its loops with constant bounds */
+        if (group == AGENTRL_GROUP && nd == AGENTRL_ND)
+            attend_item(Q, K, V, len, AGENTRL_GROUP, AGENTRL_ND, scale, scores, stride, acc, O, next_k, next_len);
+        else
+#endif
+            attend_item(Q, K, V, len, group, nd, scale, scores, stride, acc, O, next_k, next_len);
     }
     free(scores);
     free(acc);
@@ -294,20 +293,24 @@ def _check(*tensors: torch.Tensor) -> None:
 
 
 _lock = threading.Lock()
-_loaded: list[DecodeKernel | None] = []  # empty until the first kernel() call
+_loaded: dict[tuple[int, int] | None, DecodeKernel | None] = {}  # by shape, filled by kernel()
 
 
-def kernel() -> DecodeKernel | None:
-    """The compiled kernel, built on the first call of the process (cached on disk), or None."""
-    if _loaded:
-        return _loaded[0]
+def kernel(shape: tuple[int, int] | None = None) -> DecodeKernel | None:
+    """The compiled library, or None. ``shape``: (query heads per K/V head, head size) of the model
+    it serves, whose decode attention it is then compiled for (any shape still runs, through
+    the generic loops). Built on the first call of the process for that shape (cached on disk)."""
+    if shape is not None and shape[1] % WIDTH:
+        shape = None  # a head size the vectors do not divide: the kernel's attention is not used
+    if shape in _loaded:
+        return _loaded[shape]
     with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-    return _loaded[0]
+        if shape not in _loaded:
+            _loaded[shape] = _load(shape)
+    return _loaded[shape]
 
 
-def _load() -> DecodeKernel | None:
+def _load(shape: tuple[int, int] | None) -> DecodeKernel | None:
     if os.environ.get("AGENTRL_DECODE_KERNEL", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -318,7 +321,8 @@ def _load() -> DecodeKernel | None:
     link = ["-fopenmp", "-lm"] if openmp else ["-lm"]  # -lm: the vector exponentials (libmvec)
     path = None
     try:
-        path = _build(compiler, link)
+        defines = [] if shape is None else [f"-DAGENTRL_GROUP={shape[0]}", f"-DAGENTRL_ND={shape[1] // WIDTH}"]
+        path = _build(compiler, defines, link)
         return DecodeKernel(ctypes.CDLL(str(path)), openmp)
     except (OSError, subprocess.SubprocessError) as exc:
         if path is not None:
@@ -333,8 +337,8 @@ def _torch_uses_libgomp() -> bool:
     return "OpenMP" in torch.__config__.parallel_info() and any((Path(torch.__file__).parent / "lib").glob("libgomp*"))
 
 
-def _build(compiler: str, link: list[str]) -> Path:
-    compile_flags = _COMPILE_FLAGS + (["-fopenmp"] if "-fopenmp" in link else [])
+def _build(compiler: str, defines: list[str], link: list[str]) -> Path:
+    compile_flags = _COMPILE_FLAGS + defines + (["-fopenmp"] if "-fopenmp" in link else [])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE, *compile_flags, *link, version, _cpu()]).encode()).hexdigest()[:16]
     directory = Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl")) / "kernels"

@@ -108,7 +108,7 @@ class PackedDecoderForward:
         # native pass each (``_decode_kernel.py``); None: through torch's ops
         weight = self.embed.weight
         cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32 and self.head_dim % 2 == 0
-        self.native = _decode_kernel.kernel() if cpu_fp32 else None
+        self.native = _decode_kernel.kernel((self.heads // self.kv_heads, self.head_dim)) if cpu_fp32 else None
 
     def weights_changed(self) -> None:
         """The parameters were updated in place: forget the oneDNN copies of the old ones."""

@@ -58,8 +58,11 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device,
         initial_len: int = 256,
+        query_heads: int | None = None,
     ):
         self.slots, self.kv_heads, self.head_dim, self.max_len = slots, kv_heads, head_dim, max_len
+        # the shape the native decode kernel is compiled for (None: its generic loops)
+        self.kernel_shape = None if query_heads is None else (query_heads // kv_heads, head_dim)
         self.capacity = min(initial_len, max_len)
         shape = (slots, kv_heads, self.capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -182,7 +185,7 @@ def build_layout(
     positions_t = torch.tensor(decode_positions, dtype=torch.int64)
     lengths[slots_t] = positions_t + 1
     # the native kernel reads each row's length and needs no mask (one per step, not per layer)
-    native = _decode_kernel.DecodeKernel.serves(cache.keys[0]) and _decode_kernel.kernel() is not None
+    native = _decode_kernel.DecodeKernel.serves(cache.keys[0]) and _decode_kernel.kernel(cache.kernel_shape) is not None
     mask = None if native else torch.zeros((span, kv_len)).masked_fill_(torch.arange(kv_len)[None, :] >= lengths[:, None], float("-inf"))
     dense = len(decode_slots) == span and decode_slots == sorted(decode_slots)
     return StepLayout(
@@ -271,7 +274,7 @@ def attend(
 
     if n and layout.decode_lengths is not None:
         # each row over its own length, in one native call (build_layout checked the kernel serves this cache)
-        _decode_kernel.kernel()(query[:n], cache_k, cache_v, layout.decode_slots, layout.decode_lengths, scaling, out[:n])
+        _decode_kernel.kernel(layout.cache.kernel_shape)(query[:n], cache_k, cache_v, layout.decode_slots, layout.decode_lengths, scaling, out[:n])
     elif n:
         span, kv_len = layout.decode_span, layout.decode_mask.shape[-1]
         q = query[:n]  # [n, heads, head_dim]

@@ -154,6 +154,7 @@ class BuiltinEngine:
             max_len=self.max_seq_len,
             dtype=torch_dtype,
             device=self.device,
+            query_heads=config.num_attention_heads,
         )
         # Owned by the worker (the thread or task that runs the steps).
         self._scheduler = Scheduler(

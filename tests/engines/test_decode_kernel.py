@@ -16,15 +16,16 @@ HAS_COMPILER = bool(shutil.which("cc") or shutil.which("gcc"))
 def fresh_kernel(monkeypatch, tmp_path):
     """kernel() built again into an empty cache directory, and forgotten afterwards."""
     monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
-    monkeypatch.setattr(_decode_kernel, "_loaded", [])
+    monkeypatch.setattr(_decode_kernel, "_loaded", {})
     return tmp_path
 
 
-def ragged_step(head_dim: int = 32):
-    """A cache of 6 slots with random K/V and 4 decode rows in scattered slots at unequal lengths."""
+def ragged_step(head_dim: int = 32, query_heads: int | None = None):
+    """A cache of 6 slots with random K/V and 4 decode rows (6 query heads, 2 K/V heads) in scattered
+    slots at unequal lengths; ``query_heads`` given: the kernel is built for this shape."""
     torch.manual_seed(0)
     cache = _ragged.SlotKVCache(num_layers=2, slots=6, kv_heads=2, head_dim=head_dim, max_len=128, dtype=torch.float32,
-                                device=torch.device("cpu"), initial_len=64)
+                                device=torch.device("cpu"), initial_len=64, query_heads=query_heads)
     for tensor in cache.keys + cache.values:
         tensor.normal_()
     slots, positions = [4, 0, 2, 5], [50, 3, 0, 17]
@@ -33,13 +34,15 @@ def ragged_step(head_dim: int = 32):
     return cache, slots, positions, query, key, value
 
 
-def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_torch_does(fresh_kernel, monkeypatch):
-    kernel = _decode_kernel.kernel()
+@pytest.mark.parametrize("query_heads", [None, 6], ids=["generic", "built-for-the-shape"])
+def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_torch_does(fresh_kernel, monkeypatch, query_heads):
+    cache, slots, positions, query, key, value = ragged_step(query_heads=query_heads)
+    assert cache.kernel_shape == (None if query_heads is None else (3, 32))
+    kernel = _decode_kernel.kernel(cache.kernel_shape)
     assert (kernel is not None) == HAS_COMPILER
     if kernel is None:
         return
-    assert list(fresh_kernel.joinpath("kernels").glob("decode_attention-*.so"))
-    cache, slots, positions, query, key, value = ragged_step()
+    assert len(list(fresh_kernel.joinpath("kernels").glob("decode_attention-*.so"))) == 1
     layout = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
     assert layout.decode_lengths.tolist() == [51, 4, 1, 18] and layout.decode_mask is None
     threads = torch.get_num_threads()
@@ -50,7 +53,7 @@ def test_the_kernel_is_built_where_a_compiler_exists_and_attends_each_row_as_tor
             assert all(torch.equal(_ragged.attend(layer, query, key, value, layout, 0.125), native[layer]) for layer in range(2))
         finally:
             torch.set_num_threads(threads)
-    monkeypatch.setattr(_decode_kernel, "_loaded", [None])  # torch's batched products over the padded slot range
+    monkeypatch.setattr(_decode_kernel, "kernel", lambda shape=None: None)  # torch's batched products over the padded slot range
     padded = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
     assert padded.decode_lengths is None and padded.decode_mask.shape == (6, 1, 1, 51)
     with torch.inference_mode():
@@ -77,7 +80,7 @@ def test_a_failed_build_or_the_switch_falls_back_to_torch_without_an_error(fresh
     assert _decode_kernel.kernel() is None
     cache, slots, positions, *_ = ragged_step()
     assert _ragged.build_layout(cache, slots, positions, (), torch.device("cpu")).decode_lengths is None
-    monkeypatch.setattr(_decode_kernel, "_loaded", [])
+    monkeypatch.setattr(_decode_kernel, "_loaded", {})
     monkeypatch.delenv("CC")
     monkeypatch.setenv("AGENTRL_DECODE_KERNEL", "0")
     assert _decode_kernel.kernel() is None
