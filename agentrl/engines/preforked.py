@@ -107,10 +107,13 @@ def prefork() -> bool:
     ours, theirs = socket.socketpair()
     for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
         stream.flush()
+    # a Ctrl-C in the instant after the fork waits (blocked) until the child ignores it
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller's code
         ours.close()
-        _serve(theirs)
+        _serve(theirs, mask)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     theirs.close()
     _waiting = ForkedChild(pid, ours, os.environ.get("OMP_WAIT_POLICY", ""))
     return True
@@ -141,11 +144,14 @@ def discard() -> None:
             child.wait()
 
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, mask: set[signal.Signals]) -> None:
     code = 1
     try:
-        # the parent's handlers are the trainer's; this process ends when its socket closes
+        # the parent's handlers are the trainer's; this process ends when its socket closes, and
+        # a Ctrl-C at the terminal is the parent's to handle (as _process_child.main has it)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # what the parent allocated stays out of the collector's passes (and its pages unshared);
         # the parent's start-up paused the collector, a long-lived server runs it
         gc.freeze()

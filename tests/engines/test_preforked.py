@@ -6,6 +6,8 @@ never forked by a process not marked fresh, reaped when nobody takes it, and for
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 
 import pytest
 
@@ -95,3 +97,13 @@ def test_agentrl_train_forks_the_engine_only_for_a_run_that_starts_one_from_its_
     monkeypatch.setattr(preforked, "prefork", lambda: calls.append(1) or True)
     assert prefork_engine(load_config("train", overrides)) is forks
     assert calls == ([1] if forks else [])
+
+
+def test_a_ctrl_c_reaching_the_waiting_child_leaves_the_ending_to_the_parent(fresh):
+    assert preforked.prefork()
+    child = preforked._waiting
+    os.kill(child.pid, signal.SIGINT)  # the terminal signals the whole process group
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.3)  # still waiting for its model
+    preforked.discard()
+    assert child.returncode == 0
