@@ -276,8 +276,7 @@ class DecodeKernel:
         """The rotary embedding of ``x`` ([rows, heads, head_dim]) in place, row i at ``positions[i]`` of the
         ``cos``/``sin`` tables ([positions, head_dim])."""
         _check(x, cos, sin)
-        if not positions.is_contiguous() or positions.dtype != torch.int64:
-            raise ValueError("decode kernel: positions must be contiguous int64")
+        positions = positions.to(torch.int64).contiguous()  # the same tensor when it already is
         rows, heads, head_dim = x.shape
         self._rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), rows, heads, head_dim, self._threads())
         return x
