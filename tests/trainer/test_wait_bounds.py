@@ -35,6 +35,7 @@ BOUNDS: dict[str, str] = {
         "engine.sync_timeout_s: the actor's _bounded_sync around every weight update",
     "agentrl/engines/launch.py::stop::self.process.wait": "after SIGKILL to the server's process group",
     "agentrl/engines/process.py::close::self._process.wait": "after kill(), once engine.sync_timeout_s (at most 30 s) passed",
+    "agentrl/engines/preforked.py::discard::child.wait": "after kill(), once 10 s passed since its socket closed",
     "agentrl/engines/process.py::_read::self._conn.recv": "the reader thread: EOF when the child exits; each call's waiter "
                                                          "is bounded by its caller (engine.sync_timeout_s, the trajectory's)",
     "agentrl/engines/_process_child.py::main::conn.recv": CHILD,
