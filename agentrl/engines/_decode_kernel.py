@@ -1,4 +1,6 @@
-"""Decode attention over the slot KV cache in one native call per layer (CPU, fp32).
+"""Decode attention over the slot KV cache in one native call per layer (CPU, fp32), and the fast
+forward's elementwise steps (RMS norm with its residual add, rotary, SwiGLU's product) in one
+pass each.
 
 Why: a decode row has one query token per query head, so its attention is a matrix-vector
 product over its own K/V. Through torch that is a batched matrix product of a few query rows
@@ -10,11 +12,13 @@ length: the scores of the group's query heads against each key, their softmax, a
 weighted sum of the values, with nothing padded and nothing written but the output.
 
 It is C compiled on first use with the machine's C compiler (``$CC``, else ``cc``/``gcc``) for this
-CPU (``-march=native``), cached under ``$AGENTRL_CACHE/kernels`` (default ``~/.cache/agentrl``)
-by a hash of the source, the flags, the compiler's version and the CPU, and loaded with
-``ctypes``. Where there is no compiler, the build fails, the tensors are not CPU fp32, or
-``AGENTRL_DECODE_KERNEL=0`` is set, ``kernel()`` returns None and the engine keeps torch's batched
-products (``_ragged.attend``): the same attention, summed in another order.
+CPU (``-march=native``) and for the model's attention shape (``kernel(shape)``: its loops then
+have constant bounds), cached under ``$AGENTRL_CACHE/kernels`` (default ``~/.cache/agentrl``) by
+a hash of the source, the flags, the compiler's version and the CPU, and loaded with ``ctypes``.
+Where there is no compiler, the build fails, the tensors are not CPU fp32, or
+``AGENTRL_DECODE_KERNEL=0`` is set, ``kernel()`` returns None and the engine keeps torch's ops
+(``_ragged.attend``'s batched products, ``_packed``'s norms and rotary): the same arithmetic,
+summed in another order.
 
 The source is compiled with ``-ffast-math`` (so the exponentials vectorise) but linked without
 it: linking a shared library with it adds a constructor that sets flush-to-zero for the whole
