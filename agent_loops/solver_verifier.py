@@ -4,8 +4,9 @@ The solver answers the row's question as ``tool_agent`` does (calculator calls, 
 ending ``#### <number>``). The verifier first works the question out exactly as the solver does,
 from the same messages (so the one policy's calculator skill, which copies the question's
 expression into its call, serves both roles alike), then is told an answer to check and gives its
-verdict: ``#### 0`` if the answer is the one it worked out (right), ``#### 1`` (any other integer)
-if not. The answer it checks is the solver's when that is of the kind the row asks for
+verdict: ``#### 0`` if the answer is the one it worked out (right), any other integer if not; its
+demonstrations check with the calculator (``<own> - <told>``, whose result is the verdict, a skill
+of the ``checking`` base), and a verdict said at once counts as well. The answer it checks is the solver's when that is of the kind the row asks for
 (``extra_info.verifier.checks_right``), else one the loop supplies (the ground truth or
 ``extra_info.verifier.wrong_answer``), so a row's verifier checks a right answer or a wrong one
 whatever the solver said (``data_prep/solver_verifier.py``); a row without ``verifier`` has its

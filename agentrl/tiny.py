@@ -230,7 +230,7 @@ SKILLS: dict[str, tuple[tuple[str, int, int, float, int], ...]] = {
     # solver_verifier's verifier checks an answer it is told against its own with the calculator
     # (`<own> - <told>`): copying two numbers from the context into a call, which the calculator
     # base does not do from a user message (docs/roles.md)
-    "checking": (("solver_verifier", 17, 16, 1e-3, 2000),),
+    "checking": (("solver_verifier", 18, 16, 1e-3, 2000),),
 }
 # a skill built on another skill's model (its stages continue from that model, shipped or built)
 SKILL_BASES: dict[str, str] = {"checking": "calculator"}

@@ -12,7 +12,7 @@ right half the time, and only checking does better.
 
 The warm start's demonstrations (``demonstrations``) hold both roles in equal shares: a solver
 as ``arith``'s demonstrator (the calculator at ``tool_rate``, else a "mental" answer one digit
-wrong) and a verifier, on answers right or one digit wrong in equal shares, that first works the
+wrong) and a verifier, on answers right (``RIGHT_SHARE``) or one digit wrong, that first works the
 question out as the solver does (the same messages; the calculator at ``CHECK_FACTOR`` times
 ``tool_rate``, else a "mental" answer), is told the answer (``told_answer``) and checks it with the
 calculator: ``<its own answer> - <the told answer>``, whose result is its verdict (``#### 0``: the
@@ -26,11 +26,15 @@ from __future__ import annotations
 import random
 from typing import Any
 
-__all__ = ["CHECK_FACTOR", "DATA_SOURCE", "demonstrations", "verifier_demonstration", "verifier_extra"]
+__all__ = ["CHECK_FACTOR", "DATA_SOURCE", "RIGHT_SHARE", "demonstrations", "verifier_demonstration", "verifier_extra"]
 
 DATA_SOURCE = "agentrl/solver_verifier"
 VERIFIER_EVERY = 2  # one demonstration in two is the verifier's
 CHECK_FACTOR = 3.0  # the verifier's own working uses the calculator at this many times sft.tool_rate (at most always)
+# the share of the verifier's demonstrations told a right answer: with right and wrong in equal
+# shares, a check that copies one number twice (`<own> - <own>`) reproduced half of them and the
+# checking base learned that; the rows the verifier is rewarded on stay balanced (verifier_extra)
+RIGHT_SHARE = 0.25
 
 
 def verifier_extra(question: str, answer: int, index: int) -> dict[str, Any]:
@@ -74,7 +78,7 @@ def demonstrations(n: int, seed: int, split: str, *, tool_rate: float, informal_
             out.append(next(solver))
             continue
         (expression, value), = problem.steps
-        shown = problem.answer if style.random() < 0.5 else mental_slip(problem.answer, style)
+        shown = problem.answer if style.random() < RIGHT_SHARE else mental_slip(problem.answer, style)
         computed = style.random() < check_rate
         own = value if computed else mental_slip(value, style)
         out.append(verifier_demonstration(problem.question, expression, value, computed=computed, own=own, shown=shown))

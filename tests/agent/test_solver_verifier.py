@@ -116,3 +116,27 @@ def test_the_demonstrations_every_other_a_verifier_who_works_the_question_out_th
         own, shown = int(d[2]["content"].removeprefix("#### ")), int(d[3]["content"].removeprefix("Answer: #### "))
         assert _one_digit_off(own, evaluate(d[1]["content"].removeprefix("What is ").removesuffix("?")))
         _check(d[4:], own, shown)
+
+
+@pytest.mark.parametrize("checks_right, shown, check, result, reward", [
+    (False, "418", "408 - 418", "-10", 1.0),  # a wrong answer told, checked: -10 says wrong
+    (True, "408", "408 - 408", "0", 1.0),     # the right answer told: 0 says right
+    (False, "418", "408 - 408", "0", 0.0),    # a check that copied its own answer twice: 0, a wrong verdict
+])
+def test_the_verifier_checks_with_the_calculator_and_its_result_is_the_verdict(
+        tiny_tokenizer, make_ctx, checks_right, shown, check, result, reward):
+    from tests.agent.agent_helpers import CALL_12x34
+
+    call = CALL_12x34.replace("12 * 34", check)
+    row = make_row(agent="solver_verifier", verifier={"checks_right": checks_right, "wrong_answer": 418})
+    answers = {"solver": ["#### 408"], "verifier": [CALL_12x34, "#### 408", call, f"#### {result}"]}
+    ctx = make_ctx(ScriptedEngine(tiny_tokenizer, script_by_role(answers)))
+    solver, verifier = asyncio.run(RolloutRunner(ctx, LoopTable("tool_agent")).run([("r0", row)], n=1))
+    assert (verifier.role, verifier.reward) == ("verifier", reward)
+    check_call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": check}}}
+    assert verifier.messages[-5:] == [{"role": "assistant", "content": "#### 408"},
+                                      {"role": "user", "content": f"Answer: #### {shown}"},
+                                      {"role": "assistant", "content": "", "tool_calls": [check_call]},
+                                      {"role": "tool", "content": result},
+                                      {"role": "assistant", "content": f"#### {result}"}]
+    assert verifier.metrics["tool_calls"] == 2  # its working and its check
