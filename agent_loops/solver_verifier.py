@@ -33,6 +33,7 @@ from agentrl.trajectory import TrajectoryFinish
 __all__ = ["SolverVerifierLoop", "checked_answer", "told_answer", "verdict_of"]
 
 _VERDICT = re.compile(r"####\s*(-?\d+)\s*$")
+_TOLD = re.compile(r"####\s*(\S+)$")
 
 
 def verdict_of(text: str) -> bool | None:
@@ -43,8 +44,12 @@ def verdict_of(text: str) -> bool | None:
 
 
 def told_answer(answer: str) -> dict[str, Any]:
-    """The message that tells the verifier, after its own working, the answer it checks."""
-    return {"role": "user", "content": f"Answer: {answer}"}
+    """The message that tells the verifier, after its own working, the answer it checks: its final
+    number alone (``Answer: 408`` for ``#### 408``; an answer without ``####`` as it is). Its own
+    answer ends ``#### <number>``, so the two numbers its check copies (``<own> - <told>``) follow
+    different words; told as ``Answer: #### 408`` the checking base copied the nearer one twice."""
+    found = _TOLD.search(answer.strip())
+    return {"role": "user", "content": f"Answer: {found.group(1) if found else answer}"}
 
 
 def checked_answer(row: Row, answer: str, right: bool) -> tuple[str, bool]:

@@ -230,14 +230,10 @@ SKILLS: dict[str, tuple[tuple[str, int, int, float, int], ...]] = {
     # solver_verifier's verifier checks an answer it is told against its own with the calculator
     # (`<own> - <told>`): copying two numbers from the context into a call, which the calculator
     # base does not do from a user message (docs/roles.md)
-    "checking": (("solver_verifier", 18, 16, 1e-3, 2000),),
+    "checking": (("solver_verifier", 19, 16, 1e-3, 2000),),
 }
 # a skill built on another skill's model (its stages continue from that model, shipped or built)
 SKILL_BASES: dict[str, str] = {"checking": "calculator"}
-# a skill whose stages train all their steps instead of stopping at the held-out check: the
-# checking stage's demonstrations end in a copy of a tool result that is right only as far as the
-# check call before it is, so its greedy exactness stays below the target of the others
-SKILLS_UNCHECKED = frozenset({"checking"})
 SKILLS_VERSION = "3"
 
 
@@ -265,7 +261,7 @@ def skill_recipe_key(skill: str, size: str = "1m", seed: int = 0) -> str:
         raise ValueError(f"unknown skill {skill!r}; skills: {', '.join(SKILLS)}")
     recipe = f"{SKILLS_VERSION}|{skill}|{SKILLS[skill]}|{BUILDER_VERSION}|{size}|{seed}|{CHAT_TEMPLATE}"
     if skill in SKILL_BASES:
-        recipe += f"|on {skill_recipe_key(SKILL_BASES[skill], size, seed)}|unchecked {skill in SKILLS_UNCHECKED}"
+        recipe += f"|on {skill_recipe_key(SKILL_BASES[skill], size, seed)}"
     return hashlib.sha256(recipe.encode()).hexdigest()[:12]
 
 

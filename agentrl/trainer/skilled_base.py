@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentrl.tiny import SKILL_BASES, SKILLS, SKILLS_UNCHECKED, build_once, resolve_model, shipped_skilled_model, skilled_model_path
+from agentrl.tiny import SKILL_BASES, SKILLS, build_once, resolve_model, shipped_skilled_model, skilled_model_path
 
 if TYPE_CHECKING:
     from agentrl.config.schema import TrainConfig
@@ -134,13 +134,10 @@ def _train(base: Path, out: Path, skill: str, seed: int) -> None:
             if step % CHECK_EVERY == 0:
                 exact = greedy_exact(model, check)
                 bar.set_postfix(heldout_exact=f"{exact:.2f}")
-                if exact >= TARGET and skill not in SKILLS_UNCHECKED:
+                if exact >= TARGET:
                     break
         else:
-            if skill not in SKILLS_UNCHECKED:
-                raise RuntimeError(f"the {skill} skills did not reach {TARGET:.0%} held-out exactness on {task} within {steps} steps")
-            print(f"{skill} skills: {task} trained {steps} steps, held-out exactness {greedy_exact(model, check):.2f}",
-                  file=sys.stderr, flush=True)
+            raise RuntimeError(f"the {skill} skills did not reach {TARGET:.0%} held-out exactness on {task} within {steps} steps")
         bar.close()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -53,7 +53,7 @@ def test_each_role_has_its_own_exact_token_stream_group_and_reward(tiny_tokenize
     assert solver.messages[-1] == {"role": "assistant", "content": "#### 408"}
     # the verifier: the row's messages as the solver's, its own working, the solver's answer told
     # as a user message (masked), then its verdict
-    told = [{"role": "assistant", "content": "#### 408"}, {"role": "user", "content": "Answer: #### 408"}]
+    told = [{"role": "assistant", "content": "#### 408"}, {"role": "user", "content": "Answer: 408"}]
     assert verifier.messages == ROW.messages() + told + [{"role": "assistant", "content": "#### 0"}]
     assert verifier.prompt_ids == r.prompt_ids(ROW.messages(), tools) == solver.prompt_ids
     own = tiny_tokenizer.encode("#### 408", add_special_tokens=False) + [r.eos_id]

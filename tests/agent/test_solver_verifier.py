@@ -11,7 +11,7 @@ import pytest
 
 from agentrl.agent.runner import LoopTable, RolloutRunner
 from agentrl.agent.scripted import ScriptedEngine
-from agentrl_agent_loops.solver_verifier import checked_answer, verdict_of
+from agentrl_agent_loops.solver_verifier import checked_answer, told_answer, verdict_of
 from tests.agent.agent_helpers import make_row
 from tests.agent.test_roles import script_by_role
 
@@ -70,9 +70,16 @@ def test_the_verifier_works_the_question_out_then_is_rewarded_for_its_verdict_on
     # it is rewarded for, only its verdict on the answer told after it
     for t, own, verdict in zip(trajectories[1::2], ["#### 408", "#### 400"], verdicts):
         assert t.messages == row.messages() + [{"role": "assistant", "content": own},
-                                               {"role": "user", "content": f"Answer: {shown}"},
+                                               {"role": "user", "content": f"Answer: {shown.removeprefix('#### ')}"},
                                                {"role": "assistant", "content": verdict}]
     assert trajectories[0].messages == row.messages() + [{"role": "assistant", "content": solver}]
+
+
+def test_the_verifier_is_told_the_answers_number_alone_after_its_own_ending_in_hashes():
+    # the two numbers its check copies follow different words ("#### <own>", "Answer: <told>")
+    assert told_answer("#### 408") == {"role": "user", "content": "Answer: 408"}
+    assert told_answer("so it is #### -10 \n") == {"role": "user", "content": "Answer: -10"}
+    assert told_answer("I cannot tell") == {"role": "user", "content": "Answer: I cannot tell"}  # no number: as said
 
 
 def test_a_frozen_verifier_judges_the_answer_of_the_rows_kind(tiny_tokenizer, make_ctx):
@@ -106,14 +113,14 @@ def test_the_demonstrations_every_other_a_verifier_who_works_the_question_out_th
         [call] = d[2]["tool_calls"]
         assert call["function"] == {"name": "calculator", "arguments": {"expression": expression}}
         assert d[3]["content"] == str(evaluate(expression)) and d[4]["content"] == f"#### {d[3]['content']}"
-        shown = int(d[5]["content"].removeprefix("Answer: #### "))
+        shown = int(d[5]["content"].removeprefix("Answer: "))
         assert shown == evaluate(expression) or _one_digit_off(shown, evaluate(expression))
         _check(d[6:], evaluate(expression), shown)
     assert [d[-1]["content"] for d in verifiers].count("#### 0") not in (0, len(verifiers))  # right and wrong
     mental = sft_conversations("solver_verifier", 80, seed=0, tool_rate=0.0)[1::2]  # never computes: a "mental" answer
     assert {tuple(m["role"] for m in d) for d in mental} == {("system", "user", "assistant", "user", "assistant", "tool", "assistant")}
     for d in mental:  # its check compares the told answer with its own, one digit off the truth
-        own, shown = int(d[2]["content"].removeprefix("#### ")), int(d[3]["content"].removeprefix("Answer: #### "))
+        own, shown = int(d[2]["content"].removeprefix("#### ")), int(d[3]["content"].removeprefix("Answer: "))
         assert _one_digit_off(own, evaluate(d[1]["content"].removeprefix("What is ").removesuffix("?")))
         _check(d[4:], own, shown)
 
@@ -135,7 +142,7 @@ def test_the_verifier_checks_with_the_calculator_and_its_result_is_the_verdict(
     assert (verifier.role, verifier.reward) == ("verifier", reward)
     check_call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": check}}}
     assert verifier.messages[-5:] == [{"role": "assistant", "content": "#### 408"},
-                                      {"role": "user", "content": f"Answer: #### {shown}"},
+                                      {"role": "user", "content": f"Answer: {shown}"},
                                       {"role": "assistant", "content": "", "tool_calls": [check_call]},
                                       {"role": "tool", "content": result},
                                       {"role": "assistant", "content": f"#### {result}"}]

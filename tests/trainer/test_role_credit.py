@@ -95,7 +95,7 @@ def test_both_roles_train_in_one_loss_each_with_its_own_role_group_advantage(tin
     assert sorted(rows) == sorted(expected)
     # the verifier is told the solver's answer of the same sample, as a user message after its working
     told = {t.sample_index: t.messages[-2] for t in trajectories if t.role == "verifier"}
-    assert told == {0: {"role": "user", "content": "Answer: #### 408"}, 1: {"role": "user", "content": "Answer: #### 407"}}
+    assert told == {0: {"role": "user", "content": "Answer: 408"}, 1: {"role": "user", "content": "Answer: 407"}}
     assert result.metrics["role/solver/reward"] == 0.5 and result.metrics["role/verifier/reward"] == 1.0
     assert result.metrics["role/solver/tokens"] == (len(sampled["#### 408"]) + len(sampled["#### 407"])) / 2
 
