@@ -6,13 +6,13 @@ from the same messages (so the one policy's calculator skill, which copies the q
 expression into its call, serves both roles alike), then is told an answer to check and gives its
 verdict: ``#### 0`` if the answer is the one it worked out (right), any other integer if not; its
 demonstrations check with the calculator (``<own> - <told>``, whose result is the verdict, a skill
-of the ``checking`` base), and a verdict said at once counts as well. The answer it checks is the solver's when that is of the kind the row asks for
-(``extra_info.verifier.checks_right``), else one the loop supplies (the ground truth or
-``extra_info.verifier.wrong_answer``), so a row's verifier checks a right answer or a wrong one
-whatever the solver said (``data_prep/solver_verifier.py``); a row without ``verifier`` has its
-verifier check the solver's answer. Rewards by role: the solver 1.0 for a right answer (the GSM8K
-rule against the row's ground truth), the verifier 1.0 for a right verdict on the answer it
-checked; 0.0 otherwise.
+of the ``checking`` base), and a verdict said at once counts as well. The answer it checks is the
+solver's when that is of the kind the row asks for (``extra_info.verifier.checks_right``), else one
+the loop supplies (the ground truth or ``extra_info.verifier.wrong_answer``), so a row's verifier
+checks a right answer or a wrong one whatever the solver said (``data_prep/solver_verifier.py``); a
+row without ``verifier`` has its verifier check the solver's answer. Rewards by role: the solver
+1.0 for a right answer (the GSM8K rule against the row's ground truth), the verifier 1.0 for a
+right verdict on the answer it checked; 0.0 otherwise.
 
 Both roles are ``shared`` (trained by one policy, each compared with its own role's samples).
 With ``agent.roles.verifier=frozen`` a scripted verifier judges by the rule instead, and only the

@@ -37,6 +37,7 @@ def test_a_data_config_brings_its_base_after_the_trainers_defaults_and_a_key_on_
     assert compose("train", ["data=solver_verifier"])["model"]["tiny"]["skills"] == "checking"
     assert compose("train", ["data=arith"])["model"]["tiny"]["skills"] == "calculator"  # no specialisation
     assert compose("train", ["data=solver_verifier", "model.tiny.skills=calculator"])["model"]["tiny"]["skills"] == "calculator"
+    assert compose("sft", ["data=solver_verifier"])["model"]["tiny"]["skills"] == "checking"  # the warm start's command too
 
 
 def test_dotted_override_sets_a_key_no_yaml_mentions():
