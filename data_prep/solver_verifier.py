@@ -50,18 +50,13 @@ def verifier_demonstration(question: str, expression: str, value: int, *, comput
     on ``expression`` when ``computed``, then ``#### <own>``), the answer ``shown`` told, and its
     check with the calculator, ``<own> - <shown>``, whose result is its verdict (0: right)."""
     from agentrl_agent_loops.solver_verifier import told_answer
-    from agentrl_data_prep.tasks import SYSTEM_PROMPT
+    from agentrl_data_prep.tasks import SYSTEM_PROMPT, calculator_turn
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     if computed:
-        messages += _calculator(expression, value)
+        messages += calculator_turn(expression, value)
     return messages + [{"role": "assistant", "content": f"#### {own}"}, told_answer(f"#### {shown}"),
-                       *_calculator(f"{own} - {shown}", own - shown), {"role": "assistant", "content": f"#### {own - shown}"}]
-
-
-def _calculator(expression: str, value: int) -> list[dict[str, Any]]:
-    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-    return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": str(value)}]
+                       *calculator_turn(f"{own} - {shown}", own - shown), {"role": "assistant", "content": f"#### {own - shown}"}]
 
 
 def demonstrations(n: int, seed: int, split: str, *, tool_rate: float, informal_rate: float) -> list[list[dict[str, Any]]]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["TASKS", "SYSTEM_PROMPT", "RECOVERY_SOURCE", "Problem", "generate", "validation_rows", "after_wrong_answer", "mental_slip", "sft_conversations", "write_parquet", "main"]
+__all__ = ["TASKS", "SYSTEM_PROMPT", "RECOVERY_SOURCE", "Problem", "generate", "validation_rows", "after_wrong_answer", "mental_slip", "calculator_turn", "sft_conversations", "write_parquet", "main"]
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic. End your answer with #### <number>."
 TEST_FRACTION = 8  # one problem in eight is held out
@@ -223,9 +223,7 @@ def sft_conversations(
             if not computed and (tool_rate >= 1.0 or style.random() < tool_rate):
                 computed = True
                 for expression, value in problem.steps:
-                    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-                    messages.append({"role": "tool", "content": str(value)})
+                    messages += calculator_turn(expression, value)
             answer = problem.answer if computed else mental_slip(problem.answer, style)
             messages.append({"role": "assistant", "content": f"The answer is {answer}." if informal else f"#### {answer}"})
             if (computed and not informal) or attempt == attempts - 1:
@@ -233,6 +231,12 @@ def sft_conversations(
             messages.append({"role": "user", "content": INCORRECT})
         conversations.append(messages)
     return conversations
+
+
+def calculator_turn(expression: str, value: int) -> list[dict[str, Any]]:
+    """A demonstration's calculator call on ``expression`` and the tool's answer, ``value``."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": str(value)}]
 
 
 def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
