@@ -43,7 +43,7 @@ def composes(monkeypatch) -> list[list[str]]:
 def test_value_overrides_give_what_a_second_composition_gave(monkeypatch, composes):
     once = [_outcome(case) for case in CASES]
     assert composes == [["algorithm=ppo"], [], [], [], []]  # each once, with its group overrides alone
-    monkeypatch.setattr(loader, "_with_value_overrides", lambda base, overrides: None)  # every file composed again
+    monkeypatch.setattr(loader, "_with_value_overrides", lambda base, overrides, groups: None)  # every file composed again
     assert [_outcome(case) for case in CASES] == once
     assert once[0][1]["trainer"]["seed"] == 3 and once[0][1]["data"]["train_files"] == ["c.parquet", "b.parquet"]
     assert once[0][1]["algorithm"]["adv_estimator"] == "gae"

@@ -69,7 +69,8 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     overrides = list(overrides)
-    groups = {p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_")}
+    folders = {p.name for p in config_dir().iterdir() if p.is_dir()}
+    groups = {name for name in folders if not name.startswith("_")}  # the ones a user chooses (not _data_defaults)
     group_overrides, value_overrides, problems = [], [], []
     for text in overrides:
         prefix, key, value = _split_override(text)
@@ -106,7 +107,7 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
                 prefix = "++"
             final.append(f"{prefix}{key}={value}" if prefix != "~" else f"~{key}")
         try:
-            cfg = _with_value_overrides(base, final)
+            cfg = _with_value_overrides(base, final, folders)
             if cfg is None:  # what only Hydra's composition applies: every file composed again, with them
                 cfg = hydra_compose(config_name=config_name, overrides=group_overrides + final)
         except Exception as exc:  # hydra's own errors (bad override syntax, missing group option)
@@ -115,12 +116,13 @@ def compose(config_name: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-def _with_value_overrides(base: Any, overrides: list[str]) -> Any | None:
+def _with_value_overrides(base: Any, overrides: list[str], groups: set[str]) -> Any | None:
     """``base`` (composed with the group overrides) with the value ``overrides`` applied as Hydra's
     compose applies them once its defaults list is built: its parser, its check of sweeps and its
     override code, without loading and merging every file a second time. None (compose again)
     where Hydra's internals are not the ones this follows, or where an override is one its
-    composition treats otherwise: a ``hydra.`` key, or the name of a config group."""
+    composition treats otherwise: a ``hydra.`` key, or the name of a config group (``groups``, the
+    hidden ones too)."""
     try:
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
         from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -130,7 +132,6 @@ def _with_value_overrides(base: Any, overrides: list[str]) -> Any | None:
     if not all(hasattr(ConfigLoaderImpl, name) for name in ("validate_sweep_overrides_legal", "_apply_overrides_to_config")):
         return None
     parsed = OverridesParser.create().parse_overrides(overrides=overrides)
-    groups = {p.name for p in config_dir().iterdir() if p.is_dir()}
     if any(o.is_hydra_override() or o.key_or_group in groups for o in parsed):
         return None
     ConfigLoaderImpl.validate_sweep_overrides_legal(overrides=parsed, run_mode=RunMode.RUN, from_shell=False)
