@@ -159,21 +159,25 @@ class PackedDecoderForward:
 
 
 class OneDNNLinear:
-    """``F.linear`` through oneDNN with a oneDNN copy of each weight, for CPU fp32.
+    """``F.linear`` through oneDNN with a copy of each weight in oneDNN's blocked layout, CPU fp32.
 
-    Why: a decode step multiplies a few dozen rows by every weight, and on this kind of CPU torch's
-    default (MKL) GEMM was measured slower at such shapes than oneDNN with its own copy of the
-    weight (figures in docs/benchmarks.md). Not everywhere: a oneDNN call has a larger fixed cost,
-    so small weights (the 1M model's, the 18M model's key and value projections) were faster
-    through MKL, and from a few hundred rows on (long prefills) the two were level; those keep MKL.
+    Why: a decode step multiplies a few dozen rows by every weight. Through torch's default (MKL)
+    GEMM, or through oneDNN with a plain-layout copy, each call lays the weight out again for its
+    kernel, and the 18M model's weights do not fit the last-level cache: the step's linears ran at
+    about 0.8 of the matmul probe. With the copy already in the kernel's own layout
+    (``mkldnn._reorder_linear_weight``, as torch's compiler does for frozen CPU weights) they run at
+    the probe's rate, from a handful of rows to a thousand (figures in docs/benchmarks.md). Small
+    weights (the 1M model's, the 18M model's key and value projections) keep MKL: a oneDNN call
+    has a larger fixed cost, which their few FLOPs do not repay.
     The copy is made on first use and again after ``forget`` (the engine calls it on every weight
     update, a shared module's ``weights_changed`` included: torch's fused AdamW changes parameters
     without moving their version counters), or when a parameter visibly changed (another tensor,
     another storage, a moved version counter). Costs one extra copy of the weights in memory.
     """
 
-    def __init__(self, *, min_weight_elements: int = 1 << 17, max_rows: int = 255) -> None:
-        self.min_weight_elements, self.max_rows = min_weight_elements, max_rows
+    def __init__(self, *, min_weight_elements: int = 1 << 17, rows_hint: int = 64) -> None:
+        # rows_hint: the rows oneDNN lays the copy out for; any row count runs on it
+        self.min_weight_elements, self.rows_hint = min_weight_elements, rows_hint
         # per linear module: (the weight copied, its version, its storage, the oneDNN copy)
         self._copies: dict[torch.nn.Module, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
 
@@ -192,11 +196,11 @@ class OneDNNLinear:
 
     def __call__(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
         weight = module.weight
-        if x.shape[0] > self.max_rows or weight.numel() < self.min_weight_elements:
+        if weight.numel() < self.min_weight_elements or x.shape[0] < 2:
             return F.linear(x, weight, module.bias)
         held = self._copies.get(module)
         if held is None or held[0] is not weight or held[1] != weight._version or held[2] != weight.data_ptr():
-            held = (weight, weight._version, weight.data_ptr(), weight.detach().to_mkldnn())
+            held = (weight, weight._version, weight.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.rows_hint))
             self._copies[module] = held
         return torch.ops.mkldnn._linear_pointwise(x, held[3], module.bias, "none", [], "")
 
