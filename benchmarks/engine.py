@@ -565,12 +565,12 @@ def decode_step_anatomy(model, gflops: float, *, rows: int = 64, contexts: tuple
     logits = torch.randn(rows, config.vocab_size)
     sampling_args = (torch.ones(rows), torch.ones(rows), torch.full((rows,), config.vocab_size), torch.rand(rows))
 
-    def linears(linear) -> None:
+    def linears(linear) -> None:  # as the forward runs them: query, key and value as one call, gate and up as one
         for layer in forward.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for module in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                linear(hidden, module)
+            linear.many(hidden, (attn.q_proj, attn.k_proj, attn.v_proj))
             linear(attended, attn.o_proj)
+            linear.many(hidden, (mlp.gate_proj, mlp.up_proj))
             linear(inner, mlp.down_proj)
         linear(hidden, forward.lm_head)
 

@@ -102,7 +102,7 @@ class EngineConfig(Section):
     # sglang: base URLs of running servers (external mode); empty: agentrl launches
     # `num_servers` servers and stops them when the job ends (managed mode, engines/managed.py).
     servers: list[str] = Field(default_factory=list)
-    launch_args: list[str] = Field(default_factory=list)  # extra server flags, passed as given
+    launch_args: list[str] = Field(default_factory=list)  # extra server flags, passed as given (SGLang's; agentrl serve's with launcher=agentrl)
     num_servers: int = Field(1, ge=1)
     # managed sglang servers: the main SGLang flags (null: SGLang's own default)
     tp_size: int = Field(1, ge=1)  # GPUs per server (--tp-size)

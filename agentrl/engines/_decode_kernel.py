@@ -125,10 +125,14 @@ static inline __attribute__((always_inline)) void attend_item(
     memcpy(O, acc, sizeof(float) * group * nd * W);
 }
 
-/* q: [n, heads, d]; ck, cv: [slots, kvh, cap, d]; row r attends positions [0, lengths[r]) of
-   slot slots[r]; out: [n, heads, d]. Query head h reads K/V head h / (heads / kvh). Returns
-   nonzero when a buffer could not be allocated. */
-int agentrl_decode_attention(const float *restrict q, const float *restrict ck, const float *restrict cv,
+/* q: [n, heads, d] with rows q_stride floats apart; ck, cv: [slots, kvh, cap, d]; row r attends
+   positions [0, lengths[r]) of slot slots[r]; out: [n, heads, d]. Query head h reads K/V head
+   h / (heads / kvh). new_k, new_v ([n, kvh, d], rows kv_stride floats apart), when given, are the
+   rows' K/V of this step: each is written at position lengths[r] - 1 just before that row's
+   attention reads it (the line is read next, where a separate scatter would fetch it twice).
+   Returns nonzero when a buffer could not be allocated. */
+int agentrl_decode_attention(const float *restrict q, int64_t q_stride, const float *new_k, const float *new_v,
+                             int64_t kv_stride, float *ck, float *cv,
                              const int64_t *restrict slots, const int64_t *restrict lengths,
                              int64_t n, int64_t heads, int64_t kvh, int64_t cap, int64_t d, float scale,
                              float *restrict out, int threads) {
@@ -149,8 +153,12 @@ int agentrl_decode_attention(const float *restrict q, const float *restrict ck, 
     for (int64_t item = 0; item < n * kvh; item++) {
         if (!scores || !acc) continue;
         const int64_t r = item / kvh, h = item % kvh, len = lengths[r];
-        const float *K = ck + (slots[r] * kvh + h) * cap * d, *V = cv + (slots[r] * kvh + h) * cap * d;
-        const float *Q = q + (r * heads + h * group) * d;
+        float *K = ck + (slots[r] * kvh + h) * cap * d, *V = cv + (slots[r] * kvh + h) * cap * d;
+        if (new_k) {
+            memcpy(K + (len - 1) * d, new_k + r * kv_stride + h * d, sizeof(float) * d);
+            memcpy(V + (len - 1) * d, new_v + r * kv_stride + h * d, sizeof(float) * d);
+        }
+        const float *Q = q + r * q_stride + h * group * d;
         float *O = out + (r * heads + h * group) * d;
         const int64_t nr = (item + 1) / kvh, nh = (item + 1) % kvh;  /* the next item this thread takes */
         const float *next_k = item + 1 < n * kvh ? ck + (slots[nr] * kvh + nh) * cap * d : K;
@@ -186,22 +194,29 @@ void agentrl_add_rms_norm(float *restrict hidden, const float *restrict delta, c
     }
 }
 
-/* gate = silu(gate) * up, in place. */
-void agentrl_silu_mul(float *restrict gate, const float *restrict up, int64_t count, int threads) {
+/* out = silu(gate) * up; gate and up: [rows, width] with rows `stride` floats apart (the two
+   halves of one fused product's output, or two tensors of their own); out: [rows, width]. */
+void agentrl_silu_mul(const float *restrict gate, const float *restrict up, int64_t rows, int64_t width, int64_t stride,
+                      float *restrict out, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < count; i++) gate[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * stride, *u = up + r * stride;
+        float *o = out + r * width;
+        for (int64_t i = 0; i < width; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
 }
 
-/* x: [rows, heads, d], rotated in place at each row's position: the first half of each head
-   becomes x1 * cos - x2 * sin, the second x2 * cos + x1 * sin (cos, sin: [positions, d]). */
-void agentrl_rotary(float *restrict x, const float *restrict cos_table, const float *restrict sin_table,
+/* x: [rows, heads, d] with rows row_stride floats apart, rotated in place at each row's position:
+   the first half of each head becomes x1 * cos - x2 * sin, the second x2 * cos + x1 * sin
+   (cos, sin: [positions, d]). */
+void agentrl_rotary(float *restrict x, int64_t row_stride, const float *restrict cos_table, const float *restrict sin_table,
                     const int64_t *restrict positions, int64_t rows, int64_t heads, int64_t d, int threads) {
     const int64_t half = d / 2;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos_table + positions[r] * d, *s = sin_table + positions[r] * d;
         for (int64_t h = 0; h < heads; h++) {
-            float *a = x + (r * heads + h) * d, *b = a + half;
+            float *a = x + r * row_stride + h * d, *b = a + half;
             for (int64_t i = 0; i < half; i++) {
                 const float x1 = a[i], x2 = b[i];
                 a[i] = x1 * c[i] - x2 * s[i];
@@ -222,14 +237,14 @@ class DecodeKernel:
         self._library = library  # kept alive with the function
         self._fn = library.agentrl_decode_attention
         pointer, size = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [pointer] * 5 + [size] * 5 + [ctypes.c_float, pointer, ctypes.c_int]
+        self._fn.argtypes = [pointer, size, pointer, pointer, size] + [pointer] * 4 + [size] * 5 + [ctypes.c_float, pointer, ctypes.c_int]
         self._fn.restype = ctypes.c_int
         self._add_rms_norm = library.agentrl_add_rms_norm
         self._add_rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, pointer, ctypes.c_int]
         self._silu_mul = library.agentrl_silu_mul
-        self._silu_mul.argtypes = [pointer, pointer, size, ctypes.c_int]
+        self._silu_mul.argtypes = [pointer, pointer, size, size, size, pointer, ctypes.c_int]
         self._rotary = library.agentrl_rotary
-        self._rotary.argtypes = [pointer] * 4 + [size] * 3 + [ctypes.c_int]
+        self._rotary.argtypes = [pointer, size] + [pointer] * 3 + [size] * 3 + [ctypes.c_int]
         for fn in (self._add_rms_norm, self._silu_mul, self._rotary):
             fn.restype = None
         self.openmp = openmp
@@ -245,16 +260,29 @@ class DecodeKernel:
         )
 
     def __call__(self, query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                 lengths: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                 lengths: torch.Tensor, scale: float, out: torch.Tensor, new_key: torch.Tensor | None = None,
+                 new_value: torch.Tensor | None = None) -> None:
         """query, out: [n, heads, head_dim]; cache_k, cache_v: [slots, kv_heads, capacity, head_dim];
-        slots, lengths: [n] int64 (row i attends positions [0, lengths[i]) of slot slots[i])."""
-        query = query.contiguous()
+        slots, lengths: [n] int64 (row i attends positions [0, lengths[i]) of slot slots[i]).
+        new_key, new_value ([n, kv_heads, head_dim]): this step's K/V, written at each row's last
+        position first. Rows of query, new_key and new_value may be strided (views into one fused
+        projection's output); each row's heads must be contiguous."""
+        query = _rows(query)
         n, heads, head_dim = query.shape
         _, kv_heads, capacity, _ = cache_k.shape
-        if not (out.is_contiguous() and cache_v.is_contiguous() and slots.is_contiguous() and lengths.is_contiguous()):
-            raise ValueError("decode kernel: out, cache_v, slots and lengths must be contiguous")
-        failed = self._fn(query.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
-                          n, heads, kv_heads, capacity, head_dim, scale, out.data_ptr(), self._threads())
+        if not (out.is_contiguous() and cache_k.is_contiguous() and cache_v.is_contiguous() and slots.is_contiguous()
+                and lengths.is_contiguous()):
+            raise ValueError("decode kernel: out, the caches, slots and lengths must be contiguous")
+        kv_stride = 0
+        if new_key is not None:
+            new_key, new_value = _rows(new_key), _rows(new_value)
+            if new_key.stride(0) != new_value.stride(0):
+                new_key, new_value = new_key.contiguous(), new_value.contiguous()
+            kv_stride = new_key.stride(0)
+        failed = self._fn(query.data_ptr(), query.stride(0), None if new_key is None else new_key.data_ptr(),
+                          None if new_value is None else new_value.data_ptr(), kv_stride, cache_k.data_ptr(), cache_v.data_ptr(),
+                          slots.data_ptr(), lengths.data_ptr(), n, heads, kv_heads, capacity, head_dim, scale, out.data_ptr(),
+                          self._threads())
         if failed:
             raise MemoryError("decode kernel: could not allocate its scores buffer")
 
@@ -270,28 +298,47 @@ class DecodeKernel:
                            out.data_ptr(), self._threads())
         return out
 
-    def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``gate = silu(gate) * up`` in place."""
-        _check(gate, up)
-        self._silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self._threads())
-        return gate
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` ([rows, width] each, CPU float32, each row contiguous, the two with the
+        same row stride: views into one fused product's output, or tensors of their own), a new tensor."""
+        if not (gate.shape == up.shape and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1
+                and gate.stride(0) == up.stride(0)):
+            gate, up = gate.contiguous(), up.contiguous()
+        _check(gate, up, rows_only=True)
+        rows, width = gate.shape
+        out = gate.new_empty((rows, width))
+        self._silu_mul(gate.data_ptr(), up.data_ptr(), rows, width, gate.stride(0), out.data_ptr(), self._threads())
+        return out
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The rotary embedding of ``x`` ([rows, heads, head_dim]) in place, row i at ``positions[i]`` of the
-        ``cos``/``sin`` tables ([positions, head_dim])."""
-        _check(x, cos, sin)
+        """The rotary embedding of ``x`` ([rows, heads, head_dim]; its rows may be strided, each row's
+        heads contiguous) in place, row i at ``positions[i]`` of the ``cos``/``sin`` tables ([positions, head_dim])."""
+        _check(cos, sin)
+        if _rows(x) is not x:
+            raise ValueError("decode kernel: rotary needs float32 rows whose heads are contiguous")
         positions = positions.to(torch.int64).contiguous()  # the same tensor when it already is
         rows, heads, head_dim = x.shape
-        self._rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), rows, heads, head_dim, self._threads())
+        self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), rows, heads, head_dim,
+                     self._threads())
         return x
 
     def _threads(self) -> int:
         return torch.get_num_threads() if self.openmp else 1
 
 
-def _check(*tensors: torch.Tensor) -> None:
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ([rows, heads, head_dim], CPU float32) itself where each row's heads lie contiguous
+    (its rows may be strided), else a contiguous copy."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def _check(*tensors: torch.Tensor, rows_only: bool = False) -> None:
+    """CPU float32, contiguous (``rows_only``: each row contiguous, the rows may be strided)."""
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        laid_out = t.stride(-1) == 1 if rows_only else t.is_contiguous()
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not laid_out:
             raise ValueError(f"decode kernel: needs contiguous CPU float32 tensors, got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}")
 
 

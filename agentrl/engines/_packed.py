@@ -21,6 +21,8 @@ oneDNN copy of each weight (``OneDNNLinear``): whoever changes the weights calls
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -103,7 +105,7 @@ class PackedDecoderForward:
         # table: the same products, bit for bit, without rotate_half's slice, negation and cat
         half = self.head_dim // 2
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
-        self.linear = OneDNNLinear() if OneDNNLinear.serves(self.embed.weight) else plain_linear
+        self.linear = OneDNNLinear() if OneDNNLinear.serves(self.embed.weight) else TorchLinear()
         # CPU fp32: norms (with the residual add before them), rotary and SwiGLU's product in one
         # native pass each (``_decode_kernel.py``); None: through torch's ops
         weight = self.embed.weight
@@ -127,9 +129,11 @@ class PackedDecoderForward:
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = norm(hidden, mlp_out, layer.input_layernorm)
-            q = linear(x, attn.q_proj).view(total, self.heads, self.head_dim)
-            k = linear(x, attn.k_proj).view(total, self.kv_heads, self.head_dim)
-            v = linear(x, attn.v_proj).view(total, self.kv_heads, self.head_dim)
+            # one product for the three (views into its output, rows strided) where the copies are fused
+            q, k, v = linear.many(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+            q = q.view(total, self.heads, self.head_dim)
+            k = k.view(total, self.kv_heads, self.head_dim)
+            v = v.view(total, self.kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
                 q = rms_norm(q, attn.q_norm, self.head_dim, self.eps)
                 k = rms_norm(k, attn.k_norm, self.head_dim, self.eps)
@@ -141,8 +145,8 @@ class PackedDecoderForward:
                 k = (k * cos).add_(torch.roll(k, half, -1).mul_(sin))
             attended = _ragged.attend(index, q, k, v, layout, self.scaling)  # [T, heads, head_dim]
             x = norm(hidden, linear(attended.view(total, -1), attn.o_proj), layer.post_attention_layernorm)
-            gate, up = linear(x, mlp.gate_proj), linear(x, mlp.up_proj)
-            mlp_out = linear(native.silu_mul_(gate, up) if native is not None else F.silu(gate).mul_(up), mlp.down_proj)
+            gate, up = linear.many(x, (mlp.gate_proj, mlp.up_proj))
+            mlp_out = linear(native.silu_mul(gate, up) if native is not None else F.silu(gate) * up, mlp.down_proj)
         if mlp_out is not None:
             hidden.add_(mlp_out)
         if rows is not None:
@@ -178,8 +182,10 @@ class OneDNNLinear:
     def __init__(self, *, min_weight_elements: int = 1 << 17, rows_hint: int = 64) -> None:
         # rows_hint: the rows oneDNN lays the copy out for; any row count runs on it
         self.min_weight_elements, self.rows_hint = min_weight_elements, rows_hint
-        # per linear module: (the weight copied, its version, its storage, the oneDNN copy)
-        self._copies: dict[torch.nn.Module, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+        # per tuple of linear modules: what was copied (each weight and bias with its version and
+        # storage), the oneDNN copy of their weights one above the other, their biases joined, and
+        # each module's output width
+        self._copies: dict[tuple[torch.nn.Module, ...], _FusedCopy] = {}
 
     @staticmethod
     def serves(weight: torch.Tensor) -> bool:
@@ -195,18 +201,63 @@ class OneDNNLinear:
         self._copies.clear()
 
     def __call__(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-        weight = module.weight
-        if weight.numel() < self.min_weight_elements or x.shape[0] < 2:
-            return F.linear(x, weight, module.bias)
-        held = self._copies.get(module)
-        if held is None or held[0] is not weight or held[1] != weight._version or held[2] != weight.data_ptr():
-            held = (weight, weight._version, weight.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.rows_hint))
-            self._copies[module] = held
-        return torch.ops.mkldnn._linear_pointwise(x, held[3], module.bias, "none", [], "")
+        return self.many(x, (module,))[0]
+
+    def many(self, x: torch.Tensor, modules: tuple[torch.nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+        """Each module's ``F.linear`` of the same input ``x``: through one product on a copy of their
+        weights stacked (the query, key and value projections: one oneDNN call, not three, and the
+        key and value projections' small weights no longer alone), returned as views into its
+        output, whose rows are then strided."""
+        if x.shape[0] < 2 or max(m.weight.numel() for m in modules) < self.min_weight_elements:
+            return tuple(F.linear(x, m.weight, m.bias) for m in modules)
+        copy = self._copies.get(modules)
+        if copy is None or copy.stamp != _stamp(modules):
+            copy = self._copies[modules] = _FusedCopy.of(modules, self.rows_hint)
+        out = torch.ops.mkldnn._linear_pointwise(x, copy.weight, copy.bias, "none", [], "")
+        return out.split(copy.widths, dim=-1) if len(modules) > 1 else (out,)
 
 
-def plain_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-    return F.linear(x, module.weight, module.bias)
+def _parameters(modules: tuple[torch.nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t for m in modules for t in (m.weight, m.bias) if t is not None)
+
+
+def _stamp(modules: tuple[torch.nn.Module, ...]) -> tuple[tuple[int, int, int], ...]:
+    """What identifies the parameters' current values: each tensor (its id: the copy holds the
+    tensors, so no other takes it), its version and its storage."""
+    return tuple((id(t), t._version, t.data_ptr()) for t in _parameters(modules))
+
+
+@dataclass(frozen=True, eq=False)
+class _FusedCopy:
+    held: tuple[torch.Tensor, ...]  # the parameters copied, kept so that their ids stay theirs
+    stamp: tuple[tuple[int, int, int], ...]
+    weight: torch.Tensor  # oneDNN's blocked layout of the weights one above the other
+    bias: torch.Tensor | None
+    widths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, modules: tuple[torch.nn.Module, ...], rows_hint: int) -> _FusedCopy:
+        with torch.no_grad():
+            weights = [m.weight.detach() for m in modules]
+            stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
+            bias = None
+            if any(m.bias is not None for m in modules):
+                bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(modules, weights)])
+            return cls(_parameters(modules), _stamp(modules), torch.ops.mkldnn._reorder_linear_weight(stacked, rows_hint), bias,
+                       tuple(w.shape[0] for w in weights))
+
+
+class TorchLinear:
+    """``F.linear`` itself, with the same interface as ``OneDNNLinear`` (GPU, bf16, sharded weights)."""
+
+    def __call__(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+        return F.linear(x, module.weight, module.bias)
+
+    def many(self, x: torch.Tensor, modules: tuple[torch.nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(F.linear(x, m.weight, m.bias) for m in modules)
+
+
+plain_linear = TorchLinear()
 
 
 def _eps(norm: torch.nn.Module, default: float) -> float:

@@ -256,8 +256,11 @@ def attend(
     out = query.new_empty((total, heads, head_dim))
     n, short = layout.num_decode, layout.short
 
-    # Each request writes its new K/V at its own positions, in place.
-    if n:
+    # Each request writes its new K/V at its own positions, in place. The native kernel writes the
+    # decode rows' own, each just before reading that row, unless this step copies prefixes (a copy
+    # comes after every write).
+    native = n > 0 and layout.decode_lengths is not None
+    if n and not (native and layout.copies is None):
         cache_k[layout.decode_slots, :, layout.decode_positions] = key[:n]
         cache_v[layout.decode_slots, :, layout.decode_positions] = value[:n]
     if short is not None:
@@ -272,9 +275,11 @@ def attend(
         cache_k[dst, :, positions] = cache_k[src, :, positions]
         cache_v[dst, :, positions] = cache_v[src, :, positions]
 
-    if n and layout.decode_lengths is not None:
+    if native:
         # each row over its own length, in one native call (build_layout checked the kernel serves this cache)
-        _decode_kernel.kernel(layout.cache.kernel_shape)(query[:n], cache_k, cache_v, layout.decode_slots, layout.decode_lengths, scaling, out[:n])
+        written = () if layout.copies is not None else (key[:n], value[:n])
+        _decode_kernel.kernel(layout.cache.kernel_shape)(query[:n], cache_k, cache_v, layout.decode_slots, layout.decode_lengths,
+                                                          scaling, out[:n], *written)
     elif n:
         span, kv_len = layout.decode_span, layout.decode_mask.shape[-1]
         q = query[:n]  # [n, heads, head_dim]

@@ -90,7 +90,7 @@ def managed_specs(engine: EngineConfig, model_path: str | Path, *, threads: int 
 def _specs(engine: EngineConfig, model_path: str | Path, *, threads: int, num_servers: int, **where: Any) -> list[ServerSpec]:
     extra = [*_typed_flags(engine), *engine.launch_args]
     if engine.launcher == "agentrl":
-        return serve_specs(model_path, num_servers=num_servers, threads=threads, **where)
+        return serve_specs(model_path, num_servers=num_servers, threads=threads, extra_args=engine.launch_args, **where)
     if engine_device(engine) == "cpu":
         from agentrl.engines.sglang_cpu.env import unavailable_reason, venv_dir
         from agentrl.engines.sglang_cpu.server import sglang_cpu_specs

@@ -102,13 +102,55 @@ def test_the_native_norm_rotary_and_swiglu_product_match_torchs_ops():
     assert torch.allclose(normed, expected, atol=1e-6, rtol=1e-5)
     assert torch.allclose(kernel.add_rms_norm(hidden, None, weight, 1e-6), expected, atol=1e-6, rtol=1e-5)
 
-    gate, up = torch.randn(5, 40) * 4, torch.randn(5, 40)
+    fused = torch.randn(5, 80) * 4  # one product's output: the gate's columns, then the up projection's
+    before = fused.clone()
+    gate, up = fused.split(40, dim=-1)  # views whose rows are 80 floats apart
     expected = torch.nn.functional.silu(gate) * up
-    assert torch.allclose(kernel.silu_mul_(gate, up), expected, atol=1e-6, rtol=1e-5) and torch.allclose(gate, expected, atol=1e-6, rtol=1e-5)
+    product = kernel.silu_mul(gate, up)
+    assert product.is_contiguous() and torch.allclose(product, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(fused, before)  # a new tensor: the product's output is left as it was
+    assert torch.allclose(kernel.silu_mul(gate.contiguous(), up.contiguous()), expected, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(kernel.silu_mul(gate.t(), up.t()), expected.t(), atol=1e-6, rtol=1e-5)  # copied first
 
-    x, cos, sin = torch.randn(5, 3, 8), torch.randn(20, 8), torch.randn(20, 8)
+    rows = torch.randn(5, 40)  # the query heads (3 x 8) beside 16 other columns, as in a fused projection
+    x, rest = rows[:, :24].view(5, 3, 8), rows[:, 24:].clone()
+    cos, sin = torch.randn(20, 8), torch.randn(20, 8)
     positions = torch.tensor([0, 19, 7, 7, 3])
     expected = x * cos[positions][:, None] + rotate_half(x) * sin[positions][:, None]
     assert torch.allclose(kernel.rotary_(x, cos, sin, positions), expected, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(rows[:, :24].view(5, 3, 8), expected, atol=1e-6, rtol=1e-5)  # in place, through the view
+    assert torch.equal(rows[:, 24:], rest)  # the columns between the rows untouched
     with pytest.raises(ValueError, match="contiguous CPU float32"):
-        kernel.silu_mul_(gate.t(), up.t())
+        kernel.silu_mul(gate.bfloat16(), up.bfloat16())
+    with pytest.raises(ValueError, match="heads are contiguous"):
+        kernel.rotary_(torch.randn(5, 8, 3).transpose(1, 2), cos, sin, positions)
+
+
+def test_the_kernel_writes_each_decode_rows_kv_before_reading_it_from_strided_views_of_one_projection(monkeypatch):
+    """attend() hands the step's K/V to the native call (no separate scatter) when no prefix is
+    copied: the cache must hold exactly what torch's scatter writes, and the attention must read
+    it (a row's last key is its own)."""
+    kernel = _decode_kernel.kernel((3, 32))
+    assert (kernel is not None) == HAS_COMPILER
+    if kernel is None:
+        return
+    cache, slots, positions, query, key, value = ragged_step(query_heads=6)
+    # query, key and value as views into one [n, (6 + 2 + 2) * 32] projection output, rows strided
+    fused = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)
+    q_view, k_view, v_view = (part.view(4, -1, 32) for part in fused.split([192, 64, 64], dim=1))
+    assert not q_view.is_contiguous() and not k_view.is_contiguous()
+    layout = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
+    assert layout.copies is None and layout.decode_lengths is not None
+    with torch.inference_mode():
+        native = [_ragged.attend(layer, q_view, k_view, v_view, layout, 0.125) for layer in range(2)]
+
+    # the reference: the same cache through torch's scatter and batched products
+    monkeypatch.setattr(_decode_kernel, "kernel", lambda shape=None: None)
+    reference_cache, *_ = ragged_step(query_heads=6)
+    layout = _ragged.build_layout(reference_cache, slots, positions, (), torch.device("cpu"))
+    with torch.inference_mode():
+        reference = [_ragged.attend(layer, query, key, value, layout, 0.125) for layer in range(2)]
+    for got, want in zip(cache.keys + cache.values, reference_cache.keys + reference_cache.values):
+        assert torch.equal(got, want)
+    for a, b in zip(native, reference):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()

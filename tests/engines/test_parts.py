@@ -250,3 +250,33 @@ def test_onednn_linear_follows_in_place_and_replaced_weights():
     assert torch.equal(linear(one, layer), expected(one))  # a single row keeps torch's GEMM
     assert torch.equal(OneDNNLinear()(x, layer), expected(x))  # and so do small weights
     assert not OneDNNLinear.serves(layer.weight.to(torch.bfloat16))
+
+
+def test_onednn_linear_many_is_one_product_on_the_stacked_copy_and_follows_each_parameter():
+    """The query, key and value projections as one product: each output as ``F.linear`` gives it,
+    as views of one tensor; a changed bias of any one of them is seen (the stacked copy holds
+    the biases joined), and the torch fallback returns the same."""
+    from agentrl.engines._packed import OneDNNLinear, TorchLinear
+
+    torch.manual_seed(0)
+    modules = (torch.nn.Linear(16, 12), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4, bias=False))
+    x = torch.randn(6, 16)
+    linear = OneDNNLinear(min_weight_elements=0)
+
+    def check(outputs):
+        assert [tuple(o.shape) for o in outputs] == [(6, 12), (6, 4), (6, 4)]
+        for out, module in zip(outputs, modules):
+            assert torch.allclose(out, torch.nn.functional.linear(x, module.weight, module.bias), atol=1e-6)
+
+    outputs = linear.many(x, modules)
+    check(outputs)
+    assert outputs[0].untyped_storage().data_ptr() == outputs[2].untyped_storage().data_ptr()  # one product
+    assert outputs[1].stride(0) == 20  # rows of the stacked output
+    with torch.no_grad():
+        modules[1].bias.add_(1.0)  # in place, one bias of three
+    check(linear.many(x, modules))
+    modules[2].weight = torch.nn.Parameter(torch.randn(4, 16))  # replaced
+    check(linear.many(x, modules))
+    assert len(linear._copies) == 1
+    check(TorchLinear().many(x, modules))
+    assert all(o.is_contiguous() for o in OneDNNLinear().many(x, modules))  # small weights: torch's GEMM, one each

@@ -36,8 +36,10 @@ def test_a_server_killed_mid_run_is_restarted_its_requests_go_to_the_other_and_e
     overrides = [
         "engine=sglang", "engine.launcher=agentrl", "engine.num_servers=2", "rollout.max_staleness=1", "rollout.partial=true",
         "actor.rollout_correction.level=token", "sft.enable=false", "data.train_batch_size=4", "rollout.n=2",
-        # long generations of the untrained tiny model: requests are running when a sync comes
-        "rollout.max_new_tokens=160", "data.max_response_length=256", "actor.ppo_mini_batch_size=4",
+        # long generations of the untrained tiny model, one request at a time on each server (a
+        # rollout then takes several times an update, whatever the engine's speed): requests are
+        # running when a sync comes
+        "rollout.max_new_tokens=160", 'engine.launch_args=["--max-batch-size","1"]', "data.max_response_length=256", "actor.ppo_mini_batch_size=4",
         "actor.ppo_micro_batch_size_per_gpu=8", "actor.optim.lr=1e-3", "reward.default=gsm8k_flexible", "reward.format_score=0.5",
         "model.tiny.skills=none", "rollout.temperature=0.7", "trainer.val_before_train=false", "trainer.test_freq=0",
         "trainer.save_freq=0", "trainer.export_hf=false", "logging.progress=false", "logging.loggers=[jsonl]",
