@@ -54,10 +54,13 @@ SOURCE = r"""
 #include <string.h>
 
 #define W 16
-/* Rows of up to this many keys prefetch (score_keys, sum_values): a short row ends before the
-   hardware prefetcher has caught up with its streams; a longer one streams well without it, and
-   was measured slower with it. */
-#define SHORT 64
+/* Rows of up to this many keys prefetch (score_keys, sum_values), into the L2 cache: a short row
+   ends before the hardware prefetcher has caught up with its streams; a longer one streams well
+   without it, and was measured slower with it. Into L2 rather than L1: with the step's weights
+   streamed through the caches between two layers, a row's K/V comes from memory, and prefetches
+   into L1 were held back by the L1's few outstanding misses (measured in docs/benchmarks.md). */
+#define SHORT 256
+#define PREFETCH(address) __builtin_prefetch((address), 0, 1)
 typedef float vf __attribute__((vector_size(W * 4), aligned(4)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -76,7 +79,7 @@ static inline __attribute__((always_inline)) void score_keys(
         int64_t group, int64_t nd, float scale, float *restrict scores, int64_t stride, int ahead) {
     for (int64_t j = 0; j < len; j++) {
         const vf *kj = (const vf *)(K + j * nd * W);
-        if (ahead) for (int64_t c = 0; c < nd; c++) __builtin_prefetch(V + (j * nd + c) * W);
+        if (ahead) for (int64_t c = 0; c < nd; c++) PREFETCH(V + (j * nd + c) * W);
         for (int64_t g = 0; g < group; g++) {
             const vf *qg = (const vf *)(Q + g * nd * W);
             vf a = qg[0] * kj[0];
@@ -92,7 +95,7 @@ static inline __attribute__((always_inline)) void sum_values(
     for (int64_t c = 0; c < group * nd; c++) acc[c] = (vf){0};
     for (int64_t j = 0; j < len; j++) {
         const vf *vj = (const vf *)(V + j * nd * W);
-        if (ahead && j < next_len) for (int64_t c = 0; c < nd; c++) __builtin_prefetch(next_k + (j * nd + c) * W);
+        if (ahead && j < next_len) for (int64_t c = 0; c < nd; c++) PREFETCH(next_k + (j * nd + c) * W);
         for (int64_t g = 0; g < group; g++) {
             const float p = scores[g * stride + j];
             vf *a = acc + g * nd;
