@@ -56,9 +56,10 @@ SOURCE = r"""
 #define W 16
 /* Rows of up to this many keys prefetch (score_keys, sum_values), into the L2 cache: a short row
    ends before the hardware prefetcher has caught up with its streams; a longer one streams well
-   without it, and was measured slower with it. Into L2 rather than L1: with the step's weights
-   streamed through the caches between two layers, a row's K/V comes from memory, and prefetches
-   into L1 were held back by the L1's few outstanding misses (measured in docs/benchmarks.md). */
+   without it, and was measured slower with it. Into L2 rather than L1: the model's weights stream
+   through the caches between one step's read of a row's K/V and the next, so it comes from
+   memory, and prefetches into L1 were held back by the L1's few outstanding misses (measured in
+   docs/benchmarks.md). */
 #define SHORT 256
 #define PREFETCH(address) __builtin_prefetch((address), 0, 1)
 typedef float vf __attribute__((vector_size(W * 4), aligned(4)));
