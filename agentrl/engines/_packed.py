@@ -171,8 +171,9 @@ class OneDNNLinear:
     about 0.8 of the matmul probe. With the copy already in the kernel's own layout
     (``mkldnn._reorder_linear_weight``, as torch's compiler does for frozen CPU weights) they run at
     the probe's rate, from a handful of rows to a thousand (figures in docs/benchmarks.md). Small
-    weights (the 1M model's, the 18M model's key and value projections) keep MKL: a oneDNN call
-    has a larger fixed cost, which their few FLOPs do not repay.
+    weights on their own (the 1M model's) and single rows keep MKL: a oneDNN call has a larger
+    fixed cost, which their few FLOPs do not repay. The 18M model's key and value projections,
+    small too, go in one product with the query projection (``many``).
     The copy is made on first use and again after ``forget`` (the engine calls it on every weight
     update, a shared module's ``weights_changed`` included: torch's fused AdamW changes parameters
     without moving their version counters), or when a parameter visibly changed (another tensor,
