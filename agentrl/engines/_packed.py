@@ -14,8 +14,9 @@ prefill and every decode token; the LM head is skipped for the others).
   precomputed mask mapping: transformers' own forward with ``ragged_attention`` plugged into its
   attention interface.
 
-Parameters are read at every call, except that on CPU in fp32 the fast path multiplies by a
-oneDNN copy of each weight (``OneDNNLinear``): whoever changes the weights calls
+Parameters are read at every call, except that on CPU in fp32 the fast path multiplies by
+oneDNN copies of the weights, in oneDNN's layout, the query, key and value projections' stacked
+and gate and up's stacked (``OneDNNLinear``): whoever changes the weights calls
 ``weights_changed()`` (the engine does on every update).
 """
 
