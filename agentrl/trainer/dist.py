@@ -140,11 +140,17 @@ def reshard(model: torch.nn.Module) -> None:
 # and the driver process, which imports this module, never gathers or loads a state dict.
 
 
-def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the full state dict on rank 0 (CPU tensors); ``{}`` on the other ranks."""
+def gather_model_state(model: torch.nn.Module, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Collective: the full state dict on rank 0; ``{}`` on the other ranks. ``to_cpu``: CPU
+    tensors (checkpoints, exports, an engine in another process); else the tensors stay on the
+    model's device, for an engine beside it there: on a GPU the copy through the host was nearly
+    all of an in-memory weight sync (docs/gpu.md)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
+    if not to_cpu and dist.is_initialized() and dist.get_rank() != 0:
+        return {}  # without the offload every rank is handed the full tensors; rank 0 alone keeps them
+    return state
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

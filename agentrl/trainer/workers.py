@@ -133,15 +133,13 @@ class ActorWorker(Worker):
         # The engine computes in the trainer's compute dtype. An unwrapped policy already in it (one
         # fp32 rank, the CPU default) is shared with the engine: no second copy, and a weight sync
         # copies nothing (``weights_changed``). Otherwise (FSDP2 shards, bf16 compute over fp32
-        # parameters) the engine loads its own copy and syncs by copy.
-        # A LoRA policy is never shared: the engine gets merged weights under the base names.
-        # Asynchronous training (rollout.max_staleness > 0) never shares: the trainer updates its
-        # weights while the engine samples, so the engine holds its own copy (in its own process,
-        # or on its own thread with engine.process=false) and takes each new version through
-        # update_weights (which drains running requests, or interrupts them with rollout.partial).
-        # engine.process (the default in asynchronous training): the engine in a process of its
-        # own, with its own threads and weight copy (engines/process.py); a sync goes through a
-        # shared file mapping (memory) or the exported checkpoint (disk)
+        # parameters, a LoRA policy: merged weights under the base names) the engine loads its own
+        # copy and syncs by copy. Asynchronous training (rollout.max_staleness > 0) never shares:
+        # the trainer updates while the engine samples, so the engine takes each new version
+        # through update_weights (which drains running requests, or interrupts them with
+        # rollout.partial), in a process of its own by default (engine.process: own threads and
+        # weights, engines/process.py; a sync through a shared file mapping or the exported
+        # checkpoint), or on its own thread with engine.process=false.
         asynchronous = setup.max_staleness > 0
         self.shares_model = (
             setup.weight_sync == "memory" and not isinstance(self.model, FSDPModule) and self.lora is None
@@ -194,13 +192,10 @@ class ActorWorker(Worker):
         return self.background.finished(wait_s=wait_s)
 
     def sync_weights(self, version: int) -> None:
-        """Collective: copy the updated policy into the colocated engine (rank 0).
-
-        In memory by default (nothing to copy when the engine shares the module: it is only told
-        that the weights changed); with ``engine.weight_sync=disk`` through a transformers checkpoint
-        that the engine reloads (``update_weights(path=...)``), the path SGLang servers take
-        (``/update_weights_from_disk``).
-        """
+        """Collective: copy the updated policy into the colocated engine (rank 0). In memory by
+        default (nothing to copy when the engine shares the module: it is only told that the
+        weights changed); with ``engine.weight_sync=disk`` through a transformers checkpoint that
+        the engine reloads (``update_weights(path=...)``), as SGLang servers do."""
         if self.rollout_setup is not None and self.rollout_setup.weight_sync == "disk":
             directory = self.rollout_setup.weights_dir
             assert directory is not None, "engine.weight_sync=disk: the rollout setup has no weights_dir"
@@ -212,7 +207,10 @@ class ActorWorker(Worker):
         if self.engine is not None and self.shares_model:
             asyncio.run(_bounded_sync(self, self.engine.weights_changed(version=version), version, "the weights-changed notice"))
             return
-        state = self.policy_state()
+        from agentrl.engines.builtin import BuiltinEngine
+        # an engine in this process on a GPU copies device to device (to its dtype; the fp32 master
+        # weights stay as they are); an engine in a process of its own reads CPU tensors
+        state = self.policy_state(on_device=self.device.type != "cpu" and isinstance(self.engine, BuiltinEngine))
         if self.engine is not None:
             asyncio.run(_bounded_sync(self, self.engine.update_weights(state_dict=state, version=version), version,
                                       "an in-memory copy"))
@@ -367,10 +365,11 @@ class ActorWorker(Worker):
             expected = None if self.lora is not None else list(drop_tied_duplicates(self.model, dict.fromkeys(self.model.state_dict())))
             write_hf_checkpoint(state, directory, source=self.model_path, expected=expected)
 
-    def policy_state(self) -> dict[str, torch.Tensor]:
+    def policy_state(self, *, on_device: bool = False) -> dict[str, torch.Tensor]:
         """Collective: the policy's weights under the base model's names, LoRA adapters merged, tied
-        duplicates dropped (on rank 0; ``{}`` elsewhere): what engines and HF exports load."""
-        state = gather_model_state(self.model)
+        duplicates dropped (on rank 0; ``{}`` elsewhere): what engines and HF exports load; on the
+        model's device with ``on_device``, else on the CPU."""
+        state = gather_model_state(self.model, to_cpu=not on_device)
         if self.lora is not None:
             state = merged_state(state, self.lora)
         return drop_tied_duplicates(self.model, state)
