@@ -101,9 +101,9 @@ def test_an_asynchronous_run_with_a_stale_copy_stops_by_the_probe_after_the_sync
     policy_state = workers.ActorWorker.policy_state
     frozen: dict = {}
 
-    def stale(self):  # every sync after the first sends the first one's weights again
+    def stale(self, **kwargs):  # every sync after the first sends the first one's weights again
         if not frozen:
-            frozen.update({k: v.clone() for k, v in policy_state(self).items()})
+            frozen.update({k: v.clone() for k, v in policy_state(self, **kwargs).items()})
         return frozen
 
     monkeypatch.setattr(workers.ActorWorker, "policy_state", stale)
