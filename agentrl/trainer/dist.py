@@ -144,7 +144,8 @@ def gather_model_state(model: torch.nn.Module, *, to_cpu: bool = True) -> dict[s
     """Collective: the full state dict on rank 0; ``{}`` on the other ranks. ``to_cpu``: CPU
     tensors (checkpoints, exports, an engine in another process); else the tensors stay on the
     model's device, for an engine beside it there: on a GPU the copy through the host was nearly
-    all of an in-memory weight sync (docs/gpu.md)."""
+    all of an in-memory weight sync (docs/gpu.md). Its cost: every rank holds the full fp32
+    tensors on its device until the gather returns (the offload keeps one tensor at a time)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
