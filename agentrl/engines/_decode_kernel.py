@@ -318,7 +318,7 @@ class DecodeKernel:
         """The rotary embedding of ``x`` ([rows, heads, head_dim]; its rows may be strided, each row's
         heads contiguous) in place, row i at ``positions[i]`` of the ``cos``/``sin`` tables ([positions, head_dim])."""
         _check(cos, sin)
-        if _rows(x) is not x:
+        if not _heads_contiguous(x):
             raise ValueError("decode kernel: rotary needs float32 rows whose heads are contiguous")
         positions = positions.to(torch.int64).contiguous()  # the same tensor when it already is
         rows, heads, head_dim = x.shape
@@ -330,12 +330,15 @@ class DecodeKernel:
         return torch.get_num_threads() if self.openmp else 1
 
 
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """Whether ``x`` ([rows, heads, head_dim]) is CPU float32 with each row's heads contiguous
+    (its rows may be strided)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ([rows, heads, head_dim], CPU float32) itself where each row's heads lie contiguous
-    (its rows may be strided), else a contiguous copy."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        return x
-    return x.contiguous()
+    """``x`` itself where each row's heads lie contiguous (``_heads_contiguous``), else a contiguous copy."""
+    return x if _heads_contiguous(x) else x.contiguous()
 
 
 def _check(*tensors: torch.Tensor, rows_only: bool = False) -> None:

@@ -249,18 +249,19 @@ def attend(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, copy in-step prefixes, and attend; returns
     [T, heads, head_dim]. Every write comes before the copies and the copies before any
-    attention: a copied prefix may include K/V computed in this very step."""
+    attention: a copied prefix may include K/V computed in this very step. (The native kernel
+    writes the decode rows' K/V inside the attention: an in-step copy reads and writes only slots
+    admitted in this step, never a decoding row's.)"""
     cache_k, cache_v = layout.cache.keys[layer], layout.cache.values[layer]
     total, heads, head_dim = query.shape
     kv_heads = cache_k.shape[1]
     out = query.new_empty((total, heads, head_dim))
     n, short = layout.num_decode, layout.short
 
-    # Each request writes its new K/V at its own positions, in place. The native kernel writes the
-    # decode rows' own, each just before reading that row, unless this step copies prefixes (a copy
-    # comes after every write).
+    # Each request writes its new K/V at its own positions, in place; the native kernel writes the
+    # decode rows' own, each just before reading that row (one fetch of the line, not two).
     native = n > 0 and layout.decode_lengths is not None
-    if n and not (native and layout.copies is None):
+    if n and not native:
         cache_k[layout.decode_slots, :, layout.decode_positions] = key[:n]
         cache_v[layout.decode_slots, :, layout.decode_positions] = value[:n]
     if short is not None:
@@ -277,9 +278,8 @@ def attend(
 
     if native:
         # each row over its own length, in one native call (build_layout checked the kernel serves this cache)
-        written = () if layout.copies is not None else (key[:n], value[:n])
         _decode_kernel.kernel(layout.cache.kernel_shape)(query[:n], cache_k, cache_v, layout.decode_slots, layout.decode_lengths,
-                                                          scaling, out[:n], *written)
+                                                          scaling, out[:n], key[:n], value[:n])
     elif n:
         span, kv_len = layout.decode_span, layout.decode_mask.shape[-1]
         q = query[:n]  # [n, heads, head_dim]

@@ -127,9 +127,9 @@ def test_the_native_norm_rotary_and_swiglu_product_match_torchs_ops():
 
 
 def test_the_kernel_writes_each_decode_rows_kv_before_reading_it_from_strided_views_of_one_projection(monkeypatch):
-    """attend() hands the step's K/V to the native call (no separate scatter) when no prefix is
-    copied: the cache must hold exactly what torch's scatter writes, and the attention must read
-    it (a row's last key is its own)."""
+    """attend() hands the decode rows' K/V to the native call (no separate scatter): the cache
+    must hold exactly what torch's scatter writes, and the attention must read it (a row's last
+    key is its own)."""
     kernel = _decode_kernel.kernel((3, 32))
     assert (kernel is not None) == HAS_COMPILER
     if kernel is None:
@@ -140,7 +140,7 @@ def test_the_kernel_writes_each_decode_rows_kv_before_reading_it_from_strided_vi
     q_view, k_view, v_view = (part.view(4, -1, 32) for part in fused.split([192, 64, 64], dim=1))
     assert not q_view.is_contiguous() and not k_view.is_contiguous()
     layout = _ragged.build_layout(cache, slots, positions, (), torch.device("cpu"))
-    assert layout.copies is None and layout.decode_lengths is not None
+    assert layout.decode_lengths is not None
     with torch.inference_mode():
         native = [_ragged.attend(layer, q_view, k_view, v_view, layout, 0.125) for layer in range(2)]
 
