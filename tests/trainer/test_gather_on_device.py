@@ -36,6 +36,10 @@ RANK = textwrap.dedent("""
         print("rank 0 full", len(on_device))
     else:
         print("rank 1 holds", len(on_device), len(on_cpu))
+    # leave the group before exiting: a rank whose gloo threads are still running at exit aborts
+    # ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """)
 
 
